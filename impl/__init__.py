@@ -1,0 +1,1 @@
+"""splitgrad.impl — the optimized split-backward implementation (same API as the reference)."""

@@ -1,0 +1,1 @@
+"""splitgrad.properties — the conformance harness as a library."""

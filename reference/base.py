@@ -1,0 +1,251 @@
+"""What every reference module shares: gradient routing (SPEC §3), the wgrad queue (§4) and
+input validation (§5).
+
+Contract, as code states it below:
+
+Gradient routing (§3)
+  * Plain (``fuse_wgrad_accumulation=False``): like autograd, ``param.grad`` is set when it is
+    ``None`` and accumulated with ``+=`` otherwise. Biases and norm parameters always use ``.grad``.
+  * Fused: every GEMM weight that needs a gradient must carry ``main_grad`` (same shape and
+    device; float32, or float64 when the parameters are float64) before backward. Its gradient is
+    accumulated in fp32 into ``main_grad``; ``weight.grad`` stays ``None``. If the forward of that
+    micro-batch got ``is_first_microbatch=True`` the contribution overwrites ``main_grad``. If the
+    weight has an attribute ``grad_added_to_main_grad`` it is set to ``True`` afterwards.
+    ``is_first_microbatch`` changes nothing in plain mode.
+
+Split backward (§4, ``delay_wgrad_compute=True``)
+  * ``backward()`` writes input and norm-parameter gradients only. The GEMM-parameter work of one
+    backward of one module becomes one queue entry (a closure over the saved operands), appended
+    to this module's own FIFO queue. A module applied twice queues two entries.
+  * ``backward_dw()`` runs the oldest entry, writes its gradients by the rules above, calls the
+    registered hooks once each in registration order with no arguments, and drops the entry.
+  * Without delay the same closure runs inside ``backward()``, followed by the same hooks: both
+    modes execute the same instructions, so their gradients are bitwise identical.
+  * ``backward_dw()`` with an empty queue raises ``RuntimeError``; on a module built without
+    delay it does nothing.
+  * If computing the entry's gradients raises, nothing is written and the entry stays at the head
+    of the queue. If a hook raises, the gradients are written, the entry is consumed, and the
+    exception propagates (the remaining hooks do not run).
+  * Deferred parameters carry ``skip_backward_post_hook = True``; frozen parameters are skipped
+    and a backward in which no GEMM parameter needs a gradient queues nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+
+from . import functional as F
+from .fp8 import fp8_enabled_for_forward
+
+__all__ = ["GradWrite", "WgradEntry", "SplitBackwardModule"]
+
+
+@dataclasses.dataclass
+class GradWrite:
+    """One gradient to write: ``value`` goes to ``param.main_grad`` if ``to_main_grad``, else to
+    ``param.grad``."""
+
+    param: torch.nn.Parameter
+    value: torch.Tensor
+    to_main_grad: bool
+
+
+@dataclasses.dataclass
+class WgradEntry:
+    """One queued unit of weight-gradient work (one module, one backward).
+
+    ``wgrad_closure()`` computes and returns the :class:`GradWrite` list without writing anything;
+    ``overwrite_main_grad`` is the ``is_first_microbatch`` flag of that micro-batch's forward
+    under fused accumulation.
+    """
+
+    wgrad_closure: Callable[[], list[GradWrite]]
+    overwrite_main_grad: bool
+
+
+def _check_positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+class SplitBackwardModule(torch.nn.Module):
+    """Base of the four reference modules: options, queue, hooks, gradient routing, validation."""
+
+    def __init__(
+        self,
+        *,
+        bias: bool,
+        params_dtype: torch.dtype,
+        device: torch.device | str,
+        fuse_wgrad_accumulation: bool,
+        delay_wgrad_compute: bool,
+        ub_bulk_wgrad: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(params_dtype, torch.dtype) or not params_dtype.is_floating_point:
+            raise ValueError(f"params_dtype must be a floating-point torch.dtype, got {params_dtype!r}")
+        # Not an assert: the check must hold under `python -O`.
+        if ub_bulk_wgrad and delay_wgrad_compute:
+            raise ValueError(
+                "ub_bulk_wgrad is not supported when enabling delay_wgrad_compute "
+                f"(got ub_bulk_wgrad={ub_bulk_wgrad!r}, delay_wgrad_compute={delay_wgrad_compute!r})"
+            )
+        self.use_bias = bool(bias)
+        self._device = torch.device(device)
+        self.params_dtype = params_dtype
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
+        self.delay_wgrad_compute = bool(delay_wgrad_compute)
+        # Userbuffers bulk overlap is a multi-GPU communication optimisation; in one process it
+        # changes no value, so the reference accepts it and otherwise ignores it.
+        self.ub_bulk_wgrad = bool(ub_bulk_wgrad)
+        self._wgrad_queue: collections.deque[WgradEntry] = collections.deque()
+        self._wgrad_hooks: list[Callable[[], None]] = []
+
+    # ---- parameters ---------------------------------------------------------------------
+
+    def gemm_weight_names(self) -> list[str]:
+        """Names of the GEMM weights (the parameters that use ``main_grad`` when fused)."""
+        raise NotImplementedError
+
+    def gemm_bias_names(self) -> list[str]:
+        """Names of the GEMM biases (empty when built with ``bias=False``)."""
+        raise NotImplementedError
+
+    def _init_gemm_parameter_flags(self) -> None:
+        if self.delay_wgrad_compute:
+            for name in self.gemm_weight_names() + self.gemm_bias_names():
+                getattr(self, name).skip_backward_post_hook = True
+
+    def _name_of(self, param: torch.nn.Parameter) -> str:
+        for name, p in self.named_parameters():
+            if p is param:
+                return name
+        return "<parameter>"
+
+    # ---- validation (§5) ----------------------------------------------------------------
+
+    def _check_input(self, inp: object, in_features: int) -> torch.Tensor:
+        """Validate ``inp`` and flatten it to (rows, in_features)."""
+        if not isinstance(inp, torch.Tensor):
+            raise TypeError(f"inp must be a torch.Tensor, got {type(inp).__name__}")
+        if inp.dim() < 1 or inp.shape[-1] != in_features:
+            raise ValueError(
+                f"inp's last dimension must be in_features={in_features}, got shape {tuple(inp.shape)}"
+            )
+        if inp.dtype != self.params_dtype:
+            raise TypeError(f"inp must have dtype {self.params_dtype} (params_dtype), got {inp.dtype}")
+        device = next(self.parameters()).device
+        if inp.device != device:
+            raise ValueError(f"inp must be on the module's device {device}, got {inp.device}")
+        fp8_enabled_for_forward()
+        return inp.reshape(-1, in_features)
+
+    def _check_main_grads(self, weights: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
+        """Fused accumulation needs a usable ``main_grad`` on each weight; raise before writing."""
+        for name, w in weights:
+            mg = getattr(w, "main_grad", None)
+            allowed = (torch.float32, torch.float64) if w.dtype == torch.float64 else (torch.float32,)
+            if not isinstance(mg, torch.Tensor):
+                raise RuntimeError(
+                    f"fuse_wgrad_accumulation=True but {name} has no main_grad tensor "
+                    f"(got {type(mg).__name__}); attach an fp32 tensor of shape {tuple(w.shape)}"
+                )
+            if mg.shape != w.shape:
+                raise RuntimeError(
+                    f"{name}.main_grad has shape {tuple(mg.shape)}, expected {tuple(w.shape)}"
+                )
+            if mg.dtype not in allowed:
+                raise RuntimeError(f"{name}.main_grad has dtype {mg.dtype}, expected torch.float32")
+            if mg.device != w.device:
+                raise RuntimeError(f"{name}.main_grad is on {mg.device}, expected {w.device}")
+
+    # ---- the queue (§4) -----------------------------------------------------------------
+
+    @property
+    def pending_wgrad_count(self) -> int:
+        """How many weight-gradient entries wait for :meth:`backward_dw`."""
+        return len(self._wgrad_queue)
+
+    def need_backward_dw(self) -> bool:
+        """``True`` iff this module defers weight gradients (``delay_wgrad_compute=True``)."""
+        return self.delay_wgrad_compute
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, fn: Callable[[], None]) -> None:
+        """Register ``fn()``, called after each entry's gradients are written (in order)."""
+        if not callable(fn):
+            raise TypeError(f"hook must be callable, got {fn!r}")
+        self._wgrad_hooks.append(fn)
+
+    def backward_dw(self) -> None:
+        """Run the oldest queued weight-gradient entry (FIFO). See the module docstring."""
+        if not self.delay_wgrad_compute:
+            return
+        if not self._wgrad_queue:
+            raise RuntimeError(
+                f"{type(self).__name__}.backward_dw(): nothing is pending (pending_wgrad_count=0); "
+                "call it once per backward() of this module"
+            )
+        entry = self._wgrad_queue[0]
+        writes = self._compute(entry)  # raises -> entry stays at the head, nothing written
+        self._wgrad_queue.popleft()
+        del entry
+        self._write(writes)
+        del writes
+        self._run_hooks()
+
+    def _submit_wgrad(self, entry: WgradEntry) -> None:
+        """Called from the autograd backward: queue the entry, or run it now."""
+        if self.delay_wgrad_compute:
+            self._wgrad_queue.append(entry)
+            return
+        writes = self._compute(entry)
+        self._write(writes)
+        self._run_hooks()
+
+    @staticmethod
+    def _compute(entry: WgradEntry) -> list[tuple[GradWrite, bool]]:
+        with torch.no_grad():
+            return [(w, entry.overwrite_main_grad) for w in entry.wgrad_closure()]
+
+    @staticmethod
+    def _write(writes: list[tuple[GradWrite, bool]]) -> None:
+        with torch.no_grad():
+            for w, overwrite in writes:
+                p = w.param
+                if w.to_main_grad:
+                    if overwrite:
+                        p.main_grad.copy_(w.value)
+                    else:
+                        p.main_grad.add_(w.value)
+                    if hasattr(p, "grad_added_to_main_grad"):
+                        p.grad_added_to_main_grad = True
+                elif p.grad is None:
+                    p.grad = w.value
+                else:
+                    p.grad += w.value
+
+    def _run_hooks(self) -> None:
+        for hook in list(self._wgrad_hooks):
+            hook()
+
+    # ---- helpers for subclasses -----------------------------------------------------------
+
+    def _weight_write(self, param: torch.nn.Parameter, dy: torch.Tensor, x: torch.Tensor) -> GradWrite:
+        """The gradient of one GEMM weight: ``dy^T x`` in the parameter dtype (plain), or with
+        both operands upcast to ``main_grad``'s dtype (fused)."""
+        if self.fuse_wgrad_accumulation:
+            return GradWrite(param, F.linear_wgrad_fp32(dy, x, param.main_grad.dtype), True)
+        return GradWrite(param, F.linear_wgrad(dy, x), False)
+
+    def _bias_write(self, param: torch.nn.Parameter, dy: torch.Tensor) -> GradWrite:
+        """The gradient of one GEMM bias, always to ``.grad``."""
+        return GradWrite(param, F.bias_grad(dy), False)
+
+    def _begin_wgrad(self, named_weights: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
+        """First step of every wgrad closure (and of every backward): validate ``main_grad``."""
+        if self.fuse_wgrad_accumulation:
+            self._check_main_grads(named_weights)

@@ -1,0 +1,127 @@
+"""Reference ``GroupedLinear``: ``num_gemms`` Linears over consecutive blocks of rows."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+
+from . import functional as F
+from .base import SplitBackwardModule, WgradEntry, _check_positive
+
+__all__ = ["GroupedLinear"]
+
+
+class _GroupedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, m_splits, module, is_first_microbatch, *params):
+        n = module.num_gemms
+        weights, biases = list(params[:n]), list(params[n:]) or [None] * n
+        ctx.module, ctx.m_splits = module, m_splits
+        ctx.overwrite = bool(is_first_microbatch) and module.fuse_wgrad_accumulation
+        ctx.save_for_backward(x, *weights)
+        return F.grouped_linear_fwd(x, weights, biases, m_splits)
+
+    @staticmethod
+    def backward(ctx, dy):
+        module: GroupedLinear = ctx.module
+        n, m_splits = module.num_gemms, ctx.m_splits
+        x, *weights = (t.detach() for t in ctx.saved_tensors)
+        need = ctx.needs_input_grad[4:]
+        need_w, need_b = need[:n], need[n:]
+        named_weights = [(f"weight{i}", getattr(module, f"weight{i}")) for i in range(n) if need_w[i]]
+        module._begin_wgrad(named_weights)
+        dx = F.grouped_linear_dgrad(dy, weights, m_splits) if ctx.needs_input_grad[0] else None
+        if any(need_w) or any(need_b):
+
+            def wgrad_closure():
+                module._begin_wgrad(named_weights)
+                writes = []
+                for i, (dy_i, x_i) in enumerate(zip(dy.split(m_splits), x.split(m_splits))):
+                    if need_w[i]:
+                        writes.append(module._weight_write(getattr(module, f"weight{i}"), dy_i, x_i))
+                    if need_b and need_b[i]:
+                        writes.append(module._bias_write(getattr(module, f"bias{i}"), dy_i))
+                return writes
+
+            module._submit_wgrad(WgradEntry(wgrad_closure, ctx.overwrite))
+        return (dx, None, None, None, *([None] * len(need)))
+
+
+class GroupedLinear(SplitBackwardModule):
+    """``num_gemms`` independent Linears applied to consecutive row blocks of one input.
+
+    Parameters ``weight0`` ... ``weight{n-1}`` (out_features, in_features) and, with ``bias``,
+    ``bias0`` ... ``bias{n-1}`` (out_features). Forward: ``module(inp, m_splits,
+    is_first_microbatch=None)``: ``m_splits`` holds ``num_gemms`` non-negative ints summing to
+    the number of rows of ``inp`` (zeros allowed); group i gets rows
+    ``sum(m_splits[:i]) : sum(m_splits[:i+1])``. Every group is exactly a reference ``Linear``
+    on ``torch.split(x, m_splits)[i]``; an empty group gets zero gradients. One deferrable
+    entry per backward covers all groups (written group by group, weight then bias).
+    """
+
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
+    ) -> None:
+        _check_positive("num_gemms", num_gemms)
+        _check_positive("in_features", in_features)
+        _check_positive("out_features", out_features)
+        super().__init__(
+            bias=bias,
+            params_dtype=params_dtype,
+            device=device,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            delay_wgrad_compute=delay_wgrad_compute,
+        )
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        kw = {"dtype": params_dtype, "device": device}
+        for i in range(num_gemms):
+            w = torch.nn.Parameter(torch.empty(out_features, in_features, **kw))
+            torch.nn.init.normal_(w, std=0.02)
+            self.register_parameter(f"weight{i}", w)
+        for i in range(num_gemms):
+            b = torch.nn.Parameter(torch.zeros(out_features, **kw)) if self.use_bias else None
+            self.register_parameter(f"bias{i}", b)
+        self._init_gemm_parameter_flags()
+
+    def gemm_weight_names(self) -> list[str]:
+        return [f"weight{i}" for i in range(self.num_gemms)]
+
+    def gemm_bias_names(self) -> list[str]:
+        return [f"bias{i}" for i in range(self.num_gemms)] if self.use_bias else []
+
+    def _check_m_splits(self, m_splits: object, rows: int) -> list[int]:
+        if not isinstance(m_splits, Sequence) or isinstance(m_splits, (str, bytes)):
+            raise ValueError(f"m_splits must be a list of {self.num_gemms} ints, got {m_splits!r}")
+        try:
+            splits = [operator.index(s) for s in m_splits]
+        except TypeError:
+            raise ValueError(f"m_splits entries must be ints, got {list(m_splits)!r}") from None
+        if len(splits) != self.num_gemms:
+            raise ValueError(
+                f"m_splits must have num_gemms={self.num_gemms} entries, got {len(splits)}: {splits}"
+            )
+        if any(isinstance(s, bool) for s in m_splits) or min(splits) < 0:
+            raise ValueError(f"m_splits entries must be non-negative ints, got {splits}")
+        if sum(splits) != rows:
+            raise ValueError(f"m_splits {splits} sum to {sum(splits)}, but inp has {rows} rows")
+        return splits
+
+    def forward(
+        self, inp: torch.Tensor, m_splits: Sequence[int], is_first_microbatch: bool | None = None
+    ) -> torch.Tensor:
+        x = self._check_input(inp, self.in_features)
+        splits = self._check_m_splits(m_splits, x.shape[0])
+        params = [getattr(self, n) for n in self.gemm_weight_names() + self.gemm_bias_names()]
+        y = _GroupedLinearFunction.apply(x, splits, self, is_first_microbatch, *params)
+        return y.reshape(*inp.shape[:-1], self.out_features)

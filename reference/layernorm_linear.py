@@ -1,0 +1,123 @@
+"""Reference ``LayerNormLinear``: a LayerNorm or RMSNorm, then a ``Linear``."""
+
+from __future__ import annotations
+
+import torch
+
+from . import functional as F
+from .base import SplitBackwardModule, WgradEntry, _check_positive
+from .norm import check_normalization, create_norm_parameters, norm_bwd, norm_fwd
+
+__all__ = ["LayerNormLinear"]
+
+
+class _LayerNormLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ln_weight, ln_bias, weight, bias, module, is_first_microbatch):
+        ctx.module = module
+        ctx.overwrite = bool(is_first_microbatch) and module.fuse_wgrad_accumulation
+        ln_out, stats = norm_fwd(module, x)
+        ctx.save_for_backward(x, ln_weight, ln_out, weight, *stats)
+        return F.linear_fwd(ln_out, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        module: LayerNormLinear = ctx.module
+        x, ln_weight, ln_out, weight, *stats = (t.detach() for t in ctx.saved_tensors)
+        need_x, need_lnw, need_lnb, need_w, need_b, _, _ = ctx.needs_input_grad
+        named_weights = [("weight", module.weight)] if need_w else []
+        module._begin_wgrad(named_weights)
+        dx = d_lnw = d_lnb = None
+        if need_x or need_lnw or need_lnb:
+            d_ln_out = F.linear_dgrad(dy, weight)
+            dx, d_lnw, d_lnb = norm_bwd(module, d_ln_out, x, ln_weight, stats)
+        if need_w or need_b:
+
+            def wgrad_closure():
+                module._begin_wgrad(named_weights)
+                writes = [module._weight_write(module.weight, dy, ln_out)] if need_w else []
+                if need_b:
+                    writes.append(module._bias_write(module.bias, dy))
+                return writes
+
+            module._submit_wgrad(WgradEntry(wgrad_closure, ctx.overwrite))
+        return (
+            dx if need_x else None,
+            d_lnw if need_lnw else None,
+            d_lnb if need_lnb else None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+class LayerNormLinear(SplitBackwardModule):
+    """``y = norm(x) @ weight^T + bias``.
+
+    Parameters: ``layer_norm_weight`` (in_features), ``layer_norm_bias`` (in_features, LayerNorm
+    only), ``weight`` (out_features, in_features), ``bias`` (out_features) if ``bias``.
+    ``normalization`` is ``"LayerNorm"`` or ``"RMSNorm"`` (see :mod:`.norm`), ``eps`` is added to
+    the variance / mean square, ``zero_centered_gamma`` stores ``gamma - 1``.
+    Backward writes dx and the norm-parameter gradients; ``dW = dy^T norm(x)`` and
+    ``db = sum(dy)`` are the deferrable part (see :mod:`.base`).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        eps: float = 1e-5,
+        normalization: str = "LayerNorm",
+        zero_centered_gamma: bool = False,
+        bias: bool = True,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
+        ub_bulk_wgrad: bool = False,
+    ) -> None:
+        _check_positive("in_features", in_features)
+        _check_positive("out_features", out_features)
+        check_normalization(normalization)
+        super().__init__(
+            bias=bias,
+            params_dtype=params_dtype,
+            device=device,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            delay_wgrad_compute=delay_wgrad_compute,
+            ub_bulk_wgrad=ub_bulk_wgrad,
+        )
+        self.in_features, self.out_features = in_features, out_features
+        self.eps, self.normalization = float(eps), normalization
+        self.zero_centered_gamma = bool(zero_centered_gamma)
+        create_norm_parameters(self, in_features)
+        self.weight = torch.nn.Parameter(
+            torch.empty(out_features, in_features, dtype=params_dtype, device=device)
+        )
+        torch.nn.init.normal_(self.weight, std=0.02)
+        if self.use_bias:
+            self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=params_dtype, device=device))
+        else:
+            self.register_parameter("bias", None)
+        self._init_gemm_parameter_flags()
+
+    def gemm_weight_names(self) -> list[str]:
+        return ["weight"]
+
+    def gemm_bias_names(self) -> list[str]:
+        return ["bias"] if self.use_bias else []
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        x = self._check_input(inp, self.in_features)
+        y = _LayerNormLinearFunction.apply(
+            x,
+            self.layer_norm_weight,
+            self.layer_norm_bias,
+            self.weight,
+            self.bias,
+            self,
+            is_first_microbatch,
+        )
+        return y.reshape(*inp.shape[:-1], self.out_features)

@@ -1,0 +1,153 @@
+"""Reference ``LayerNormMLP``: norm, fc1, activation, fc2 — one queue entry covers fc2 and fc1."""
+
+from __future__ import annotations
+
+import torch
+
+from . import functional as F
+from .base import SplitBackwardModule, WgradEntry, _check_positive
+from .norm import check_normalization, create_norm_parameters, norm_bwd, norm_fwd
+
+__all__ = ["LayerNormMLP"]
+
+
+class _LayerNormMLPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, module, first):
+        ctx.module = module
+        ctx.overwrite = bool(first) and module.fuse_wgrad_accumulation
+        ln_out, stats = norm_fwd(module, x)
+        fc1_out = F.linear_fwd(ln_out, fc1_weight, fc1_bias)
+        act_out = F.activation_fwd(fc1_out, module.activation)
+        ctx.save_for_backward(x, ln_weight, ln_out, fc1_weight, fc1_out, act_out, fc2_weight, *stats)
+        return F.linear_fwd(act_out, fc2_weight, fc2_bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        module: LayerNormMLP = ctx.module
+        saved = [t.detach() for t in ctx.saved_tensors]
+        x, ln_weight, ln_out, fc1_weight, fc1_out, act_out, fc2_weight, *stats = saved
+        need_x, need_lnw, need_lnb, need_w1, need_b1, need_w2, need_b2, _, _ = ctx.needs_input_grad
+        named_weights = [("fc2_weight", module.fc2_weight)] if need_w2 else []
+        if need_w1:
+            named_weights.append(("fc1_weight", module.fc1_weight))
+        module._begin_wgrad(named_weights)
+
+        need_norm_grads = need_x or need_lnw or need_lnb
+        dx = d_lnw = d_lnb = d_fc1_out = None
+        if need_norm_grads or need_w1 or need_b1:
+            d_act = F.linear_dgrad(dy, fc2_weight)
+            d_fc1_out = F.activation_bwd(d_act, fc1_out, module.activation)
+        if need_norm_grads:
+            d_ln_out = F.linear_dgrad(d_fc1_out, fc1_weight)
+            dx, d_lnw, d_lnb = norm_bwd(module, d_ln_out, x, ln_weight, stats)
+
+        if named_weights or need_b1 or need_b2:
+
+            def wgrad_closure():
+                module._begin_wgrad(named_weights)
+                writes = []
+                if need_w2:
+                    writes.append(module._weight_write(module.fc2_weight, dy, act_out))
+                if need_b2:
+                    writes.append(module._bias_write(module.fc2_bias, dy))
+                if need_w1:
+                    writes.append(module._weight_write(module.fc1_weight, d_fc1_out, ln_out))
+                if need_b1:
+                    writes.append(module._bias_write(module.fc1_bias, d_fc1_out))
+                return writes
+
+            module._submit_wgrad(WgradEntry(wgrad_closure, ctx.overwrite))
+        return (
+            dx if need_x else None,
+            d_lnw if need_lnw else None,
+            d_lnb if need_lnb else None,
+            *([None] * 6),
+        )
+
+
+class LayerNormMLP(SplitBackwardModule):
+    """``y = fc2(act(fc1(norm(x))))``.
+
+    Parameters: ``layer_norm_weight`` (hidden), ``layer_norm_bias`` (hidden, LayerNorm only),
+    ``fc1_weight`` (ffn, hidden) — (2*ffn, hidden) for the gated ``"swiglu"``/``"geglu"``, whose
+    fc1 output is split into halves ``[a, b]`` and becomes ``act(a) * b`` — ``fc1_bias``,
+    ``fc2_weight`` (hidden, ffn), ``fc2_bias`` (hidden). ``activation``: ``"gelu"`` (tanh
+    approximation), ``"relu"``, ``"swiglu"``, ``"geglu"``.
+
+    Backward: ``d_act = dy @ W2``, ``d_fc1 = act'(...)``, ``d_ln = d_fc1 @ W1``, then the norm
+    backward. One deferrable entry per backward covers ``dW2 = dy^T act_out``, ``db2 = sum(dy)``,
+    ``dW1 = d_fc1^T ln_out``, ``db1 = sum(d_fc1)``, written in that order; a frozen fc weight is
+    skipped while the other one still gets its gradient.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        *,
+        eps: float = 1e-5,
+        normalization: str = "LayerNorm",
+        zero_centered_gamma: bool = False,
+        activation: str = "gelu",
+        bias: bool = True,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
+        ub_bulk_wgrad: bool = False,
+    ) -> None:
+        _check_positive("hidden_size", hidden_size)
+        _check_positive("ffn_hidden_size", ffn_hidden_size)
+        check_normalization(normalization)
+        if activation not in F.ACTIVATIONS:
+            raise ValueError(f"activation must be one of {F.ACTIVATIONS}, got {activation!r}")
+        super().__init__(
+            bias=bias,
+            params_dtype=params_dtype,
+            device=device,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            delay_wgrad_compute=delay_wgrad_compute,
+            ub_bulk_wgrad=ub_bulk_wgrad,
+        )
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.eps, self.normalization = float(eps), normalization
+        self.zero_centered_gamma = bool(zero_centered_gamma)
+        self.activation = activation
+        fc1_out = 2 * ffn_hidden_size if activation in F.GATED_ACTIVATIONS else ffn_hidden_size
+        kw = {"dtype": params_dtype, "device": device}
+        create_norm_parameters(self, hidden_size)
+        self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_out, hidden_size, **kw))
+        if self.use_bias:
+            self.fc1_bias = torch.nn.Parameter(torch.zeros(fc1_out, **kw))
+        else:
+            self.register_parameter("fc1_bias", None)
+        self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **kw))
+        if self.use_bias:
+            self.fc2_bias = torch.nn.Parameter(torch.zeros(hidden_size, **kw))
+        else:
+            self.register_parameter("fc2_bias", None)
+        torch.nn.init.normal_(self.fc1_weight, std=0.02)
+        torch.nn.init.normal_(self.fc2_weight, std=0.02)
+        self._init_gemm_parameter_flags()
+
+    def gemm_weight_names(self) -> list[str]:
+        return ["fc1_weight", "fc2_weight"]
+
+    def gemm_bias_names(self) -> list[str]:
+        return ["fc1_bias", "fc2_bias"] if self.use_bias else []
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        x = self._check_input(inp, self.hidden_size)
+        y = _LayerNormMLPFunction.apply(
+            x,
+            self.layer_norm_weight,
+            self.layer_norm_bias,
+            self.fc1_weight,
+            self.fc1_bias,
+            self.fc2_weight,
+            self.fc2_bias,
+            self,
+            is_first_microbatch,
+        )
+        return y.reshape(*inp.shape[:-1], self.hidden_size)

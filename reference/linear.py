@@ -1,0 +1,95 @@
+"""Reference ``Linear``: ``y = x @ W^T + b`` with a hand-written, splittable backward."""
+
+from __future__ import annotations
+
+import torch
+
+from . import functional as F
+from .base import SplitBackwardModule, WgradEntry, _check_positive
+
+__all__ = ["Linear"]
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, module, is_first_microbatch):
+        ctx.module = module
+        ctx.overwrite = bool(is_first_microbatch) and module.fuse_wgrad_accumulation
+        ctx.save_for_backward(x, weight)
+        return F.linear_fwd(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        module: Linear = ctx.module
+        x, weight = (t.detach() for t in ctx.saved_tensors)
+        _, need_w, need_b, _, _ = ctx.needs_input_grad
+        named_weights = [("weight", module.weight)] if need_w else []
+        module._begin_wgrad(named_weights)
+        dx = F.linear_dgrad(dy, weight) if ctx.needs_input_grad[0] else None
+        if need_w or need_b:
+
+            def wgrad_closure():
+                module._begin_wgrad(named_weights)
+                writes = [module._weight_write(module.weight, dy, x)] if need_w else []
+                if need_b:
+                    writes.append(module._bias_write(module.bias, dy))
+                return writes
+
+            module._submit_wgrad(WgradEntry(wgrad_closure, ctx.overwrite))
+        return dx, None, None, None, None
+
+
+class Linear(SplitBackwardModule):
+    """``y = x @ weight^T + bias`` over the last dimension of ``inp``.
+
+    Parameters: ``weight`` (out_features, in_features), ``bias`` (out_features) if ``bias``.
+    Forward: ``module(inp, is_first_microbatch=None)``; ``inp`` is ``(..., in_features)`` in
+    ``params_dtype`` on the module's device, flattened to rows; the output is
+    ``(..., out_features)``. Backward: ``dx = dy @ W`` now; ``dW = dy^T x`` and ``db = sum(dy)``
+    now or, with ``delay_wgrad_compute=True``, at ``backward_dw()`` (see :mod:`.base`).
+    ``ub_bulk_wgrad=True`` with delay raises ``ValueError``; without delay it changes nothing.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
+        ub_bulk_wgrad: bool = False,
+    ) -> None:
+        _check_positive("in_features", in_features)
+        _check_positive("out_features", out_features)
+        super().__init__(
+            bias=bias,
+            params_dtype=params_dtype,
+            device=device,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            delay_wgrad_compute=delay_wgrad_compute,
+            ub_bulk_wgrad=ub_bulk_wgrad,
+        )
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = torch.nn.Parameter(
+            torch.empty(out_features, in_features, dtype=params_dtype, device=device)
+        )
+        torch.nn.init.normal_(self.weight, std=0.02)
+        if self.use_bias:
+            self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=params_dtype, device=device))
+        else:
+            self.register_parameter("bias", None)
+        self._init_gemm_parameter_flags()
+
+    def gemm_weight_names(self) -> list[str]:
+        return ["weight"]
+
+    def gemm_bias_names(self) -> list[str]:
+        return ["bias"] if self.use_bias else []
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        x = self._check_input(inp, self.in_features)
+        y = _LinearFunction.apply(x, self.weight, self.bias, self, is_first_microbatch)
+        return y.reshape(*inp.shape[:-1], self.out_features)

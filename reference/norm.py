@@ -1,0 +1,52 @@
+"""The normalization in front of ``LayerNormLinear`` and ``LayerNormMLP``.
+
+``normalization="LayerNorm"`` has ``layer_norm_weight`` and ``layer_norm_bias``;
+``"RMSNorm"`` has ``layer_norm_weight`` only. With ``zero_centered_gamma=True`` the stored weight
+is ``gamma - 1`` (initialised to zeros), otherwise gamma itself (initialised to ones).
+The norm parameters always get their gradients through ``.grad`` during ``backward()``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import functional as F
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+def check_normalization(normalization: object) -> None:
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+
+
+def create_norm_parameters(module: torch.nn.Module, features: int) -> None:
+    """Register ``layer_norm_weight`` (and ``layer_norm_bias`` for LayerNorm) on ``module``."""
+    kw = {"dtype": module.params_dtype, "device": module._device}
+    init = torch.zeros if module.zero_centered_gamma else torch.ones
+    module.layer_norm_weight = torch.nn.Parameter(init(features, **kw))
+    if module.normalization == "LayerNorm":
+        module.layer_norm_bias = torch.nn.Parameter(torch.zeros(features, **kw))
+    else:
+        module.register_parameter("layer_norm_bias", None)
+
+
+def norm_fwd(module, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Returns ``(ln_out, stats)``; stats are what :func:`norm_bwd` needs besides x."""
+    if module.normalization == "LayerNorm":
+        y, mean, rstd = F.layer_norm_fwd(
+            x, module.layer_norm_weight, module.layer_norm_bias, module.eps, module.zero_centered_gamma
+        )
+        return y, (mean, rstd)
+    y, rstd = F.rms_norm_fwd(x, module.layer_norm_weight, module.eps, module.zero_centered_gamma)
+    return y, (rstd,)
+
+
+def norm_bwd(module, d_ln_out, x, weight, stats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Returns ``(dx, d_layer_norm_weight, d_layer_norm_bias or None)``."""
+    if module.normalization == "LayerNorm":
+        mean, rstd = stats
+        return F.layer_norm_bwd(d_ln_out, x, weight, mean, rstd, module.zero_centered_gamma)
+    (rstd,) = stats
+    dx, dgamma = F.rms_norm_bwd(d_ln_out, x, weight, rstd, module.zero_centered_gamma)
+    return dx, dgamma, None
