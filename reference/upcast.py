@@ -15,8 +15,10 @@ def module_config(module: torch.nn.Module) -> tuple[tuple, dict]:
     sig = inspect.signature(type(module).__init__)
     args, kwargs = [], {}
     for name, p in list(sig.parameters.items())[1:]:
-        attr = {"bias": "use_bias", "device": "_device"}.get(name, name)
-        value = getattr(module, attr)
+        if name == "device":
+            value = next(module.parameters()).device
+        else:
+            value = getattr(module, "use_bias" if name == "bias" else name)
         if p.kind is inspect.Parameter.KEYWORD_ONLY:
             kwargs[name] = value
         else:
@@ -35,7 +37,6 @@ def upcast(module: torch.nn.Module, dtype: torch.dtype = torch.float64) -> torch
     ]
     args, kwargs = module_config(module)
     kwargs["params_dtype"] = dtype
-    kwargs["device"] = next(module.parameters()).device
     twin = cls(*args, **kwargs)
     with torch.no_grad():
         own = dict(module.named_parameters())

@@ -1,0 +1,34 @@
+"""The ``splitgrad`` command: ``splitgrad verify`` (the property campaign) and
+``splitgrad bench`` (speed and memory ratios)."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: splitgrad {verify,bench} [options]
+
+  verify   check an implementation against the reference and SPEC.md (splitgrad verify --help)
+  bench    print speed and memory ratios of splitgrad.impl (splitgrad bench --help)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "verify":
+        from .verify import main as verify_main
+
+        return verify_main(rest)
+    if command == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(rest)
+    print(f"splitgrad: unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
