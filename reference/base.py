@@ -87,12 +87,15 @@ class SplitBackwardModule(torch.nn.Module):
     ) -> None:
         super().__init__()
         if not isinstance(params_dtype, torch.dtype) or not params_dtype.is_floating_point:
-            raise ValueError(f"params_dtype must be a floating-point torch.dtype, got {params_dtype!r}")
+            raise ValueError(
+                f"params_dtype must be a floating-point torch.dtype, got {params_dtype!r}"
+            )
         # Not an assert: the check must hold under `python -O`.
         if ub_bulk_wgrad and delay_wgrad_compute:
             raise ValueError(
                 "ub_bulk_wgrad is not supported when enabling delay_wgrad_compute "
-                f"(got ub_bulk_wgrad={ub_bulk_wgrad!r}, delay_wgrad_compute={delay_wgrad_compute!r})"
+                f"(got ub_bulk_wgrad={ub_bulk_wgrad!r}, "
+                f"delay_wgrad_compute={delay_wgrad_compute!r})"
             )
         self.use_bias = bool(bias)
         self._device = torch.device(device)
@@ -134,10 +137,13 @@ class SplitBackwardModule(torch.nn.Module):
             raise TypeError(f"inp must be a torch.Tensor, got {type(inp).__name__}")
         if inp.dim() < 1 or inp.shape[-1] != in_features:
             raise ValueError(
-                f"inp's last dimension must be in_features={in_features}, got shape {tuple(inp.shape)}"
+                f"inp's last dimension must be in_features={in_features}, "
+                f"got shape {tuple(inp.shape)}"
             )
         if inp.dtype != self.params_dtype:
-            raise TypeError(f"inp must have dtype {self.params_dtype} (params_dtype), got {inp.dtype}")
+            raise TypeError(
+                f"inp must have dtype {self.params_dtype} (params_dtype), got {inp.dtype}"
+            )
         device = next(self.parameters()).device
         if inp.device != device:
             raise ValueError(f"inp must be on the module's device {device}, got {inp.device}")
@@ -148,7 +154,9 @@ class SplitBackwardModule(torch.nn.Module):
         """Fused accumulation needs a usable ``main_grad`` on each weight; raise before writing."""
         for name, w in weights:
             mg = getattr(w, "main_grad", None)
-            allowed = (torch.float32, torch.float64) if w.dtype == torch.float64 else (torch.float32,)
+            allowed = (
+                (torch.float32, torch.float64) if w.dtype == torch.float64 else (torch.float32,)
+            )
             if not isinstance(mg, torch.Tensor):
                 raise RuntimeError(
                     f"fuse_wgrad_accumulation=True but {name} has no main_grad tensor "
@@ -234,7 +242,9 @@ class SplitBackwardModule(torch.nn.Module):
 
     # ---- helpers for subclasses -----------------------------------------------------------
 
-    def _weight_write(self, param: torch.nn.Parameter, dy: torch.Tensor, x: torch.Tensor) -> GradWrite:
+    def _weight_write(
+        self, param: torch.nn.Parameter, dy: torch.Tensor, x: torch.Tensor
+    ) -> GradWrite:
         """The gradient of one GEMM weight: ``dy^T x`` in the parameter dtype (plain), or with
         both operands upcast to ``main_grad``'s dtype (fused)."""
         if self.fuse_wgrad_accumulation:

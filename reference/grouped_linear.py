@@ -30,7 +30,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
         x, *weights = (t.detach() for t in ctx.saved_tensors)
         need = ctx.needs_input_grad[4:]
         need_w, need_b = need[:n], need[n:]
-        named_weights = [(f"weight{i}", getattr(module, f"weight{i}")) for i in range(n) if need_w[i]]
+        named_weights = [
+            (f"weight{i}", getattr(module, f"weight{i}")) for i in range(n) if need_w[i]
+        ]
         module._begin_wgrad(named_weights)
         dx = F.grouped_linear_dgrad(dy, weights, m_splits) if ctx.needs_input_grad[0] else None
         if any(need_w) or any(need_b):
@@ -40,7 +42,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 writes = []
                 for i, (dy_i, x_i) in enumerate(zip(dy.split(m_splits), x.split(m_splits))):
                     if need_w[i]:
-                        writes.append(module._weight_write(getattr(module, f"weight{i}"), dy_i, x_i))
+                        writes.append(
+                            module._weight_write(getattr(module, f"weight{i}"), dy_i, x_i)
+                        )
                     if need_b and need_b[i]:
                         writes.append(module._bias_write(getattr(module, f"bias{i}"), dy_i))
                 return writes
@@ -109,7 +113,8 @@ class GroupedLinear(SplitBackwardModule):
             raise ValueError(f"m_splits entries must be ints, got {list(m_splits)!r}") from None
         if len(splits) != self.num_gemms:
             raise ValueError(
-                f"m_splits must have num_gemms={self.num_gemms} entries, got {len(splits)}: {splits}"
+                f"m_splits must have num_gemms={self.num_gemms} entries, "
+                f"got {len(splits)}: {splits}"
             )
         if any(isinstance(s, bool) for s in m_splits) or min(splits) < 0:
             raise ValueError(f"m_splits entries must be non-negative ints, got {splits}")

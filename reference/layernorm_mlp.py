@@ -13,13 +13,17 @@ __all__ = ["LayerNormMLP"]
 
 class _LayerNormMLPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, module, first):
+    def forward(
+        ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, module, first
+    ):
         ctx.module = module
         ctx.overwrite = bool(first) and module.fuse_wgrad_accumulation
         ln_out, stats = norm_fwd(module, x)
         fc1_out = F.linear_fwd(ln_out, fc1_weight, fc1_bias)
         act_out = F.activation_fwd(fc1_out, module.activation)
-        ctx.save_for_backward(x, ln_weight, ln_out, fc1_weight, fc1_out, act_out, fc2_weight, *stats)
+        ctx.save_for_backward(
+            x, ln_weight, ln_out, fc1_weight, fc1_out, act_out, fc2_weight, *stats
+        )
         return F.linear_fwd(act_out, fc2_weight, fc2_bias)
 
     @staticmethod

@@ -78,7 +78,9 @@ class Linear(SplitBackwardModule):
         )
         torch.nn.init.normal_(self.weight, std=0.02)
         if self.use_bias:
-            self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=params_dtype, device=device))
+            self.bias = torch.nn.Parameter(
+                torch.zeros(out_features, dtype=params_dtype, device=device)
+            )
         else:
             self.register_parameter("bias", None)
         self._init_gemm_parameter_flags()

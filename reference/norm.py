@@ -35,14 +35,20 @@ def norm_fwd(module, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor,
     """Returns ``(ln_out, stats)``; stats are what :func:`norm_bwd` needs besides x."""
     if module.normalization == "LayerNorm":
         y, mean, rstd = F.layer_norm_fwd(
-            x, module.layer_norm_weight, module.layer_norm_bias, module.eps, module.zero_centered_gamma
+            x,
+            module.layer_norm_weight,
+            module.layer_norm_bias,
+            module.eps,
+            module.zero_centered_gamma,
         )
         return y, (mean, rstd)
     y, rstd = F.rms_norm_fwd(x, module.layer_norm_weight, module.eps, module.zero_centered_gamma)
     return y, (rstd,)
 
 
-def norm_bwd(module, d_ln_out, x, weight, stats) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def norm_bwd(
+    module, d_ln_out, x, weight, stats
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Returns ``(dx, d_layer_norm_weight, d_layer_norm_bias or None)``."""
     if module.normalization == "LayerNorm":
         mean, rstd = stats

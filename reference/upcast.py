@@ -47,7 +47,9 @@ def upcast(module: torch.nn.Module, dtype: torch.dtype = torch.float64) -> torch
             if src.grad is not None:
                 p.grad = src.grad.to(dtype)
             if isinstance(getattr(src, "main_grad", None), torch.Tensor):
-                p.main_grad = src.main_grad.to(torch.float64 if dtype == torch.float64 else torch.float32)
+                p.main_grad = src.main_grad.to(
+                    torch.float64 if dtype == torch.float64 else torch.float32
+                )
             if hasattr(src, "grad_added_to_main_grad"):
                 p.grad_added_to_main_grad = src.grad_added_to_main_grad
     return twin

@@ -6,7 +6,6 @@ import importlib
 
 import pytest
 import torch
-
 from splitgrad.properties.profiles import load_profile
 
 load_profile()

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh CPU-only Linux machine: install, then pytest under the `ci`
+# hypothesis profile. This is the README's test command and what .ci/run calls.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+# A CPU build of torch, explicitly: a bare `torch` requirement would pull a multi-GB CUDA build.
+# With torch already installed at this version, this is a no-op.
+"$PYTHON" -m pip install --quiet "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
+"$PYTHON" -m pip install --quiet -e ".[test]"
+
+export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
+start=$(date +%s)
+"$PYTHON" -m pytest -n auto -p no:cacheprovider "$@"
+echo "test suite took $(( $(date +%s) - start )) s (HYPOTHESIS_PROFILE=$HYPOTHESIS_PROFILE)"
