@@ -1,0 +1,167 @@
+"""The small device dispatch: CUDA fast paths next to the portable path that always works.
+
+Every function here has one portable implementation (plain ``torch.mm``/``addmm`` calls that run
+on CPU and everywhere) and, where a device offers something better, a fast path chosen at run
+time. Fast paths are probed once per (device, dtype) with a tiny GEMM and silently fall back to
+the portable path when the running torch/GPU does not support them.
+
+Choices (measured on CPU, torch 2.13, see ``splitgrad bench``):
+
+* Forward ``y = x W^T + b`` is one ``addmm`` (bias added inside the GEMM epilogue, rounded once).
+* Plain wgrad accumulation ``grad += dy^T x`` is ``grad.addmm_(dy.t(), x)``: no weight-sized
+  temporary and one rounding instead of two.
+* Fused wgrad (fp32 ``main_grad``): with fp32 operands ``main_grad.addmm_(dy.t(), x)``. With
+  bf16/fp16 operands on CUDA the GEMM reads the low-precision operands and accumulates straight
+  into ``main_grad`` in fp32 (``torch.addmm(..., out_dtype=torch.float32, out=main_grad)``).
+  CPU has no GEMM with a wider output than its inputs, so the portable path upcasts the two
+  *activation-sized* operands to fp32 and runs an fp32 ``addmm_`` into ``main_grad``. A bf16 GEMM
+  followed by ``main_grad.add_(dW.float())`` is faster on CPU but rounds dW to bf16 before it
+  reaches the fp32 accumulator, which is what fused accumulation exists to avoid; rejected.
+* ``is_first_microbatch`` overwrite uses ``beta=0`` / ``mm(out=main_grad)``, so stale values
+  (even NaN) in ``main_grad`` never leak in.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = [
+    "linear_forward",
+    "wgrad",
+    "wgrad_accumulate_",
+    "wgrad_into_main_grad_",
+    "cuda_out_dtype_supported",
+    "grouped_mm_supported",
+    "grouped_mm_forward",
+    "grouped_mm_dgrad",
+]
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def linear_forward(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ weight^T + bias`` as a single GEMM. x: (N, K), weight: (M, K) -> (N, M)."""
+    if bias is None:
+        return torch.mm(x, weight.t())
+    return torch.addmm(bias, x, weight.t())
+
+
+def wgrad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A fresh ``dy^T @ x`` in the operands' dtype. dy: (N, M), x: (N, K) -> (M, K)."""
+    return torch.mm(dy.t(), x)
+
+
+def wgrad_accumulate_(grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
+    """``grad += dy^T @ x`` in place, without a weight-sized temporary."""
+    grad.addmm_(dy.t(), x)
+
+
+@functools.cache
+def cuda_out_dtype_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(..., out_dtype=torch.float32, out=c)`` with ``dtype`` operands runs
+    on ``device`` and accumulates into ``c`` (probed once with a 16x16 GEMM)."""
+    if device.type != "cuda" or dtype not in _LOW_PRECISION:
+        return False
+    try:
+        a = torch.ones(16, 16, dtype=dtype, device=device)
+        c = torch.full((16, 16), 0.5, dtype=torch.float32, device=device)
+        torch.addmm(c, a.t(), a, out_dtype=torch.float32, out=c)
+        return bool(torch.all(c == 16.5).item())
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def wgrad_into_main_grad_(
+    main_grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, overwrite: bool
+) -> None:
+    """``main_grad (+)= dy^T @ x`` accumulated in ``main_grad``'s dtype (fp32, or fp64).
+
+    ``overwrite`` (the ``is_first_microbatch`` of that micro-batch) replaces the old contents.
+    """
+    acc = main_grad.dtype
+    if dy.dtype == acc:
+        if overwrite:
+            torch.mm(dy.t(), x, out=main_grad)
+        else:
+            main_grad.addmm_(dy.t(), x)
+        return
+    if dy.dtype in _LOW_PRECISION and cuda_out_dtype_supported(main_grad.device, dy.dtype):
+        # CUDA: bf16/fp16 operands, fp32 accumulation straight into main_grad.
+        torch.addmm(
+            main_grad, dy.t(), x, out_dtype=acc, beta=0 if overwrite else 1, out=main_grad
+        )
+        return
+    wide = torch.promote_types(dy.dtype, acc)
+    if wide != acc:
+        # float64 operands with an fp32 main_grad: GEMM in fp64, rounded once into main_grad.
+        dw = torch.mm(dy.t(), x)
+        if overwrite:
+            main_grad.copy_(dw)
+        else:
+            main_grad.add_(dw)
+        return
+    # Portable path: upcast the activation-sized operands, fp32 GEMM into main_grad.
+    a, b = dy.t().to(acc), x.to(acc)
+    if overwrite:
+        torch.mm(a, b, out=main_grad)
+    else:
+        main_grad.addmm_(a, b)
+
+
+# ---- grouped GEMM ---------------------------------------------------------------------------
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, k: int, m: int) -> bool:
+    """Whether ``torch._grouped_mm`` serves this GroupedLinear's forward and dgrad by default.
+
+    CUDA: sm90+ with bf16 operands and 16-byte aligned rows (k and m multiples of 8).
+    CPU: ``_grouped_mm`` runs in torch 2.13 but measured no faster than a loop of GEMMs (see
+    ``splitgrad bench``), so the loop is the default there; the grouped path can still be forced
+    per module (``GroupedLinear.grouped_gemm = "grouped"``) and is tested on CPU that way.
+    """
+    if not hasattr(torch, "_grouped_mm") or device.type != "cuda":
+        return False
+    if dtype != torch.bfloat16 or k % 8 or m % 8:
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _offsets(m_splits: list[int], device: torch.device) -> torch.Tensor:
+    """Cumulative group ends as int32, the ``offs`` argument of ``torch._grouped_mm``."""
+    ends, total = [], 0
+    for m in m_splits:
+        total += m
+        ends.append(total)
+    return torch.tensor(ends, dtype=torch.int32, device=device)
+
+
+def grouped_mm_forward(
+    x: torch.Tensor,
+    stacked_weights: torch.Tensor,
+    biases: list[torch.Tensor] | None,
+    m_splits: list[int],
+) -> torch.Tensor:
+    """``y_g = x_g W_g^T + b_g`` for all groups in one grouped GEMM.
+
+    x: (N, K); stacked_weights: (G, M, K) -> (N, M). Biases are added per group afterwards
+    (``_grouped_mm`` has no bias epilogue), in place on the output rows.
+    """
+    offs = _offsets(m_splits, x.device)
+    y = torch._grouped_mm(x, stacked_weights.transpose(1, 2), offs=offs)
+    if biases is not None:
+        for y_g, b in zip(y.split(m_splits), biases):
+            if y_g.shape[0]:
+                y_g.add_(b)
+    return y
+
+
+def grouped_mm_dgrad(
+    dy: torch.Tensor, stacked_weights: torch.Tensor, m_splits: list[int]
+) -> torch.Tensor:
+    """``dx_g = dy_g W_g`` for all groups in one grouped GEMM. dy: (N, M) -> (N, K)."""
+    offs = _offsets(m_splits, dy.device)
+    return torch._grouped_mm(dy, stacked_weights, offs=offs)

@@ -1,0 +1,185 @@
+"""impl ``GroupedLinear``: ``num_gemms`` Linears over consecutive row blocks of one input.
+
+GEMM paths (chosen per forward by :attr:`GroupedLinear.grouped_gemm`):
+
+* ``"grouped"``: forward and dgrad are one ``torch._grouped_mm`` each over the stacked weights.
+  The weights are allocated as consecutive slices of one (G, M, K) storage, so the stack is a
+  free view; if that layout is lost (``.to()``, ``.data =``) the weights are stacked per call.
+* ``"loop"``: one ``addmm``/``mm`` per non-empty group, written into its row block of a
+  preallocated output (no ``cat``); each group runs exactly the GEMM a ``Linear`` runs.
+* ``"auto"`` (default): ``"grouped"`` where :func:`.gemm.grouped_mm_supported` says so (sm90+
+  CUDA, bf16, aligned sizes), ``"loop"`` elsewhere: on CPU ``_grouped_mm`` runs but was measured
+  no faster than the loop (``splitgrad bench``).
+
+The wgrad is always a loop of per-group GEMMs straight into each ``.grad`` / ``main_grad``:
+``_grouped_mm`` can only return a (G, M, K) tensor in the operand dtype, i.e. a weight-sized
+temporary and, under fused accumulation, a bf16 rounding before the fp32 accumulator. Empty
+groups are handled by the same calls (a GEMM over zero rows yields zeros).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import gemm
+from .base import SplitBackwardModule, check_positive
+from .store import WgradEntry
+
+__all__ = ["GroupedLinear"]
+
+_PATHS = ("auto", "grouped", "loop")
+
+
+def _stacked(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The weights as one (G, M, K) tensor: a view when they sit back to back in one storage."""
+    w0 = weights[0]
+    m, k = w0.shape
+    step = m * k * w0.element_size()
+    base = w0.untyped_storage().data_ptr()
+    if all(
+        w.is_contiguous()
+        and w.untyped_storage().data_ptr() == base
+        and w.data_ptr() == w0.data_ptr() + i * step
+        for i, w in enumerate(weights)
+    ):
+        return w0.detach().as_strided((len(weights), m, k), (m * k, k, 1))
+    return torch.stack([w.detach() for w in weights])
+
+
+class _GroupedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, m_splits, module, overwrite, use_grouped, *params):
+        n = module.num_gemms
+        weights, biases = list(params[:n]), (list(params[n:]) or None)
+        ctx.module, ctx.m_splits, ctx.overwrite, ctx.use_grouped = (
+            module,
+            m_splits,
+            overwrite,
+            use_grouped,
+        )
+        ctx.save_for_backward(x, *weights)
+        if use_grouped:
+            return gemm.grouped_mm_forward(x, _stacked(weights), biases, m_splits)
+        y = x.new_empty(x.shape[0], module.out_features)
+        for i, (x_g, y_g) in enumerate(zip(x.split(m_splits), y.split(m_splits))):
+            if x_g.shape[0]:
+                if biases is None:
+                    torch.mm(x_g, weights[i].t(), out=y_g)
+                else:
+                    torch.addmm(biases[i], x_g, weights[i].t(), out=y_g)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        module: GroupedLinear = ctx.module
+        n, m_splits = module.num_gemms, ctx.m_splits
+        x, *weights = ctx.saved_tensors
+        need = ctx.needs_input_grad[5:]
+        need_w, need_b = need[:n], (need[n:] or (False,) * n)
+        weight_params = [getattr(module, f"weight{i}") for i in range(n)]
+        named_weights = [(f"weight{i}", weight_params[i]) for i in range(n) if need_w[i]]
+        module._check_main_grads(named_weights)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            if ctx.use_grouped:
+                dx = gemm.grouped_mm_dgrad(dy, _stacked(weights), m_splits)
+            else:
+                dx = dy.new_empty(dy.shape[0], module.in_features)
+                for i, (dy_g, dx_g) in enumerate(zip(dy.split(m_splits), dx.split(m_splits))):
+                    if dy_g.shape[0]:
+                        torch.mm(dy_g, weights[i], out=dx_g)
+        if any(need_w) or any(need_b):
+            bias_params = [getattr(module, f"bias{i}") for i in range(n)]
+            overwrite = ctx.overwrite
+
+            def wgrad_closure(dy, x=None):
+                module._check_main_grads(named_weights)
+                xs = x.split(m_splits) if x is not None else (None,) * n
+                for i, (dy_g, x_g) in enumerate(zip(dy.split(m_splits), xs)):
+                    if need_w[i]:
+                        module._write_weight_grad(weight_params[i], dy_g, x_g, overwrite)
+                    if need_b[i]:
+                        module._write_bias_grad(bias_params[i], dy_g)
+
+            saved = (dy, x.detach()) if any(need_w) else (dy,)
+            params = tuple(p for p, f in zip(weight_params, need_w) if f) + tuple(
+                p for p, f in zip(bias_params, need_b) if f
+            )
+            module._submit_wgrad(WgradEntry(wgrad_closure, saved, params))
+        return (dx, None, None, None, None, *([None] * len(need)))
+
+
+class GroupedLinear(SplitBackwardModule):
+    """``num_gemms`` independent Linears applied to consecutive row blocks of one input.
+
+    Same constructor, parameters and behaviour as ``splitgrad.reference.GroupedLinear``:
+    ``weight0`` ... ``weight{n-1}`` (out_features, in_features) and, with ``bias``, ``bias0``
+    ... ``bias{n-1}``. Forward: ``module(inp, m_splits, is_first_microbatch=None)``. One
+    deferrable entry per backward covers all groups. See the module docstring for the GEMM paths.
+    """
+
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
+    ) -> None:
+        check_positive("num_gemms", num_gemms)
+        check_positive("in_features", in_features)
+        check_positive("out_features", out_features)
+        super().__init__(
+            bias=bias,
+            params_dtype=params_dtype,
+            device=device,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            delay_wgrad_compute=delay_wgrad_compute,
+        )
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        #: ``"auto"``, ``"grouped"`` or ``"loop"``: which GEMM path forward and dgrad take.
+        self.grouped_gemm = "auto"
+        kw = {"dtype": params_dtype, "device": device}
+        # One storage for all weights, so the grouped path can view them as (G, M, K).
+        storage = torch.empty(num_gemms, out_features, in_features, **kw)
+        for i in range(num_gemms):
+            w = torch.nn.Parameter(storage[i])
+            torch.nn.init.normal_(w, std=0.02)
+            self.register_parameter(f"weight{i}", w)
+        for i in range(num_gemms):
+            b = torch.nn.Parameter(torch.zeros(out_features, **kw)) if self.use_bias else None
+            self.register_parameter(f"bias{i}", b)
+        self._init_gemm_parameter_flags()
+
+    def gemm_weight_names(self) -> list[str]:
+        return [f"weight{i}" for i in range(self.num_gemms)]
+
+    def gemm_bias_names(self) -> list[str]:
+        return [f"bias{i}" for i in range(self.num_gemms)] if self.use_bias else []
+
+    def _use_grouped(self, x: torch.Tensor) -> bool:
+        if self.grouped_gemm not in _PATHS:
+            raise ValueError(f"grouped_gemm must be one of {_PATHS}, got {self.grouped_gemm!r}")
+        if self.grouped_gemm == "auto":
+            return gemm.grouped_mm_supported(
+                x.device, x.dtype, self.in_features, self.out_features
+            )
+        return self.grouped_gemm == "grouped"
+
+    def forward(
+        self, inp: torch.Tensor, m_splits: Sequence[int], is_first_microbatch: bool | None = None
+    ) -> torch.Tensor:
+        x = self._check_input(inp, self.in_features)
+        splits = self._check_m_splits(m_splits, self.num_gemms, x.shape[0])
+        overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
+        params = [getattr(self, n) for n in self.gemm_weight_names() + self.gemm_bias_names()]
+        y = _GroupedLinearFunction.apply(
+            x, splits, self, overwrite, self._use_grouped(x), *params
+        )
+        return y.reshape(*inp.shape[:-1], self.out_features)

@@ -1,0 +1,76 @@
+"""The per-module FIFO of deferred weight-gradient work (SPEC §4).
+
+One :class:`WgradEntry` is one backward of one module: a closure that computes *and writes* the
+GEMM-parameter gradients, plus the tensors it reads. The closure captures no tensor itself; it
+receives ``entry.saved`` as arguments, so dropping ``saved`` is all it takes to free the
+operands, and tests can see exactly what an entry keeps alive.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterator
+
+import torch
+
+__all__ = ["WgradEntry", "WeightGradStore"]
+
+
+class WgradEntry:
+    """One unit of weight-gradient work.
+
+    ``closure(*saved)`` validates ``main_grad`` first (raising before anything is written), then
+    runs the wgrad GEMMs and writes their results by SPEC §3. ``params`` are the parameters it
+    writes (used for CUDA stream bookkeeping).
+    """
+
+    __slots__ = ("closure", "saved", "params")
+
+    def __init__(
+        self,
+        closure: Callable[..., None],
+        saved: tuple[torch.Tensor, ...],
+        params: tuple[torch.nn.Parameter, ...],
+    ) -> None:
+        self.closure = closure
+        self.saved = saved
+        self.params = params
+
+    def run(self) -> None:
+        """Compute and write this entry's gradients (under ``torch.no_grad``)."""
+        with torch.no_grad():
+            self.closure(*self.saved)
+
+    def release(self) -> None:
+        """Drop every tensor the entry holds; its storage is freed unless referenced elsewhere."""
+        self.saved = ()
+        self.closure = _released
+
+
+def _released(*_: torch.Tensor) -> None:
+    raise RuntimeError("this weight-gradient entry has already run and was released")
+
+
+class WeightGradStore:
+    """FIFO of :class:`WgradEntry`, one per module (no global state: SPEC §8)."""
+
+    def __init__(self) -> None:
+        self._entries: collections.deque[WgradEntry] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[WgradEntry]:
+        return iter(self._entries)
+
+    def push(self, entry: WgradEntry) -> None:
+        """Queue ``entry`` behind every pending one."""
+        self._entries.append(entry)
+
+    def head(self) -> WgradEntry:
+        """The oldest entry, left in place (so a failing wgrad keeps it queued)."""
+        return self._entries[0]
+
+    def pop_and_release(self) -> None:
+        """Remove the oldest entry and drop its tensors."""
+        self._entries.popleft().release()
