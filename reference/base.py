@@ -39,7 +39,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from . import functional as F
-from .fp8 import fp8_enabled_for_forward
+from .fp8 import Recipe, fp8_active_recipe
+from .fp8_gemm import FP8Gemm
 
 __all__ = ["GradWrite", "WgradEntry", "SplitBackwardModule"]
 
@@ -65,6 +66,11 @@ class WgradEntry:
 
     wgrad_closure: Callable[[], list[GradWrite]]
     overwrite_main_grad: bool
+
+
+def detached(tensors) -> list[torch.Tensor | None]:
+    """Saved tensors without their autograd history (``None`` stays ``None``)."""
+    return [None if t is None else t.detach() for t in tensors]
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -105,6 +111,8 @@ class SplitBackwardModule(torch.nn.Module):
         # Userbuffers bulk overlap is a multi-GPU communication optimisation; in one process it
         # changes no value, so the reference accepts it and otherwise ignores it.
         self.ub_bulk_wgrad = bool(ub_bulk_wgrad)
+        # FP8 delayed-scaling state (amax histories and scales) of this module, by tensor role.
+        self.fp8_states: dict = {}
         self._wgrad_queue: collections.deque[WgradEntry] = collections.deque()
         self._wgrad_hooks: list[Callable[[], None]] = []
 
@@ -131,8 +139,13 @@ class SplitBackwardModule(torch.nn.Module):
 
     # ---- validation (§5) ----------------------------------------------------------------
 
-    def _check_input(self, inp: object, in_features: int) -> torch.Tensor:
-        """Validate ``inp`` and flatten it to (rows, in_features)."""
+    @property
+    def fp8_device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def _check_input(self, inp: object, in_features: int) -> tuple[torch.Tensor, Recipe | None]:
+        """Validate ``inp``, flatten it to (rows, in_features); also return the active FP8
+        recipe (``None`` outside ``fp8_autocast``)."""
         if not isinstance(inp, torch.Tensor):
             raise TypeError(f"inp must be a torch.Tensor, got {type(inp).__name__}")
         if inp.dim() < 1 or inp.shape[-1] != in_features:
@@ -147,8 +160,7 @@ class SplitBackwardModule(torch.nn.Module):
         device = next(self.parameters()).device
         if inp.device != device:
             raise ValueError(f"inp must be on the module's device {device}, got {inp.device}")
-        fp8_enabled_for_forward()
-        return inp.reshape(-1, in_features)
+        return inp.reshape(-1, in_features), fp8_active_recipe()
 
     def _check_main_grads(self, weights: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
         """Fused accumulation needs a usable ``main_grad`` on each weight; raise before writing."""
@@ -243,11 +255,20 @@ class SplitBackwardModule(torch.nn.Module):
     # ---- helpers for subclasses -----------------------------------------------------------
 
     def _weight_write(
-        self, param: torch.nn.Parameter, dy: torch.Tensor, x: torch.Tensor
+        self,
+        param: torch.nn.Parameter,
+        dy: torch.Tensor | None,
+        x: torch.Tensor | None,
+        fp8: FP8Gemm | None = None,
     ) -> GradWrite:
         """The gradient of one GEMM weight: ``dy^T x`` in the parameter dtype (plain), or with
-        both operands upcast to ``main_grad``'s dtype (fused)."""
-        if self.fuse_wgrad_accumulation:
+        both operands upcast to ``main_grad``'s dtype (fused). Under FP8 the GEMM runs on the
+        quantized column-wise copies that ``fp8`` holds (dy and x are then unused)."""
+        fused = self.fuse_wgrad_accumulation
+        if fp8 is not None:
+            out_dtype = param.main_grad.dtype if fused else param.dtype
+            return GradWrite(param, fp8.wgrad(out_dtype), fused)
+        if fused:
             return GradWrite(param, F.linear_wgrad_fp32(dy, x, param.main_grad.dtype), True)
         return GradWrite(param, F.linear_wgrad(dy, x), False)
 

@@ -1,9 +1,10 @@
 """FP8 recipes and ``fp8_autocast`` (SPEC §6).
 
-The recipe dataclasses are defined here once and re-exported by ``splitgrad.impl``. The FP8
-numerics (quantizers, scaled GEMMs, amax histories) are not implemented yet: a forward run inside
-``fp8_autocast(enabled=True)`` raises ``NotImplementedError`` instead of silently running in high
-precision. ``fp8_autocast(enabled=False)`` is a no-op context.
+The recipe dataclasses are defined here once and re-exported by ``splitgrad.impl``. The numerics
+live in :mod:`.fp8_quant` (casts, quantizers, amax histories: every rounding point) and
+:mod:`.fp8_gemm` (which quantized copy feeds which GEMM). ``fp8_autocast(enabled=False)`` is a
+no-op context. An implementation without FP8 support calls :func:`fp8_enabled_for_forward` so
+that it raises ``NotImplementedError`` rather than silently running in high precision.
 """
 
 from __future__ import annotations

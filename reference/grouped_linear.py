@@ -8,49 +8,68 @@ from collections.abc import Sequence
 import torch
 
 from . import functional as F
-from .base import SplitBackwardModule, WgradEntry, _check_positive
+from .base import SplitBackwardModule, WgradEntry, _check_positive, detached
+from .fp8_gemm import FP8Gemm, check_fp8_gemm_shape, update_delayed_scaling
 
 __all__ = ["GroupedLinear"]
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, m_splits, module, is_first_microbatch, *params):
+    def forward(ctx, x, m_splits, module, is_first_microbatch, recipe, *params):
         n = module.num_gemms
         weights, biases = list(params[:n]), list(params[n:]) or [None] * n
         ctx.module, ctx.m_splits = module, m_splits
         ctx.overwrite = bool(is_first_microbatch) and module.fuse_wgrad_accumulation
-        ctx.save_for_backward(x, *weights)
-        return F.grouped_linear_fwd(x, weights, biases, m_splits)
+        if recipe is None:
+            ctx.fp8 = None
+            ctx.save_for_backward(x, *weights)
+            return F.grouped_linear_fwd(x, weights, biases, m_splits)
+        # FP8: every group quantizes its own rows and weight (own scales and amax histories).
+        ctx.fp8 = [FP8Gemm(module, recipe, f"gemm{i}") for i in range(n)]
+        outs = [
+            g.fprop(xi, w, b) for g, xi, w, b in zip(ctx.fp8, x.split(m_splits), weights, biases)
+        ]
+        update_delayed_scaling(module, recipe, ("input", "weight"))
+        return torch.cat(outs, dim=0)
 
     @staticmethod
     def backward(ctx, dy):
         module: GroupedLinear = ctx.module
         n, m_splits = module.num_gemms, ctx.m_splits
-        x, *weights = (t.detach() for t in ctx.saved_tensors)
-        need = ctx.needs_input_grad[4:]
+        fp8, ctx.fp8 = ctx.fp8, None
+        need_x = ctx.needs_input_grad[0]
+        need = ctx.needs_input_grad[5:]
         need_w, need_b = need[:n], need[n:]
         named_weights = [
             (f"weight{i}", getattr(module, f"weight{i}")) for i in range(n) if need_w[i]
         ]
         module._begin_wgrad(named_weights)
-        dx = F.grouped_linear_dgrad(dy, weights, m_splits) if ctx.needs_input_grad[0] else None
+        if fp8 is None:
+            x, *weights = detached(ctx.saved_tensors)
+            dx = F.grouped_linear_dgrad(dy, weights, m_splits) if need_x else None
+            x_parts = x.split(m_splits)
+            fp8 = [None] * n
+        else:
+            parts = [g.dgrad(dy_i, need_x) for g, dy_i in zip(fp8, dy.split(m_splits))]
+            dx = torch.cat(parts, dim=0) if need_x else None
+            update_delayed_scaling(module, fp8[0].recipe, ("grad_output",))
+            x_parts = [None] * n
         if any(need_w) or any(need_b):
 
             def wgrad_closure():
                 module._begin_wgrad(named_weights)
                 writes = []
-                for i, (dy_i, x_i) in enumerate(zip(dy.split(m_splits), x.split(m_splits))):
+                for i, dy_i in enumerate(dy.split(m_splits)):
                     if need_w[i]:
-                        writes.append(
-                            module._weight_write(getattr(module, f"weight{i}"), dy_i, x_i)
-                        )
+                        weight = getattr(module, f"weight{i}")
+                        writes.append(module._weight_write(weight, dy_i, x_parts[i], fp8[i]))
                     if need_b and need_b[i]:
                         writes.append(module._bias_write(getattr(module, f"bias{i}"), dy_i))
                 return writes
 
             module._submit_wgrad(WgradEntry(wgrad_closure, ctx.overwrite))
-        return (dx, None, None, None, *([None] * len(need)))
+        return (dx, None, None, None, None, *([None] * len(need)))
 
 
 class GroupedLinear(SplitBackwardModule):
@@ -125,8 +144,11 @@ class GroupedLinear(SplitBackwardModule):
     def forward(
         self, inp: torch.Tensor, m_splits: Sequence[int], is_first_microbatch: bool | None = None
     ) -> torch.Tensor:
-        x = self._check_input(inp, self.in_features)
+        x, recipe = self._check_input(inp, self.in_features)
         splits = self._check_m_splits(m_splits, x.shape[0])
+        if recipe is not None:
+            for i, rows in enumerate(splits):
+                check_fp8_gemm_shape(recipe, f"gemm{i}", rows, self.in_features, self.out_features)
         params = [getattr(self, n) for n in self.gemm_weight_names() + self.gemm_bias_names()]
-        y = _GroupedLinearFunction.apply(x, splits, self, is_first_microbatch, *params)
+        y = _GroupedLinearFunction.apply(x, splits, self, is_first_microbatch, recipe, *params)
         return y.reshape(*inp.shape[:-1], self.out_features)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
-from .base import SplitBackwardModule, WgradEntry, _check_positive
+from .base import SplitBackwardModule, WgradEntry, _check_positive, detached
+from .fp8_gemm import FP8Gemm, check_fp8_gemm_shape, update_delayed_scaling
 from .norm import check_normalization, create_norm_parameters, norm_bwd, norm_fwd
 
 __all__ = ["LayerNormLinear"]
@@ -13,29 +14,42 @@ __all__ = ["LayerNormLinear"]
 
 class _LayerNormLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ln_weight, ln_bias, weight, bias, module, is_first_microbatch):
+    def forward(ctx, x, ln_weight, ln_bias, weight, bias, module, is_first_microbatch, recipe):
         ctx.module = module
         ctx.overwrite = bool(is_first_microbatch) and module.fuse_wgrad_accumulation
         ln_out, stats = norm_fwd(module, x)
-        ctx.save_for_backward(x, ln_weight, ln_out, weight, *stats)
-        return F.linear_fwd(ln_out, weight, bias)
+        if recipe is None:
+            ctx.fp8 = None
+            ctx.save_for_backward(x, ln_weight, ln_out, weight, *stats)
+            return F.linear_fwd(ln_out, weight, bias)
+        ctx.fp8 = FP8Gemm(module, recipe)
+        ctx.save_for_backward(x, ln_weight, None, None, *stats)
+        y = ctx.fp8.fprop(ln_out, weight, bias)
+        update_delayed_scaling(module, recipe, ("input", "weight"))
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         module: LayerNormLinear = ctx.module
-        x, ln_weight, ln_out, weight, *stats = (t.detach() for t in ctx.saved_tensors)
-        need_x, need_lnw, need_lnb, need_w, need_b, _, _ = ctx.needs_input_grad
+        fp8, ctx.fp8 = ctx.fp8, None
+        x, ln_weight, ln_out, weight, *stats = detached(ctx.saved_tensors)
+        need_x, need_lnw, need_lnb, need_w, need_b = ctx.needs_input_grad[:5]
         named_weights = [("weight", module.weight)] if need_w else []
         module._begin_wgrad(named_weights)
         dx = d_lnw = d_lnb = None
-        if need_x or need_lnw or need_lnb:
-            d_ln_out = F.linear_dgrad(dy, weight)
+        need_norm_grads = need_x or need_lnw or need_lnb
+        if fp8 is None:
+            d_ln_out = F.linear_dgrad(dy, weight) if need_norm_grads else None
+        else:
+            d_ln_out = fp8.dgrad(dy, need_norm_grads)
+            update_delayed_scaling(module, fp8.recipe, ("grad_output",))
+        if need_norm_grads:
             dx, d_lnw, d_lnb = norm_bwd(module, d_ln_out, x, ln_weight, stats)
         if need_w or need_b:
 
             def wgrad_closure():
                 module._begin_wgrad(named_weights)
-                writes = [module._weight_write(module.weight, dy, ln_out)] if need_w else []
+                writes = [module._weight_write(module.weight, dy, ln_out, fp8)] if need_w else []
                 if need_b:
                     writes.append(module._bias_write(module.bias, dy))
                 return writes
@@ -45,10 +59,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
             dx if need_x else None,
             d_lnw if need_lnw else None,
             d_lnb if need_lnb else None,
-            None,
-            None,
-            None,
-            None,
+            *([None] * 5),
         )
 
 
@@ -112,7 +123,9 @@ class LayerNormLinear(SplitBackwardModule):
         return ["bias"] if self.use_bias else []
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        x = self._check_input(inp, self.in_features)
+        x, recipe = self._check_input(inp, self.in_features)
+        if recipe is not None:
+            check_fp8_gemm_shape(recipe, "", x.shape[0], self.in_features, self.out_features)
         y = _LayerNormLinearFunction.apply(
             x,
             self.layer_norm_weight,
@@ -121,5 +134,6 @@ class LayerNormLinear(SplitBackwardModule):
             self.bias,
             self,
             is_first_microbatch,
+            recipe,
         )
         return y.reshape(*inp.shape[:-1], self.out_features)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
-from .base import SplitBackwardModule, WgradEntry, _check_positive
+from .base import SplitBackwardModule, WgradEntry, _check_positive, detached
+from .fp8_gemm import FP8Gemm, check_fp8_gemm_shape, update_delayed_scaling
 from .norm import check_normalization, create_norm_parameters, norm_bwd, norm_fwd
 
 __all__ = ["LayerNormMLP"]
@@ -14,36 +15,67 @@ __all__ = ["LayerNormMLP"]
 class _LayerNormMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, module, first
+        ctx,
+        x,
+        ln_weight,
+        ln_bias,
+        fc1_weight,
+        fc1_bias,
+        fc2_weight,
+        fc2_bias,
+        module,
+        first,
+        recipe,
     ):
         ctx.module = module
         ctx.overwrite = bool(first) and module.fuse_wgrad_accumulation
         ln_out, stats = norm_fwd(module, x)
-        fc1_out = F.linear_fwd(ln_out, fc1_weight, fc1_bias)
+        if recipe is None:
+            ctx.fp8 = None
+            fc1_out = F.linear_fwd(ln_out, fc1_weight, fc1_bias)
+            act_out = F.activation_fwd(fc1_out, module.activation)
+            ctx.save_for_backward(
+                x, ln_weight, ln_out, fc1_weight, fc1_out, act_out, fc2_weight, *stats
+            )
+            return F.linear_fwd(act_out, fc2_weight, fc2_bias)
+        # FP8: both GEMMs quantized; the activation runs in high precision between them.
+        ctx.fp8 = (FP8Gemm(module, recipe, "fc1"), FP8Gemm(module, recipe, "fc2"))
+        fc1_out = ctx.fp8[0].fprop(ln_out, fc1_weight, fc1_bias)
         act_out = F.activation_fwd(fc1_out, module.activation)
-        ctx.save_for_backward(
-            x, ln_weight, ln_out, fc1_weight, fc1_out, act_out, fc2_weight, *stats
-        )
-        return F.linear_fwd(act_out, fc2_weight, fc2_bias)
+        y = ctx.fp8[1].fprop(act_out, fc2_weight, fc2_bias)
+        update_delayed_scaling(module, recipe, ("input", "weight"))
+        ctx.save_for_backward(x, ln_weight, None, None, fc1_out, None, None, *stats)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         module: LayerNormMLP = ctx.module
-        saved = [t.detach() for t in ctx.saved_tensors]
+        fp8, ctx.fp8 = ctx.fp8, None
+        saved = detached(ctx.saved_tensors)
         x, ln_weight, ln_out, fc1_weight, fc1_out, act_out, fc2_weight, *stats = saved
-        need_x, need_lnw, need_lnb, need_w1, need_b1, need_w2, need_b2, _, _ = ctx.needs_input_grad
+        need_x, need_lnw, need_lnb, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:7]
         named_weights = [("fc2_weight", module.fc2_weight)] if need_w2 else []
         if need_w1:
             named_weights.append(("fc1_weight", module.fc1_weight))
         module._begin_wgrad(named_weights)
+        fc1_fp8, fc2_fp8 = fp8 if fp8 is not None else (None, None)
 
         need_norm_grads = need_x or need_lnw or need_lnb
-        dx = d_lnw = d_lnb = d_fc1_out = None
-        if need_norm_grads or need_w1 or need_b1:
-            d_act = F.linear_dgrad(dy, fc2_weight)
-            d_fc1_out = F.activation_bwd(d_act, fc1_out, module.activation)
+        need_d_fc1 = need_norm_grads or need_w1 or need_b1
+        dx = d_lnw = d_lnb = d_fc1_out = d_ln_out = None
+        if fp8 is None:
+            if need_d_fc1:
+                d_act = F.linear_dgrad(dy, fc2_weight)
+                d_fc1_out = F.activation_bwd(d_act, fc1_out, module.activation)
+            if need_norm_grads:
+                d_ln_out = F.linear_dgrad(d_fc1_out, fc1_weight)
+        else:
+            d_act = fc2_fp8.dgrad(dy, need_d_fc1)
+            if need_d_fc1:
+                d_fc1_out = F.activation_bwd(d_act, fc1_out, module.activation)
+                d_ln_out = fc1_fp8.dgrad(d_fc1_out, need_norm_grads)
+            update_delayed_scaling(module, fc1_fp8.recipe, ("grad_output",))
         if need_norm_grads:
-            d_ln_out = F.linear_dgrad(d_fc1_out, fc1_weight)
             dx, d_lnw, d_lnb = norm_bwd(module, d_ln_out, x, ln_weight, stats)
 
         if named_weights or need_b1 or need_b2:
@@ -52,11 +84,13 @@ class _LayerNormMLPFunction(torch.autograd.Function):
                 module._begin_wgrad(named_weights)
                 writes = []
                 if need_w2:
-                    writes.append(module._weight_write(module.fc2_weight, dy, act_out))
+                    writes.append(module._weight_write(module.fc2_weight, dy, act_out, fc2_fp8))
                 if need_b2:
                     writes.append(module._bias_write(module.fc2_bias, dy))
                 if need_w1:
-                    writes.append(module._weight_write(module.fc1_weight, d_fc1_out, ln_out))
+                    writes.append(
+                        module._weight_write(module.fc1_weight, d_fc1_out, ln_out, fc1_fp8)
+                    )
                 if need_b1:
                     writes.append(module._bias_write(module.fc1_bias, d_fc1_out))
                 return writes
@@ -66,7 +100,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
             dx if need_x else None,
             d_lnw if need_lnw else None,
             d_lnb if need_lnb else None,
-            *([None] * 6),
+            *([None] * 7),
         )
 
 
@@ -142,7 +176,11 @@ class LayerNormMLP(SplitBackwardModule):
         return ["fc1_bias", "fc2_bias"] if self.use_bias else []
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        x = self._check_input(inp, self.hidden_size)
+        x, recipe = self._check_input(inp, self.hidden_size)
+        if recipe is not None:
+            fc1_out = self.fc1_weight.shape[0]
+            check_fp8_gemm_shape(recipe, "fc1", x.shape[0], self.hidden_size, fc1_out)
+            check_fp8_gemm_shape(recipe, "fc2", x.shape[0], self.ffn_hidden_size, self.hidden_size)
         y = _LayerNormMLPFunction.apply(
             x,
             self.layer_norm_weight,
@@ -153,5 +191,6 @@ class LayerNormMLP(SplitBackwardModule):
             self.fc2_bias,
             self,
             is_first_microbatch,
+            recipe,
         )
         return y.reshape(*inp.shape[:-1], self.hidden_size)

@@ -5,38 +5,51 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
-from .base import SplitBackwardModule, WgradEntry, _check_positive
+from .base import SplitBackwardModule, WgradEntry, _check_positive, detached
+from .fp8_gemm import FP8Gemm, check_fp8_gemm_shape, update_delayed_scaling
 
 __all__ = ["Linear"]
 
 
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, module, is_first_microbatch):
+    def forward(ctx, x, weight, bias, module, is_first_microbatch, recipe):
         ctx.module = module
         ctx.overwrite = bool(is_first_microbatch) and module.fuse_wgrad_accumulation
-        ctx.save_for_backward(x, weight)
-        return F.linear_fwd(x, weight, bias)
+        if recipe is None:
+            ctx.fp8 = None
+            ctx.save_for_backward(x, weight)
+            return F.linear_fwd(x, weight, bias)
+        ctx.fp8 = FP8Gemm(module, recipe)
+        y = ctx.fp8.fprop(x, weight, bias)
+        update_delayed_scaling(module, recipe, ("input", "weight"))
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         module: Linear = ctx.module
-        x, weight = (t.detach() for t in ctx.saved_tensors)
-        _, need_w, need_b, _, _ = ctx.needs_input_grad
+        fp8, ctx.fp8 = ctx.fp8, None
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         named_weights = [("weight", module.weight)] if need_w else []
         module._begin_wgrad(named_weights)
-        dx = F.linear_dgrad(dy, weight) if ctx.needs_input_grad[0] else None
+        x = weight = None
+        if fp8 is None:
+            x, weight = detached(ctx.saved_tensors)
+            dx = F.linear_dgrad(dy, weight) if need_x else None
+        else:
+            dx = fp8.dgrad(dy, need_x)
+            update_delayed_scaling(module, fp8.recipe, ("grad_output",))
         if need_w or need_b:
 
             def wgrad_closure():
                 module._begin_wgrad(named_weights)
-                writes = [module._weight_write(module.weight, dy, x)] if need_w else []
+                writes = [module._weight_write(module.weight, dy, x, fp8)] if need_w else []
                 if need_b:
                     writes.append(module._bias_write(module.bias, dy))
                 return writes
 
             module._submit_wgrad(WgradEntry(wgrad_closure, ctx.overwrite))
-        return dx, None, None, None, None
+        return dx, None, None, None, None, None
 
 
 class Linear(SplitBackwardModule):
@@ -92,6 +105,8 @@ class Linear(SplitBackwardModule):
         return ["bias"] if self.use_bias else []
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        x = self._check_input(inp, self.in_features)
-        y = _LinearFunction.apply(x, self.weight, self.bias, self, is_first_microbatch)
+        x, recipe = self._check_input(inp, self.in_features)
+        if recipe is not None:
+            check_fp8_gemm_shape(recipe, "", x.shape[0], self.in_features, self.out_features)
+        y = _LinearFunction.apply(x, self.weight, self.bias, self, is_first_microbatch, recipe)
         return y.reshape(*inp.shape[:-1], self.out_features)

@@ -193,14 +193,24 @@ def test_bad_main_grad(lib, kind, delay, problem):
     _assert_unchanged(module, params, grads)
 
 
-def test_fp8_autocast_refuses_to_run_in_high_precision(lib):
-    module = build(lib, "Linear")
-    x = make_input(module, 0)
-    with pytest.raises(NotImplementedError, match="FP8"):
-        with lib.fp8_autocast(enabled=True, fp8_recipe=lib.DelayedScaling()):
-            module(x)
+def test_fp8_autocast_never_silently_runs_in_high_precision(lib):
+    """Under fp8_autocast a module either runs FP8 (its output differs from the high-precision
+    one) or raises NotImplementedError; enabled=False is plain high precision."""
+    module = lib.Linear(32, 32)
+    fill(module, 0)
+    x = torch.randn(32, 32, generator=torch.Generator().manual_seed(1))
+    high = module(x)
+    try:
+        with lib.fp8_autocast(enabled=True, fp8_recipe=lib.Float8CurrentScaling()):
+            low = module(x)
+    except NotImplementedError as e:
+        assert "FP8" in str(e)
+    else:
+        assert not torch.equal(low, high)
+        # whole-tensor gate: E4M3 rounds each operand by up to 1/16 relative
+        assert ((low - high).norm() / high.norm()).item() < 0.25
     with lib.fp8_autocast(enabled=False):
-        module(x)
+        torch.testing.assert_close(module(x), high, rtol=0, atol=0)
 
 
 def test_recipes_are_shared(lib):
