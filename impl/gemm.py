@@ -33,6 +33,7 @@ __all__ = [
     "wgrad_accumulate_",
     "wgrad_into_main_grad_",
     "cuda_out_dtype_supported",
+    "grouped_mm_runs",
     "grouped_mm_supported",
     "grouped_mm_forward",
     "grouped_mm_dgrad",
@@ -115,17 +116,22 @@ def wgrad_into_main_grad_(
 # ---- grouped GEMM ---------------------------------------------------------------------------
 
 
+def grouped_mm_runs(dtype: torch.dtype, k: int, m: int) -> bool:
+    """Whether ``torch._grouped_mm`` accepts these operands at all: it needs every row stride
+    to be a multiple of 16 bytes (checked on CPU too), i.e. ``k`` and ``m`` aligned."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return hasattr(torch, "_grouped_mm") and (k * size) % 16 == 0 and (m * size) % 16 == 0
+
+
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, k: int, m: int) -> bool:
     """Whether ``torch._grouped_mm`` serves this GroupedLinear's forward and dgrad by default.
 
-    CUDA: sm90+ with bf16 operands and 16-byte aligned rows (k and m multiples of 8).
-    CPU: ``_grouped_mm`` runs in torch 2.13 but measured no faster than a loop of GEMMs (see
+    CUDA: sm90+ with bf16 operands and aligned sizes (:func:`grouped_mm_runs`).
+    CPU: ``_grouped_mm`` runs in torch 2.13 but was measured no faster than a loop of GEMMs (see
     ``splitgrad bench``), so the loop is the default there; the grouped path can still be forced
     per module (``GroupedLinear.grouped_gemm = "grouped"``) and is tested on CPU that way.
     """
-    if not hasattr(torch, "_grouped_mm") or device.type != "cuda":
-        return False
-    if dtype != torch.bfloat16 or k % 8 or m % 8:
+    if device.type != "cuda" or dtype != torch.bfloat16 or not grouped_mm_runs(dtype, k, m):
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
@@ -151,7 +157,7 @@ def grouped_mm_forward(
     (``_grouped_mm`` has no bias epilogue), in place on the output rows.
     """
     offs = _offsets(m_splits, x.device)
-    y = torch._grouped_mm(x, stacked_weights.transpose(1, 2), offs=offs)
+    y = torch._grouped_mm(x.contiguous(), stacked_weights.transpose(1, 2), offs=offs)
     if biases is not None:
         for y_g, b in zip(y.split(m_splits), biases):
             if y_g.shape[0]:
@@ -164,4 +170,5 @@ def grouped_mm_dgrad(
 ) -> torch.Tensor:
     """``dx_g = dy_g W_g`` for all groups in one grouped GEMM. dy: (N, M) -> (N, K)."""
     offs = _offsets(m_splits, dy.device)
-    return torch._grouped_mm(dy, stacked_weights, offs=offs)
+    # contiguous(): autograd may hand an expanded (stride-0) or otherwise unaligned dy.
+    return torch._grouped_mm(dy.contiguous(), stacked_weights, offs=offs)

@@ -2,7 +2,7 @@
 
 GEMM paths (chosen per forward by :attr:`GroupedLinear.grouped_gemm`):
 
-* ``"grouped"``: forward and dgrad are one ``torch._grouped_mm`` each over the stacked weights.
+* ``"grouped"`` (where :func:`.gemm.grouped_mm_runs`, else the loop): forward and dgrad are one ``torch._grouped_mm`` each over the stacked weights.
   The weights are allocated as consecutive slices of one (G, M, K) storage, so the stack is a
   free view; if that layout is lost (``.to()``, ``.data =``) the weights are stacked per call.
 * ``"loop"``: one ``addmm``/``mm`` per non-empty group, written into its row block of a
@@ -170,7 +170,10 @@ class GroupedLinear(SplitBackwardModule):
             return gemm.grouped_mm_supported(
                 x.device, x.dtype, self.in_features, self.out_features
             )
-        return self.grouped_gemm == "grouped"
+        # A forced "grouped" still falls back where _grouped_mm rejects the shapes.
+        return self.grouped_gemm == "grouped" and gemm.grouped_mm_runs(
+            x.dtype, self.in_features, self.out_features
+        )
 
     def forward(
         self, inp: torch.Tensor, m_splits: Sequence[int], is_first_microbatch: bool | None = None

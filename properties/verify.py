@@ -1,28 +1,277 @@
-"""``splitgrad verify`` (placeholder until the harness lands): reference self-checks."""
+"""``splitgrad verify``: run the property campaign against one backend and print a table.
+
+    splitgrad verify [--backend impl|reference|torch-split|transformer_engine]
+                     [--module KIND ...] [--dtype DTYPE ...] [--device cpu|cuda]
+                     [--property P4 ...] [--examples N] [--profile dev|ci|nightly|gpu]
+                     [--json PATH] [--junit PATH] [--case JSON]
+
+Each row is property x module x dtype: examples run, worst error/budget ratio, result. A failure
+prints the shrunk case and one command line that replays it, and the exit status is 1. Known
+deviations that a backend declares are printed as ``deviates`` with their description (they do
+not fail the run; they are never shown as a pass). Bad options exit with status 2 and a message.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from xml.etree import ElementTree as ET
 
-import torch
+from .campaign import DEVIATION, ERROR, FAIL, NA, PASS, CellResult, run_case, run_cell
+from .checks import PROPERTIES, applicable
+from .strategies import DTYPES, KINDS, LOW_PRECISION_DTYPES, Case
+
+__all__ = ["main", "build_parser", "DEFAULT_EXAMPLES"]
+
+# About two minutes for the default campaign on 2 CPU cores (see README).
+DEFAULT_EXAMPLES = 12
+_PROFILES = ("dev", "ci", "nightly", "gpu")
 
 
-def main(argv: list[str]) -> int:
-    from splitgrad import reference as ref
+class _UsageError(Exception):
+    pass
 
-    torch.manual_seed(0)
-    failures = 0
-    for name, build, call in [
-        ("Linear", lambda: ref.Linear(6, 5, params_dtype=torch.float64), lambda m, x: m(x)),
-        ("GroupedLinear", lambda: ref.GroupedLinear(2, 6, 5, params_dtype=torch.float64),
-         lambda m, x: m(x, [1, 2])),
-    ]:
-        m = build()
-        x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
-        ok = torch.autograd.gradcheck(lambda x: call(m, x), (x,), raise_exception=False)
-        failures += not ok
-        print(f"{name:16s} gradcheck {'ok' if ok else 'FAILED'}")
-    return 1 if failures else 0
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # no traceback, exit status 2
+        raise _UsageError(message)
+
+
+def _split_list(values: Sequence[str] | None, allowed: Sequence[str], what: str) -> list[str]:
+    if not values:
+        return []
+    out: list[str] = []
+    for v in values:
+        for item in v.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            if what == "property":
+                item = item.upper()
+            if item not in allowed:
+                raise _UsageError(f"unknown {what} {item!r}; expected one of {', '.join(allowed)}")
+            if item not in out:
+                out.append(item)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="splitgrad verify", description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default="impl",
+                   help="impl (default), reference, torch-split, transformer_engine, or path:DIR")
+    p.add_argument("--module", action="append", metavar="KIND",
+                   help=f"module kind(s), repeatable or comma-separated (default: all of {', '.join(KINDS)})")
+    p.add_argument("--dtype", action="append",
+                   help=f"dtype(s) among {', '.join(DTYPES)} (default: float32,bfloat16)")
+    p.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cpu (cuda for TE)")
+    p.add_argument("--property", action="append", metavar="PID",
+                   help="property id(s) P1..P12 (default: all)")
+    p.add_argument("--examples", type=int, default=None,
+                   help=f"hypothesis examples per cell (default {DEFAULT_EXAMPLES}; the profile's with --profile)")
+    p.add_argument("--profile", default=None, choices=_PROFILES, help="hypothesis profile (default ci)")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    p.add_argument("--junit", type=Path, metavar="PATH", help="write the results as JUnit XML")
+    p.add_argument("--case", metavar="JSON", help="replay one case (needs exactly one --property)")
+    p.add_argument("--fail-fast", action="store_true", help="stop at the first failing cell")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def _progress(done: int, total: int, label: str, enabled: bool) -> None:
+    if not enabled:
+        return
+    width = 28
+    filled = int(width * done / max(total, 1))
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}")
+    sys.stderr.flush()
+    if done == total:
+        sys.stderr.write("\r" + " " * (width + 60) + "\r")
+
+
+def format_table(cells: list[CellResult]) -> str:
+    """The property x module x dtype table."""
+    header = ("property", "module", "dtype", "examples", "worst/budget", "result")
+    rows = [header]
+    for c in cells:
+        result = c.status
+        rows.append((c.property_id, c.kind, c.dtype, str(c.examples) if c.status != NA else "-", c.ratio_text, result))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = []
+    for n, r in enumerate(rows):
+        lines.append("  ".join(v.ljust(w) if i in (0, 1, 2, 5) else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _write_junit(path: Path, backend: str, cells: list[CellResult], elapsed: float) -> None:
+    suite = ET.Element(
+        "testsuite",
+        name=f"splitgrad verify --backend {backend}",
+        tests=str(len(cells)),
+        failures=str(sum(c.status == FAIL for c in cells)),
+        errors=str(sum(c.status == ERROR for c in cells)),
+        skipped=str(sum(c.status in (NA, DEVIATION) for c in cells)),
+        time=f"{elapsed:.3f}",
+    )
+    for c in cells:
+        tc = ET.SubElement(suite, "testcase", classname=f"splitgrad.verify.{c.property_id}",
+                           name=f"{c.kind}[{c.dtype}]", time=f"{c.seconds:.3f}")
+        if c.status == FAIL:
+            f = ET.SubElement(tc, "failure", message=c.message.splitlines()[0][:500] if c.message else "failed")
+            f.text = f"{c.message}\n\nreproduce: {c.repro}"
+        elif c.status == ERROR:
+            ET.SubElement(tc, "error", message=c.message[:500])
+        elif c.status == DEVIATION:
+            ET.SubElement(tc, "skipped", message=f"KNOWN DEVIATION: {c.deviation}").text = c.message
+        elif c.status == NA:
+            ET.SubElement(tc, "skipped", message=c.message)
+        else:
+            ET.SubElement(tc, "system-out").text = f"examples={c.examples} worst_ratio={c.ratio_text}"
+    root = ET.Element("testsuites")
+    root.append(suite)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+
+
+def _replay(backend, properties: list[str], text: str) -> int:
+    if len(properties) != 1:
+        raise _UsageError("--case needs exactly one --property")
+    try:
+        case = Case.from_json(text)
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+    pid = properties[0]
+    why = backend.unsupported_reason(pid, case.config)
+    if why:
+        print(f"{pid} n/a on {backend.name}: {why}")
+        return 0
+    try:
+        result = run_case(backend, pid, case)
+    except Exception as exc:
+        dev = backend.deviation_for(pid, case)
+        print(f"{pid} {'DEVIATES (known: ' + dev.summary + ')' if dev else 'FAIL'} on {backend.name}: {case.config.label()}")
+        print(f"  {type(exc).__name__}: {exc}")
+        return 0 if dev else 1
+    print(f"{pid} pass on {backend.name}: {case.config.label()} (worst/budget {result.ratio})")
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``splitgrad verify``; returns the exit status."""
+    try:
+        return _main(list(argv))
+    except _UsageError as exc:
+        print(f"splitgrad verify: error: {exc}\nTry 'splitgrad verify --help'.", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    from .backends import BACKEND_NAMES, BackendUnavailable, get_backend
+    from .profiles import active_profile_name
+
+    name = args.backend
+    if name not in BACKEND_NAMES and not name.startswith("path:"):
+        raise _UsageError(f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}")
+    try:
+        backend = get_backend(name)
+        why = backend.unavailable_reason()
+    except BackendUnavailable as exc:
+        why = str(exc)
+    if why:
+        print(f"splitgrad verify: backend {name!r} is not available: {why}", file=sys.stderr)
+        return 2
+    device = args.device or ("cuda" if name == "transformer_engine" else "cpu")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("splitgrad verify: --device cuda, but torch.cuda.is_available() is False", file=sys.stderr)
+            return 2
+    kinds = _split_list(args.module, KINDS, "module") or list(KINDS)
+    dtypes = _split_list(args.dtype, DTYPES, "dtype") or ["float32", "bfloat16"]
+    properties = _split_list(args.property, list(PROPERTIES), "property") or list(PROPERTIES)
+    if args.examples is not None and args.examples < 1:
+        raise _UsageError(f"--examples must be at least 1, got {args.examples}")
+    from .profiles import load_profile
+
+    load_profile()
+    profile = args.profile or ("ci" if not os.environ.get("HYPOTHESIS_PROFILE") else active_profile_name())
+    examples = args.examples if args.examples is not None else (None if args.profile else DEFAULT_EXAMPLES)
+    if args.case:
+        return _replay(backend, properties, args.case)
+
+    plan = []
+    for pid in properties:
+        for kind in kinds:
+            if not applicable(pid, kind):
+                continue
+            for dtype in dtypes:
+                plan.append((pid, kind, dtype))
+    show = not args.quiet and sys.stderr.isatty()
+    print(f"splitgrad verify: backend {backend.name}, device {device}, profile {profile}, "
+          f"{examples or 'profile default'} examples per cell, {len(plan)} cells")
+    for note in backend.notes:
+        print(f"  note: {note}")
+    cells: list[CellResult] = []
+    start = time.perf_counter()
+    for i, (pid, kind, dtype) in enumerate(plan):
+        _progress(i, len(plan), f"{pid} {kind} {dtype}", show)
+        if pid in ("P1", "P2", "P3") and dtype not in LOW_PRECISION_DTYPES:
+            cell = CellResult(pid, kind, dtype, status=NA, message="no wider dtype to measure error against")
+        else:
+            cell = run_cell(backend, pid, kind, dtype, device=device, examples=examples, profile=profile)
+        cells.append(cell)
+        if args.fail_fast and cell.status in (FAIL, ERROR):
+            break
+    _progress(len(plan), len(plan), "", show)
+    elapsed = time.perf_counter() - start
+    print(format_table(cells))
+    failed = [c for c in cells if c.status in (FAIL, ERROR)]
+    deviating = [c for c in cells if c.status == DEVIATION]
+    for c in failed:
+        print(f"\n{c.status} {c.property_id} {c.kind} {c.dtype} after {c.first_failure_at} example(s):")
+        print("  " + c.message.replace("\n", "\n  "))
+        if c.case is not None:
+            print(f"  shrunk case: {c.case.config.label()}; micro-batches "
+                  f"{[(mb.lead_shape, mb.m_splits, mb.is_first_microbatch) for mb in c.case.micro_batches]}"
+                  + (f"; schedule {list(c.case.schedule)}" if c.case.schedule else "")
+                  + (f"; variant {c.case.variant}" if c.case.variant else "")
+                  + (f"; frozen {list(c.case.frozen)}" if c.case.frozen else ""))
+            print(f"  reproduce: {c.repro}")
+    if deviating:
+        print("\nknown deviations from SPEC.md (declared by the backend, shown, not excused):")
+        for c in deviating:
+            print(f"  {c.property_id} {c.kind} {c.dtype}: {c.deviation}\n    observed: {c.message.splitlines()[0][:300]}")
+            print(f"    reproduce: {c.repro}")
+    ran = {c.property_id for c in cells if c.status in (PASS, DEVIATION, FAIL)}
+    for dev in backend.deviations:
+        if dev.property_id in ran and not any(c.property_id == dev.property_id and c.status == DEVIATION for c in cells):
+            print(f"\nnote: declared deviation not observed in this run: {dev.property_id}: {dev.summary}")
+    n_pass = sum(c.status == PASS for c in cells)
+    print(f"\n{n_pass} passed, {len(failed)} failed, {len(deviating)} known deviations, "
+          f"{sum(c.status == NA for c in cells)} n/a in {elapsed:.1f}s")
+    payload = {
+        "backend": backend.name,
+        "device": device,
+        "profile": profile,
+        "examples_per_cell": examples,
+        "elapsed_s": round(elapsed, 3),
+        "notes": list(backend.notes),
+        "cells": [c.as_dict() for c in cells],
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2, default=str))
+    if args.junit:
+        _write_junit(args.junit, backend.name, cells, elapsed)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

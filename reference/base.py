@@ -28,6 +28,21 @@ Split backward (§4, ``delay_wgrad_compute=True``)
     exception propagates (the remaining hooks do not run).
   * Deferred parameters carry ``skip_backward_post_hook = True``; frozen parameters are skipped
     and a backward in which no GEMM parameter needs a gradient queues nothing.
+  * ``ub_bulk_wgrad=True`` with ``delay_wgrad_compute=True`` raises ``ValueError`` in the
+    constructor (an exception, so it holds under ``python -O``); without delay it is accepted and
+    changes no result in one process.
+
+Bad input (§5) raises before anything is written or queued
+  * ``inp`` not a tensor, or of the wrong dtype (it must be ``params_dtype``) -> ``TypeError``;
+    wrong last dimension or device -> ``ValueError``. Each message names expected and actual.
+  * ``m_splits`` of the wrong length, with negative or non-int entries, or not summing to the row
+    count -> ``ValueError`` naming the values.
+  * A missing or unusable ``main_grad`` under fused accumulation -> ``RuntimeError`` naming the
+    parameter, at the start of ``backward()`` (nothing written, nothing queued) and again at the
+    start of the wgrad closure (the entry then stays queued).
+  * Non-positive sizes, ``num_gemms < 1``, unknown ``normalization`` or ``activation`` ->
+    ``ValueError`` from the constructor. Under FP8, a shape the recipe cannot quantize ->
+    ``ValueError`` naming the recipe, the dimension and the multiple it needs.
 """
 
 from __future__ import annotations
