@@ -1,0 +1,591 @@
+"""The Backend protocol and its adapters: ``impl``, ``reference``, ``torch-split``,
+``transformer_engine``.
+
+A backend turns a :class:`~splitgrad.properties.strategies.ModuleConfig` into a live module and
+drives it (forward, backward, ``backward_dw``, hooks, gradients), so the property checks in
+:mod:`.checks` never touch a concrete API. Parameters are always addressed by their
+TransformerEngine names (``fc1_weight``, ``weight3``...).
+
+Each backend lists what it is known to do differently from SPEC.md in :attr:`Backend.deviations`
+— the one place where that is written down. A check that fails where a deviation is declared is
+*reported* as a known deviation (never turned into a pass), and a declared deviation that never
+shows is reported too, so the list cannot rot. :attr:`Backend.notes` lists what the adapter
+itself supplies (e.g. an emulated queue), which the reader should know when judging a green row.
+
+The protocol is deliberately per-process and per-module (no global state), so a distributed
+backend for P14 can implement the same methods on each rank.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import dataclasses
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .strategies import GATED, Case, ModuleConfig
+
+__all__ = [
+    "Deviation",
+    "BackendUnavailable",
+    "Backend",
+    "LibraryBackend",
+    "TorchSplitBackend",
+    "TransformerEngineBackend",
+    "BACKEND_NAMES",
+    "get_backend",
+    "load_library_from_path",
+]
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot run here (not installed, no GPU, impl not written yet)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Deviation:
+    """A known difference from SPEC.md: which property shows it, what it is, where it is
+    tracked, and for which cases it is expected (``applies``; default: every case)."""
+
+    property_id: str
+    summary: str
+    reference: str = ""
+    applies: Callable[[Case], bool] = lambda case: True
+
+
+class Backend(abc.ABC):
+    """How the harness drives one split-backward implementation.
+
+    ``module`` below is whatever :meth:`build` returns (a module, or an adapter's handle).
+    """
+
+    name: str = "?"
+    supports_fused: bool = True
+    deviations: tuple[Deviation, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    # ---- availability ------------------------------------------------------------------
+
+    def unavailable_reason(self) -> str | None:
+        """``None`` when usable here, else a sentence saying why not."""
+        return None
+
+    def unsupported_reason(self, property_id: str, config: ModuleConfig) -> str | None:
+        """``None`` when ``property_id`` can run on ``config``, else why not (reported as
+        "n/a", never as a pass)."""
+        if config.device == "cuda" and not torch.cuda.is_available():
+            return "config asks for CUDA but torch.cuda.is_available() is False"
+        return None
+
+    def deviation_for(self, property_id: str, case: Case) -> Deviation | None:
+        """The declared deviation that may explain a failure of ``property_id`` on ``case``."""
+        for dev in self.deviations:
+            if dev.property_id == property_id and dev.applies(case):
+                return dev
+        return None
+
+    # ---- building ----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def build(self, config: ModuleConfig, *, delay: bool, ub_bulk_wgrad: bool = False) -> Any:
+        """A fresh module for ``config``; ``delay`` is ``delay_wgrad_compute``."""
+
+    @abc.abstractmethod
+    def parameters(self, module: Any) -> dict[str, torch.nn.Parameter]:
+        """Every parameter by TransformerEngine name (frozen ones included)."""
+
+    @abc.abstractmethod
+    def gemm_weight_names(self, module: Any) -> list[str]:
+        """Names of the GEMM weights (those that use ``main_grad`` when fused)."""
+
+    @abc.abstractmethod
+    def gemm_bias_names(self, module: Any) -> list[str]:
+        """Names of the GEMM biases."""
+
+    def load_state(self, module: Any, state: dict[str, torch.Tensor]) -> None:
+        """Copy parameter values (names as :meth:`parameters`); raise ``KeyError`` on a gap."""
+        params = self.parameters(module)
+        missing = set(params) ^ set(state)
+        if missing:
+            raise KeyError(f"{self.name}: parameter names differ from the state: {sorted(missing)}")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(state[name])
+
+    # ---- running -----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        module: Any,
+        x: torch.Tensor,
+        m_splits: Sequence[int] | None,
+        is_first_microbatch: bool | None,
+    ) -> torch.Tensor:
+        """``module(x[, m_splits], is_first_microbatch=...)``."""
+
+    def backward(self, module: Any, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+        """The autograd backward of ``outputs`` (one call, possibly several outputs of one
+        module, e.g. a tied weight used twice)."""
+        torch.autograd.backward(list(outputs), list(grads))
+
+    @abc.abstractmethod
+    def backward_dw(self, module: Any) -> None:
+        """Run the oldest queued weight-gradient entry."""
+
+    @abc.abstractmethod
+    def pending_wgrad_count(self, module: Any) -> int:
+        """Queued entries."""
+
+    @abc.abstractmethod
+    def register_hook(self, module: Any, fn: Callable[[], None]) -> None:
+        """``register_wgrad_accumulation_and_reduce_hooks(fn)``."""
+
+    def p12_bitwise(self, config: ModuleConfig) -> bool:
+        """Whether ``GroupedLinear`` and ``Linear`` run the same GEMM kernel for ``config``
+        (P12 is then bitwise, otherwise within :data:`~.budgets.GROUPED_GEMM`)."""
+        return config.device == "cpu"
+
+    def constructor(self, kind: str) -> Callable[..., Any]:
+        """The raw constructor of ``kind`` (P9/P10 call it with bad arguments)."""
+        raise NotImplementedError(f"{self.name} exposes no constructors")
+
+    def supports_ub_bulk_wgrad(self, kind: str) -> bool:
+        return kind != "GroupedLinear"
+
+
+# -------------------------------------------------------------------------------------------
+# impl / reference: the splitgrad module API itself
+# -------------------------------------------------------------------------------------------
+
+
+def build_library_module(lib: Any, config: ModuleConfig, *, delay: bool, ub_bulk_wgrad: bool = False) -> Any:
+    """Construct ``config`` from a namespace with the splitgrad/TE module API."""
+    kw: dict[str, Any] = {
+        "bias": config.bias,
+        "params_dtype": config.torch_dtype,
+        "device": config.device,
+        "fuse_wgrad_accumulation": config.fuse_wgrad_accumulation,
+        "delay_wgrad_compute": delay,
+    }
+    if config.kind != "GroupedLinear" and ub_bulk_wgrad:
+        kw["ub_bulk_wgrad"] = True
+    if config.has_norm:
+        kw["normalization"] = config.normalization
+        kw["zero_centered_gamma"] = config.zero_centered_gamma
+    if config.kind == "LayerNormMLP":
+        kw["activation"] = config.activation
+    cls = getattr(lib, config.kind)
+    if config.kind == "GroupedLinear":
+        return cls(config.num_gemms, config.in_features, config.out_features, **kw)
+    return cls(config.in_features, config.out_features, **kw)
+
+
+class LibraryBackend(Backend):
+    """A namespace exporting the four modules with the SPEC.md API (``splitgrad.impl``,
+    ``splitgrad.reference``, or a mutated copy of impl)."""
+
+    def __init__(self, name: str, module_name: str | None = None, lib: Any = None) -> None:
+        self.name = name
+        self._module_name = module_name
+        self._lib = lib
+
+    @property
+    def lib(self) -> Any:
+        if self._lib is None:
+            if self._module_name is None:
+                raise BackendUnavailable(f"backend {self.name!r} has no module to import")
+            self._lib = importlib.import_module(self._module_name)
+        return self._lib
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            lib = self.lib
+        except ImportError as exc:
+            return f"cannot import {self._module_name}: {exc}"
+        missing = [k for k in ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear") if not hasattr(lib, k)]
+        if missing:
+            return f"{getattr(lib, '__name__', self.name)} does not export {', '.join(missing)} yet"
+        return None
+
+    def build(self, config: ModuleConfig, *, delay: bool, ub_bulk_wgrad: bool = False) -> Any:
+        return build_library_module(self.lib, config, delay=delay, ub_bulk_wgrad=ub_bulk_wgrad)
+
+    def constructor(self, kind: str) -> Callable[..., Any]:
+        return getattr(self.lib, kind)
+
+    def parameters(self, module: Any) -> dict[str, torch.nn.Parameter]:
+        return dict(module.named_parameters())
+
+    def gemm_weight_names(self, module: Any) -> list[str]:
+        return list(module.gemm_weight_names())
+
+    def gemm_bias_names(self, module: Any) -> list[str]:
+        return list(module.gemm_bias_names())
+
+    def forward(self, module, x, m_splits, is_first_microbatch):
+        if m_splits is not None:
+            return module(x, list(m_splits), is_first_microbatch=is_first_microbatch)
+        return module(x, is_first_microbatch=is_first_microbatch)
+
+    def backward_dw(self, module: Any) -> None:
+        module.backward_dw()
+
+    def pending_wgrad_count(self, module: Any) -> int:
+        return int(module.pending_wgrad_count)
+
+    def register_hook(self, module: Any, fn: Callable[[], None]) -> None:
+        module.register_wgrad_accumulation_and_reduce_hooks(fn)
+
+
+def load_library_from_path(path: str | Path, package_name: str) -> Any:
+    """Import the package in directory ``path`` under ``package_name`` (used for mutated copies
+    of impl). Raises :class:`BackendUnavailable` naming the path when it is not a package."""
+    path = Path(path)
+    init = path / "__init__.py"
+    if not init.is_file():
+        raise BackendUnavailable(f"{path} is not a Python package (no __init__.py)")
+    spec = importlib.util.spec_from_file_location(
+        package_name, init, submodule_search_locations=[str(path)]
+    )
+    if spec is None or spec.loader is None:
+        raise BackendUnavailable(f"cannot load a package from {path}")
+    lib = importlib.util.module_from_spec(spec)
+    sys.modules[package_name] = lib
+    spec.loader.exec_module(lib)
+    return lib
+
+
+# -------------------------------------------------------------------------------------------
+# torch-split: PyTorch's generic split on torch.nn twins
+# -------------------------------------------------------------------------------------------
+
+
+class _TwinNorm:
+    """LayerNorm/RMSNorm forward with TE's parameterisation, in torch.nn.functional."""
+
+    @staticmethod
+    def apply(config: ModuleConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        gamma = weight + 1 if config.zero_centered_gamma else weight
+        k = (config.in_features,)
+        if config.normalization == "LayerNorm":
+            return torch.nn.functional.layer_norm(x, k, gamma, bias, eps=1e-5)
+        return torch.nn.functional.rms_norm(x, k, gamma, eps=1e-5)
+
+
+def _activation(name: str, h: torch.Tensor) -> torch.Tensor:
+    fn = {
+        "gelu": lambda a: torch.nn.functional.gelu(a, approximate="tanh"),
+        "geglu": lambda a: torch.nn.functional.gelu(a, approximate="tanh"),
+        "relu": torch.nn.functional.relu,
+        "swiglu": torch.nn.functional.silu,
+    }[name]
+    if name in GATED:
+        a, b = h.chunk(2, dim=-1)
+        return fn(a) * b
+    return fn(h)
+
+
+class TorchTwin(torch.nn.Module):
+    """A plain ``torch.nn`` module equal to ``config``'s splitgrad module, parameters under the
+    TransformerEngine names, built from ``torch.nn.functional`` only."""
+
+    def __init__(self, config: ModuleConfig) -> None:
+        super().__init__()
+        from .data import param_specs
+
+        self.config = config
+        for spec in param_specs(config):
+            p = torch.nn.Parameter(torch.zeros(spec.shape, dtype=config.torch_dtype, device=config.device))
+            self.register_parameter(spec.name, p)
+
+    def forward(self, x: torch.Tensor, m_splits: Sequence[int] | None = None) -> torch.Tensor:
+        c = self.config
+        lin = torch.nn.functional.linear
+        if c.kind == "GroupedLinear":
+            rows = x.reshape(-1, c.in_features)
+            parts = [
+                lin(xi, getattr(self, f"weight{i}"), getattr(self, f"bias{i}", None))
+                for i, xi in enumerate(rows.split(list(m_splits or ())))
+            ]
+            return torch.cat(parts, dim=0) if parts else rows.new_zeros(0, c.out_features)
+        if c.has_norm:
+            x = _TwinNorm.apply(c, x, self.layer_norm_weight, getattr(self, "layer_norm_bias", None))
+        if c.kind == "LayerNormMLP":
+            h = lin(x, self.fc1_weight, getattr(self, "fc1_bias", None))
+            y = lin(_activation(c.activation, h), self.fc2_weight, getattr(self, "fc2_bias", None))
+        else:
+            y = lin(x, self.weight, getattr(self, "bias", None))
+        # stage_backward_input detach_()es the stage outputs, which torch refuses for views
+        # (F.linear on a 3-D input returns one); a pipeline stage would hand over a copy too.
+        return y.clone() if y._is_view() else y
+
+
+@dataclasses.dataclass
+class TorchSplitHandle:
+    """A twin plus what the adapter keeps for the split: inputs seen since the last backward,
+    the FIFO of ``param_groups`` from ``stage_backward_input``, and the hooks."""
+
+    twin: TorchTwin
+    delay: bool
+    inputs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    queue: collections.deque = dataclasses.field(default_factory=collections.deque)
+    hooks: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+
+
+def _fused_case(case: Case) -> bool:
+    return case.config.fuse_wgrad_accumulation
+
+
+class TorchSplitBackend(Backend):
+    """``torch.distributed.pipelining._backward.stage_backward_input`` /
+    ``stage_backward_weight`` applied to :class:`TorchTwin` modules with the same weights.
+
+    ``backward()`` runs ``stage_backward_input`` over every parameter of the twin (as a
+    ``PipelineStage`` does) and queues its ``param_groups``; ``backward_dw()`` pops the oldest and
+    runs ``stage_backward_weight``.
+    """
+
+    name = "torch-split"
+    supports_fused = False
+    notes = (
+        "outputs that are views are cloned by the twin: stage_backward_input detach_()es stage "
+        "outputs and fails on views",
+        "the FIFO queue, pending_wgrad_count, the empty-queue RuntimeError and the hooks are "
+        "supplied by the adapter (torch's split has none of them)",
+        "fused wgrad accumulation (main_grad, is_first_microbatch) does not exist in torch.nn: "
+        "fused configs and P8 are reported n/a",
+    )
+    deviations = (
+        Deviation(
+            "P5",
+            "norm-parameter gradients are deferred too: stage_backward_input computes input "
+            "gradients only, every parameter (norm gamma/beta included) waits for "
+            "stage_backward_weight",
+            "torch.distributed.pipelining._backward",
+            applies=lambda case: case.config.has_norm,
+        ),
+        Deviation(
+            "P10",
+            "no input validation: a wrong last dimension or dtype fails inside torch.nn.functional "
+            "with RuntimeError instead of ValueError/TypeError naming expected and actual",
+        ),
+    )
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            importlib.import_module("torch.distributed.pipelining._backward")
+        except ImportError as exc:
+            return f"torch {torch.__version__} has no torch.distributed.pipelining._backward ({exc})"
+        return None
+
+    def unsupported_reason(self, property_id: str, config: ModuleConfig) -> str | None:
+        if config.fuse_wgrad_accumulation or property_id == "P8":
+            return "torch.nn has no fused wgrad accumulation into main_grad"
+        if property_id == "P9":
+            return "torch.nn has no ub_bulk_wgrad option"
+        return super().unsupported_reason(property_id, config)
+
+    def build(self, config: ModuleConfig, *, delay: bool, ub_bulk_wgrad: bool = False) -> TorchSplitHandle:
+        if config.fuse_wgrad_accumulation:
+            raise BackendUnavailable("torch-split: fuse_wgrad_accumulation is not supported")
+        return TorchSplitHandle(TorchTwin(config), delay)
+
+    def parameters(self, module: TorchSplitHandle) -> dict[str, torch.nn.Parameter]:
+        return dict(module.twin.named_parameters())
+
+    def gemm_weight_names(self, module: TorchSplitHandle) -> list[str]:
+        from .data import GEMM_WEIGHT, param_specs
+
+        return [s.name for s in param_specs(module.twin.config) if s.role == GEMM_WEIGHT]
+
+    def gemm_bias_names(self, module: TorchSplitHandle) -> list[str]:
+        from .data import GEMM_BIAS, param_specs
+
+        return [s.name for s in param_specs(module.twin.config) if s.role == GEMM_BIAS]
+
+    def forward(self, module: TorchSplitHandle, x, m_splits, is_first_microbatch):
+        # Stage inputs are leaves (a pipeline stage receives detached activations); an input
+        # produced by this module itself (a chained, tied use) is part of the stage's graph.
+        if x.grad_fn is None:
+            module.inputs.append(x)
+        return module.twin(x, m_splits)
+
+    def _trainable(self, module: TorchSplitHandle) -> list[torch.nn.Parameter]:
+        return [p for p in module.twin.parameters() if p.requires_grad]
+
+    def backward(self, module: TorchSplitHandle, outputs, grads) -> None:
+        inputs, module.inputs = module.inputs, []
+        if not module.delay:
+            torch.autograd.backward(list(outputs), list(grads))
+            self._run_hooks(module)
+            return
+        from torch.distributed.pipelining._backward import stage_backward_input
+
+        weights = self._trainable(module)
+        _, param_groups = stage_backward_input(list(outputs), list(grads), inputs, iter(weights))
+        gemm = set(self.gemm_weight_names(module) + self.gemm_bias_names(module))
+        if any(p.requires_grad for n, p in module.twin.named_parameters() if n in gemm):
+            module.queue.append(param_groups)
+
+    def backward_dw(self, module: TorchSplitHandle) -> None:
+        if not module.delay:
+            return
+        if not module.queue:
+            raise RuntimeError("torch-split backward_dw(): nothing is pending (pending_wgrad_count=0)")
+        from torch.distributed.pipelining._backward import stage_backward_weight
+
+        param_groups = module.queue.popleft()
+        stage_backward_weight(iter(self._trainable(module)), param_groups)
+        del param_groups
+        self._run_hooks(module)
+
+    @staticmethod
+    def _run_hooks(module: TorchSplitHandle) -> None:
+        for hook in list(module.hooks):
+            hook()
+
+    def pending_wgrad_count(self, module: TorchSplitHandle) -> int:
+        return len(module.queue)
+
+    def register_hook(self, module: TorchSplitHandle, fn: Callable[[], None]) -> None:
+        module.hooks.append(fn)
+
+    def supports_ub_bulk_wgrad(self, kind: str) -> bool:
+        return False
+
+
+# -------------------------------------------------------------------------------------------
+# TransformerEngine
+# -------------------------------------------------------------------------------------------
+
+
+def _plain_case(case: Case) -> bool:
+    return not case.config.fuse_wgrad_accumulation
+
+
+class TransformerEngineBackend(LibraryBackend):
+    """``transformer_engine.pytorch`` (needs TE and a CUDA GPU). Its modules share the splitgrad
+    API names; the pending count is read from TE's ``wgrad_store`` when it has no
+    ``pending_wgrad_count``."""
+
+    notes = ("pending_wgrad_count is read from TE's internal wgrad_store when TE lacks it",)
+    deviations = (
+        Deviation(
+            "P4",
+            "non-fused backward_dw() overwrites weight.grad instead of accumulating (a random "
+            ".grad prefill or a second micro-batch is lost)",
+            "TransformerEngine issue #3437",
+            applies=_plain_case,
+        ),
+        Deviation(
+            "P6",
+            "non-fused backward_dw() overwrites weight.grad, so interleaved micro-batches lose "
+            "all but the last contribution",
+            "TransformerEngine issue #3437",
+            applies=_plain_case,
+        ),
+        Deviation(
+            "P7",
+            "a weight used twice queues two entries whose non-fused backward_dw() overwrite each other",
+            "TransformerEngine issue #3437",
+            applies=_plain_case,
+        ),
+        Deviation(
+            "P3",
+            "the bias gradient is filled in backward_dw() only when bias.grad is still None",
+            "TransformerEngine issue #3400",
+            applies=lambda case: case.config.bias,
+        ),
+        Deviation(
+            "P10",
+            "backward_dw() on an empty GroupedLinear queue returns silently instead of raising",
+            "SPEC.md §4",
+            applies=lambda case: case.config.kind == "GroupedLinear",
+        ),
+    )
+
+    def __init__(self) -> None:
+        super().__init__("transformer_engine", "transformer_engine.pytorch")
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            importlib.import_module("transformer_engine.pytorch")
+        except Exception as exc:  # TE raises assorted errors when its CUDA libs are missing
+            return f"TransformerEngine is not importable here ({type(exc).__name__}: {exc})"
+        if not torch.cuda.is_available():
+            return "TransformerEngine needs a CUDA GPU; torch.cuda.is_available() is False"
+        return None
+
+    def unsupported_reason(self, property_id: str, config: ModuleConfig) -> str | None:
+        if config.device != "cuda":
+            return "TransformerEngine modules run on CUDA only"
+        return super().unsupported_reason(property_id, config)
+
+    def build(self, config: ModuleConfig, *, delay: bool, ub_bulk_wgrad: bool = False) -> Any:
+        return build_library_module(self.lib, config, delay=delay, ub_bulk_wgrad=ub_bulk_wgrad)
+
+    def gemm_weight_names(self, module: Any) -> list[str]:
+        names = [n for n, _ in module.named_parameters()]
+        return [n for n in names if n == "weight" or n.startswith(("fc1_weight", "fc2_weight")) or (n.startswith("weight") and n[6:].isdigit())]
+
+    def gemm_bias_names(self, module: Any) -> list[str]:
+        names = [n for n, _ in module.named_parameters()]
+        return [n for n in names if n == "bias" or n in ("fc1_bias", "fc2_bias") or (n.startswith("bias") and n[4:].isdigit())]
+
+    def pending_wgrad_count(self, module: Any) -> int:
+        if hasattr(module, "pending_wgrad_count"):
+            return int(module.pending_wgrad_count)
+        store = getattr(module, "wgrad_store", None)
+        ctx = getattr(store, "context", None)
+        queue = getattr(ctx, "queue", None) if ctx is not None else None
+        if queue is None:
+            raise BackendUnavailable("cannot read the pending wgrad count from this TE version")
+        return len(queue) if not hasattr(queue, "qsize") else int(queue.qsize())
+
+
+# -------------------------------------------------------------------------------------------
+
+
+BACKEND_NAMES = ("impl", "reference", "torch-split", "transformer_engine")
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called ``name``; ``path:DIR`` loads a package directory (a mutated impl).
+    Raises ``ValueError`` naming unknown backends."""
+    if name == "impl":
+        return LibraryBackend("impl", "splitgrad.impl")
+    if name == "reference":
+        return LibraryBackend("reference", "splitgrad.reference")
+    if name == "torch-split":
+        return TorchSplitBackend()
+    if name == "transformer_engine":
+        return TransformerEngineBackend()
+    if name.startswith("path:"):
+        path = Path(name[5:])
+        pkg = "splitgrad_under_test_" + "".join(c if c.isalnum() else "_" for c in path.name)
+        try:
+            lib = load_library_from_path(path, pkg)
+        except BackendUnavailable:
+            raise
+        except Exception as exc:
+            raise BackendUnavailable(f"cannot import the package at {path}: {type(exc).__name__}: {exc}") from exc
+        return LibraryBackend(name, lib=lib)
+    raise ValueError(f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)} or path:DIR")
+
+
+def available_backends(names: Iterable[str] = BACKEND_NAMES) -> list[Backend]:
+    """The backends among ``names`` that can run in this process."""
+    out = []
+    for n in names:
+        b = get_backend(n)
+        if b.unavailable_reason() is None:
+            out.append(b)
+    return out

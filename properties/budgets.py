@@ -1,0 +1,304 @@
+"""The three tiers of oracle, and the only home of every tolerance in the harness.
+
+1. **Bitwise** (:func:`check_bitwise`): delayed ≡ non-delayed, ``GroupedLinear`` ≡ ``Linear``\\ s
+   on the same kernel. ``rtol=0, atol=0``, compared on the bit patterns (so ``-0.0 != 0.0`` and
+   NaN payloads count).
+2. **Error budget** (:func:`check_error_budget`): an implementation's error against the float64
+   truth may be at most ``multiplier`` times the naive low-precision reference's own error, plus
+   ``floor_steps`` rounding steps of the compared tensor's dtype at the truth's largest magnitude:
+
+       max|actual - truth| <= multiplier * max|naive - truth| + floor_steps * eps(dtype) * max|truth|
+
+   One budget per kind of tensor (outputs, dgrad, wgrad, norm-parameter gradients), because they
+   round at different places (see below).
+3. **float64 gradcheck of the reference** (:func:`gradcheck_reference`): the reference's
+   hand-written backward against finite differences.
+
+Every failure raises :class:`BudgetViolation` (an ``AssertionError``, so hypothesis shrinks on
+it) whose message names the tensor, the worst index, both values and the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+__all__ = [
+    "BudgetViolation",
+    "ErrorBudget",
+    "OUTPUT",
+    "DGRAD",
+    "WGRAD",
+    "NORM_GRAD",
+    "GROUPED_GEMM",
+    "BUDGETS",
+    "GRADCHECK_EPS",
+    "GRADCHECK_ATOL",
+    "GRADCHECK_RTOL",
+    "rounding_step",
+    "check_bitwise",
+    "check_same_presence",
+    "check_error_budget",
+    "gradcheck_reference",
+]
+
+
+class BudgetViolation(AssertionError):
+    """A comparison failed. ``ratio`` is worst error / budget (``inf`` for bitwise mismatches,
+    missing tensors, or shape/dtype differences)."""
+
+    def __init__(self, tensor: str, message: str, ratio: float = math.inf) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+        self.ratio = ratio
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorBudget:
+    """``max|actual - truth| <= multiplier * max|naive - truth| + floor_steps * eps * max|truth|``.
+
+    ``why`` says where the implementation and the naive reference may round differently — the
+    reason this entry is looser than bitwise.
+    """
+
+    kind: str
+    multiplier: float
+    floor_steps: float
+    why: str
+
+
+# Outputs: one GEMM (fp32 accumulate, one rounding), then the bias add rounds again in the
+# reference; a fused epilogue rounds once, a different norm kernel sums in another order.
+OUTPUT = ErrorBudget(
+    "output",
+    2.0,
+    1.0,
+    "an implementation may fuse the bias add into the GEMM epilogue (one rounding instead of "
+    "the reference's two) or reduce the norm statistics in another order",
+)
+# dgrad: reduces over the output features only (short sums), chained through the norm
+# backward for LayerNorm modules; same rounding points as the forward.
+DGRAD = ErrorBudget(
+    "dgrad",
+    2.0,
+    1.0,
+    "dgrad GEMMs may block the reduction over output features differently, and a fused norm "
+    "backward rounds its intermediate sums at other points than the reference's formulas",
+)
+# wgrad reduces over every token of the micro-batch, so blocking/ordering differences grow with
+# the token count; llm.c and TE's tests likewise allow parameter gradients more slack.
+WGRAD = ErrorBudget(
+    "wgrad",
+    4.0,
+    1.0,
+    "wgrad and bias gradients reduce over all tokens; a GEMM kernel that splits that reduction "
+    "(split-K, or accumulating straight into fp32 main_grad) sums in a different order",
+)
+# Norm-parameter gradients are token reductions as well (sum over rows of dy * xhat).
+NORM_GRAD = ErrorBudget(
+    "norm_grad",
+    4.0,
+    1.0,
+    "gamma/beta gradients are reductions over all tokens, done by a fused kernel in partial "
+    "sums per block rather than the reference's single torch.sum",
+)
+# P12 when GroupedLinear uses a grouped GEMM kernel and the Linears a plain GEMM: the naive side
+# is the list of Linears itself.
+GROUPED_GEMM = ErrorBudget(
+    "grouped_gemm",
+    2.0,
+    1.0,
+    "a grouped GEMM kernel tiles each group's GEMM differently from the single-GEMM kernel a "
+    "Linear uses; both round their fp32 accumulation once to the output dtype",
+)
+
+BUDGETS = {b.kind: b for b in (OUTPUT, DGRAD, WGRAD, NORM_GRAD, GROUPED_GEMM)}
+
+# Tier 3: finite differences in float64 (torch.autograd.gradcheck's defaults).
+GRADCHECK_EPS = 1e-6
+GRADCHECK_ATOL = 1e-5
+GRADCHECK_RTOL = 1e-3
+
+_INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def rounding_step(dtype: torch.dtype, magnitude: float) -> float:
+    """One rounding step (ulp) of ``dtype`` at ``magnitude``: at most ``eps * magnitude``; the
+    smallest normal number of ``dtype`` when ``magnitude`` is zero."""
+    info = torch.finfo(dtype)
+    return max(info.eps * magnitude, info.tiny)
+
+
+def _fmt_index(flat_index: int, shape: torch.Size) -> tuple[int, ...]:
+    if len(shape) == 0:
+        return ()
+    return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat_index), shape))
+
+
+def _scalar(t: torch.Tensor, index: tuple[int, ...]) -> float:
+    return float(t[index].item()) if t.numel() else float("nan")
+
+
+def check_same_presence(name: str, actual: torch.Tensor | None, expected: torch.Tensor | None) -> bool:
+    """Raise unless both are ``None`` or both tensors of one shape; return ``True`` when there
+    are tensors to compare."""
+    if actual is None and expected is None:
+        return False
+    if actual is None or expected is None:
+        got = "None" if actual is None else f"a tensor of shape {tuple(actual.shape)}"
+        want = "None" if expected is None else f"a tensor of shape {tuple(expected.shape)}"
+        raise BudgetViolation(name, f"{name}: got {got}, expected {want}")
+    if actual.shape != expected.shape:
+        raise BudgetViolation(
+            name, f"{name}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+        )
+    return True
+
+
+def check_bitwise(name: str, actual: torch.Tensor | None, expected: torch.Tensor | None) -> float:
+    """Tier 1: identical bits (and dtype, shape, device, presence). Returns 0.0 or raises."""
+    if not check_same_presence(name, actual, expected):
+        return 0.0
+    assert actual is not None and expected is not None  # narrowed by check_same_presence
+    if actual.dtype != expected.dtype:
+        raise BudgetViolation(name, f"{name}: dtype {actual.dtype}, expected {expected.dtype}")
+    if actual.device != expected.device:
+        raise BudgetViolation(name, f"{name}: device {actual.device}, expected {expected.device}")
+    a = actual.detach().contiguous()
+    e = expected.detach().contiguous()
+    ibits = _INT_VIEW[a.element_size()]
+    differ = a.view(ibits) != e.view(ibits)
+    if not bool(differ.any()):
+        return 0.0
+    diff = (a.double() - e.double()).abs()
+    # Worst finite difference first; a NaN/sign-of-zero mismatch still gets an index.
+    scored = torch.where(differ, torch.nan_to_num(diff, nan=math.inf, posinf=math.inf), -1.0)
+    idx = _fmt_index(int(scored.flatten().argmax()), a.shape)
+    raise BudgetViolation(
+        name,
+        f"{name}: not bitwise identical: {int(differ.sum())} of {a.numel()} elements differ; "
+        f"worst at index {idx}: got {_scalar(a, idx)!r}, expected {_scalar(e, idx)!r} "
+        "(budget: rtol=0, atol=0)",
+    )
+
+
+def check_error_budget(
+    name: str,
+    actual: torch.Tensor | None,
+    truth: torch.Tensor | None,
+    naive: torch.Tensor | None,
+    budget: ErrorBudget,
+    dtype: torch.dtype | None = None,
+) -> float:
+    """Tier 2: ``actual`` against the float64 ``truth``, relative to ``naive``'s own error.
+
+    ``dtype`` is the dtype whose rounding step sets the floor (default: ``actual``'s — e.g.
+    float32 for ``main_grad`` of a bf16 module). Returns worst error / budget (<= 1) or raises.
+    """
+    if not check_same_presence(name, actual, truth):
+        return 0.0
+    if naive is None:
+        raise BudgetViolation(name, f"{name}: the naive reference produced no tensor to compare")
+    assert actual is not None and truth is not None  # narrowed by check_same_presence
+    if naive.shape != truth.shape:
+        raise BudgetViolation(name, f"{name}: naive shape {tuple(naive.shape)} != {tuple(truth.shape)}")
+    dtype = dtype or actual.dtype
+    t = truth.detach().double().cpu()
+    a = actual.detach().double().cpu()
+    n = naive.detach().double().cpu()
+    if t.numel() == 0:
+        return 0.0
+    err = (a - t).abs()
+    err = torch.where(torch.isnan(err), torch.full_like(err, math.inf), err)
+    naive_err = float((n - t).abs().max())
+    magnitude = float(t.abs().max())
+    floor = budget.floor_steps * rounding_step(dtype, magnitude)
+    allowed = budget.multiplier * naive_err + floor
+    flat = int(err.flatten().argmax())
+    worst = float(err.flatten()[flat])
+    ratio = worst / allowed
+    if not ratio <= 1.0:
+        idx = _fmt_index(flat, t.shape)
+        raise BudgetViolation(
+            name,
+            f"{name}: worst error {worst:.4g} at index {idx}: got {_scalar(a, idx)!r}, "
+            f"truth {_scalar(t, idx)!r} (naive {_scalar(n, idx)!r}); budget {allowed:.4g} = "
+            f"{budget.multiplier} x naive error {naive_err:.4g} + {budget.floor_steps} "
+            f"rounding step of {dtype} at |truth| {magnitude:.4g} ({floor:.4g}); "
+            f"ratio {ratio:.3g} [{budget.kind} budget]",
+            ratio,
+        )
+    return ratio
+
+
+def gradcheck_reference(config, seed: int = 0, rows: int = 3) -> None:
+    """Tier 3: the reference's hand-written backward in float64 against finite differences.
+
+    ``torch.autograd.gradcheck`` covers the input gradient. The reference writes parameter
+    gradients itself (they never reach autograd), so each parameter element is checked by central
+    differences of ``L = sum(y * dy)`` against the ``.grad`` / ``main_grad`` the module wrote.
+    Raises :class:`BudgetViolation` naming the parameter and index. Keep shapes tiny.
+    """
+    import dataclasses as dc
+
+    from .backends import get_backend
+    from .data import make_state
+    from .strategies import MicroBatch
+
+    config = dc.replace(config, dtype="float64")
+    backend = get_backend("reference")
+    splits = None
+    if config.kind == "GroupedLinear":
+        base, extra = divmod(rows, config.num_gemms)
+        splits = tuple(base + (i < extra) for i in range(config.num_gemms))
+    mb = MicroBatch((rows,), splits)
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(rows, config.in_features, generator=g, dtype=torch.float64)
+    dy = torch.randn(rows, config.output_features, generator=g, dtype=torch.float64)
+    module = backend.build(config, delay=False)
+    backend.load_state(module, make_state(config, seed))
+    if config.fuse_wgrad_accumulation:
+        for name in backend.gemm_weight_names(module):
+            backend.parameters(module)[name].main_grad = torch.zeros_like(
+                backend.parameters(module)[name], dtype=torch.float64
+            )
+
+    def fwd(x: torch.Tensor) -> torch.Tensor:
+        return backend.forward(module, x, mb.m_splits, None)
+
+    x = x0.clone().requires_grad_(True)
+    ok = torch.autograd.gradcheck(
+        fwd, (x,), eps=GRADCHECK_EPS, atol=GRADCHECK_ATOL, rtol=GRADCHECK_RTOL, raise_exception=False
+    )
+    if not ok:
+        raise BudgetViolation("x.grad", f"gradcheck of the input gradient failed for {config.label()}")
+    # Parameter gradients: one analytic backward, then finite differences per element.
+    params = backend.parameters(module)
+    for p in params.values():
+        p.grad = None
+    backend.forward(module, x0.clone().requires_grad_(True), mb.m_splits, None).backward(dy)
+    weights = set(backend.gemm_weight_names(module))
+    for name, p in params.items():
+        analytic = p.main_grad if (config.fuse_wgrad_accumulation and name in weights) else p.grad
+        if analytic is None:
+            raise BudgetViolation(name, f"{name}: no gradient written by the float64 reference")
+        flat = p.data.view(-1)
+        for i in range(flat.numel()):
+            orig = float(flat[i])
+            with torch.no_grad():
+                flat[i] = orig + GRADCHECK_EPS
+                up = float((fwd(x0) * dy).sum())
+                flat[i] = orig - GRADCHECK_EPS
+                down = float((fwd(x0) * dy).sum())
+                flat[i] = orig
+            numeric = (up - down) / (2 * GRADCHECK_EPS)
+            got = float(analytic.reshape(-1)[i])
+            if abs(got - numeric) > GRADCHECK_ATOL + GRADCHECK_RTOL * abs(numeric):
+                idx = _fmt_index(i, p.shape)
+                raise BudgetViolation(
+                    name,
+                    f"{name}: analytic gradient {got!r} at index {idx} vs finite difference "
+                    f"{numeric!r} (atol {GRADCHECK_ATOL}, rtol {GRADCHECK_RTOL}) for {config.label()}",
+                )

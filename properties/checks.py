@@ -1,0 +1,1018 @@
+"""Property checks P1–P12 of SPEC.md §7, as functions of ``(backend, case)``.
+
+Each ``check_pN`` runs one example and returns a :class:`CheckResult` (the worst error/budget
+ratio it saw, ``None`` when it compares no numbers), or raises :class:`PropertyViolation` /
+:class:`~.budgets.BudgetViolation` (both ``AssertionError``\\ s, so hypothesis shrinks on them).
+pytest (``tests/test_properties_*.py``) and ``splitgrad verify`` call the same functions with
+cases from :func:`case_strategy`.
+
+Truth and baseline for P1–P3 come from the reference: the naive run is
+``splitgrad.reference`` in the case's dtype, the truth is its float64 twin from
+:func:`splitgrad.reference.upcast` (same code, same weights, same ``main_grad`` prefill).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from . import budgets as B
+from .backends import Backend, get_backend
+from .data import GEMM_WEIGHT, make_grad_prefill, make_main_grads, make_micro_batches, make_state, param_specs
+from .runner import ModuleRun, Snapshot
+from .strategies import (
+    KINDS,
+    LOW_PRECISION_DTYPES,
+    Case,
+    MicroBatch,
+    ModuleConfig,
+    cases,
+    micro_batches,
+    module_configs,
+    schedules,
+    seeds,
+)
+
+__all__ = [
+    "PROPERTIES",
+    "PropertyViolation",
+    "CheckResult",
+    "Tracker",
+    "case_strategy",
+    "run_check",
+    "check_p1",
+    "check_p2",
+    "check_p3",
+    "check_p4",
+    "check_p5",
+    "check_p6",
+    "check_p7",
+    "check_p8",
+    "check_p9",
+    "check_p10",
+    "check_p11",
+    "check_p12",
+    "MISUSES",
+]
+
+PROPERTIES = {
+    "P1": "forward output within budget of the reference",
+    "P2": "input and norm gradients within budget",
+    "P3": "weight/bias gradients (or main_grad) within budget after backward_dw()",
+    "P4": "delayed == non-delayed, bitwise (random .grad and main_grad prefill)",
+    "P5": "between backward() and backward_dw(): input grads final, GEMM grads untouched, no hooks",
+    "P6": "any legal interleaving of forward/backward/backward_dw/zero == non-delayed run",
+    "P7": "tied weights (module used twice) and frozen weights",
+    "P8": "is_first_microbatch overwrites main_grad under fused accumulation only",
+    "P9": "ub_bulk_wgrad + delay raises ValueError, also under python -O",
+    "P10": "bad input and misuse raise the errors of SPEC §4/§5 and change nothing",
+    "P11": "after backward_dw() the entry's tensors are freed",
+    "P12": "GroupedLinear == a list of Linears on torch.split(x, m_splits)",
+}
+
+
+class PropertyViolation(AssertionError):
+    """A property does not hold; the message says which invariant, on which tensor."""
+
+
+@dataclasses.dataclass
+class CheckResult:
+    """``ratio``: worst error/budget over the example (0.0 when every comparison was bitwise
+    and exact; ``None`` when nothing numeric was compared); ``comparisons``: tensors compared."""
+
+    ratio: float | None = None
+    comparisons: int = 0
+
+
+class Tracker:
+    """Collects the worst ratio of one example while running its comparisons."""
+
+    def __init__(self) -> None:
+        self.result = CheckResult()
+
+    def _note(self, ratio: float) -> None:
+        self.result.comparisons += 1
+        self.result.ratio = ratio if self.result.ratio is None else max(self.result.ratio, ratio)
+
+    def bitwise(self, name: str, actual: torch.Tensor | None, expected: torch.Tensor | None) -> None:
+        self._note(B.check_bitwise(name, actual, expected))
+
+    def bitwise_all(self, prefix: str, actual: Snapshot, expected: Snapshot) -> None:
+        keys = sorted(set(actual) | set(expected))
+        for k in keys:
+            self.bitwise(f"{prefix}{k}", actual.get(k), expected.get(k))
+
+    def budget(self, name, actual, truth, naive, budget: B.ErrorBudget, dtype=None) -> None:
+        self._note(B.check_error_budget(name, actual, truth, naive, budget, dtype))
+
+    def expect(self, condition: bool, message: str) -> None:
+        if not condition:
+            raise PropertyViolation(message)
+
+    def equal(self, name: str, actual: Any, expected: Any) -> None:
+        if actual != expected:
+            raise PropertyViolation(f"{name}: got {actual!r}, expected {expected!r}")
+
+
+def _reference() -> Backend:
+    return get_backend("reference")
+
+
+# =============================================================================================
+# P1–P3: error budgets against the float64 truth
+# =============================================================================================
+
+
+@dataclasses.dataclass
+class _AccuracyRun:
+    outputs: list[torch.Tensor]
+    xgrads: list[torch.Tensor | None]
+    norm: Snapshot
+    gemm: Snapshot
+
+
+def _accuracy_run(run: ModuleRun, case: Case, data, dtype: torch.dtype | None = None) -> _AccuracyRun:
+    outputs, xgrads = [], []
+    for d in data:
+        if dtype is not None:
+            d = dataclasses.replace(d, x=d.x.to(dtype), dy=d.dy.to(dtype))
+        x, y = run.fb(d)
+        outputs.append(y)
+        xgrads.append(None if x.grad is None else x.grad.detach().clone())
+    norm = run.norm_snapshot()
+    run.drain()
+    return _AccuracyRun(outputs, xgrads, norm, run.gemm_snapshot())
+
+
+def _accuracy(backend: Backend, case: Case) -> tuple[_AccuracyRun, _AccuracyRun, _AccuracyRun]:
+    """(under test, naive reference, float64 truth) for ``case``."""
+    from splitgrad.reference import upcast
+
+    data = make_micro_batches(case)
+    test = _accuracy_run(ModuleRun(backend, case, delay=case.delay), case, data)
+    naive_run = ModuleRun(_reference(), case, delay=False, hooks=0)
+    truth_run = ModuleRun(
+        _reference(),
+        case,
+        delay=False,
+        hooks=0,
+        module=upcast(naive_run.module),
+        config=dataclasses.replace(case.config, dtype="float64"),
+        main_grads=False,
+    )
+    truth = _accuracy_run(truth_run, case, data, torch.float64)
+    naive = _accuracy_run(naive_run, case, data)
+    return test, naive, truth
+
+
+def _floor_dtype(run_key: str, config: ModuleConfig) -> torch.dtype:
+    return torch.float32 if run_key.endswith(".main_grad") else config.torch_dtype
+
+
+def check_p1(backend: Backend, case: Case) -> CheckResult:
+    """P1: every micro-batch's output within :data:`~.budgets.OUTPUT` of the float64 truth."""
+    t = Tracker()
+    test, naive, truth = _accuracy(backend, case)
+    for i, (a, n, r) in enumerate(zip(test.outputs, naive.outputs, truth.outputs)):
+        t.budget(f"output[micro-batch {i}]", a, r, n, B.OUTPUT)
+    return t.result
+
+
+def check_p2(backend: Backend, case: Case) -> CheckResult:
+    """P2: input gradients (:data:`~.budgets.DGRAD`) and norm-parameter gradients
+    (:data:`~.budgets.NORM_GRAD`) within budget."""
+    t = Tracker()
+    test, naive, truth = _accuracy(backend, case)
+    for i, (a, n, r) in enumerate(zip(test.xgrads, naive.xgrads, truth.xgrads)):
+        t.budget(f"inp.grad[micro-batch {i}]", a, r, n, B.DGRAD)
+    for key in sorted(truth.norm):
+        t.budget(key, test.norm.get(key), truth.norm[key], naive.norm.get(key), B.NORM_GRAD)
+    return t.result
+
+
+def check_p3(backend: Backend, case: Case) -> CheckResult:
+    """P3: GEMM weight/bias gradients (``main_grad`` when fused) within
+    :data:`~.budgets.WGRAD` after every ``backward_dw()``; fused weights keep ``.grad is None``."""
+    t = Tracker()
+    test, naive, truth = _accuracy(backend, case)
+    t.expect(set(test.gemm) == set(truth.gemm), f"gradient slots {sorted(test.gemm)} != {sorted(truth.gemm)}")
+    for key in sorted(truth.gemm):
+        a = test.gemm[key]
+        if key.endswith(".grad") and truth.gemm[key] is None:
+            t.expect(a is None, f"{key}: expected None (fused weights keep .grad None), got a tensor")
+            continue
+        t.budget(key, a, truth.gemm[key], naive.gemm.get(key), B.WGRAD, _floor_dtype(key, case.config))
+    return t.result
+
+
+# =============================================================================================
+# P4: delayed == non-delayed
+# =============================================================================================
+
+
+def check_p4(backend: Backend, case: Case) -> CheckResult:
+    """P4: the same micro-batches through a delayed and a non-delayed module (random ``.grad``
+    and ``main_grad`` prefills), all ``backward_dw()`` at the end: outputs, input grads, every
+    parameter gradient and ``main_grad`` bitwise equal; hooks fire once per entry, after the
+    gradients are written; ``grad_added_to_main_grad`` set in both."""
+    t = Tracker()
+    data = make_micro_batches(case)
+    eager = ModuleRun(backend, case, delay=False, prefill_grads=True)
+    late = ModuleRun(backend, case, delay=True, prefill_grads=True)
+    for i, d in enumerate(data):
+        xe, ye = eager.fb(d)
+        xl, yl = late.fb(d)
+        t.bitwise(f"output[micro-batch {i}]", yl, ye)
+        t.bitwise(f"inp.grad[micro-batch {i}]", xl.grad, xe.grad)
+    t.equal("pending_wgrad_count after the backwards", late.pending(), len(data))
+    late.drain()
+    t.equal("pending_wgrad_count after draining", late.pending(), 0)
+    t.bitwise_all("", late.all_snapshot(), eager.all_snapshot())
+    t.equal("hook calls (delayed vs non-delayed)", [c.hook for c in late.hook_calls], [c.hook for c in eager.hook_calls])
+    if case.config.fuse_wgrad_accumulation:
+        t.equal("grad_added_to_main_grad (delayed)", late.added_flags(), eager.added_flags())
+        t.expect(all(late.added_flags().values()), f"grad_added_to_main_grad not set: {late.added_flags()}")
+    _check_hooks_saw_final(t, late)
+    return t.result
+
+
+def _check_hooks_saw_final(t: Tracker, run: ModuleRun) -> None:
+    """The last hook call must have seen the final gradients (hooks fire after the writes)."""
+    if run.hook_calls:
+        t.bitwise_all("at the last hook call: ", run.hook_calls[-1].seen, run.gemm_snapshot())
+
+
+# =============================================================================================
+# P5: between backward() and backward_dw()
+# =============================================================================================
+
+
+def check_p5(backend: Backend, case: Case) -> CheckResult:
+    """P5: after each ``backward()`` of a delayed module, input and norm gradients already equal
+    the non-delayed run's (bitwise), GEMM gradients and ``main_grad`` are exactly as before
+    (``None`` or the prefill), no hook has fired and one entry per backward is pending. Each
+    ``backward_dw()`` then leaves input/norm gradients alone and fires every hook once, in
+    registration order, after that entry's gradients are written."""
+    t = Tracker()
+    data = make_micro_batches(case)
+    prefill = case.variant == "prefill"
+    eager = ModuleRun(backend, case, delay=False, prefill_grads=prefill)
+    late = ModuleRun(backend, case, delay=True, prefill_grads=prefill)
+    before = late.gemm_snapshot()
+    flags_before = late.added_flags()
+    xs = []
+    for i, d in enumerate(data):
+        xe, _ = eager.fb(d)
+        xl, _ = late.fb(d)
+        xs.append((xl, xl.grad.detach().clone() if xl.grad is not None else None))
+        t.bitwise(f"inp.grad[micro-batch {i}] right after backward()", xl.grad, xe.grad)
+        t.bitwise_all(f"after backward() of micro-batch {i}: ", late.norm_snapshot(), eager.norm_snapshot())
+        t.bitwise_all(f"untouched until backward_dw(), after backward() {i}: ", late.gemm_snapshot(), before)
+        t.equal(f"grad_added_to_main_grad after backward() {i}", late.added_flags(), flags_before)
+        t.equal(f"hook calls after backward() {i}", len(late.hook_calls), 0)
+        t.equal(f"pending_wgrad_count after backward() {i}", late.pending(), i + 1)
+    norm_before_dw = late.norm_snapshot()
+    for j in range(len(data)):
+        late.dw()
+        t.equal(f"pending_wgrad_count after backward_dw() {j}", late.pending(), len(data) - j - 1)
+        calls = late.hook_calls[2 * j :]
+        t.equal(f"hooks fired by backward_dw() {j}", [c.hook for c in calls], [0, 1])
+        now = late.gemm_snapshot()
+        for c in calls:
+            t.bitwise_all(f"seen by hook {c.hook} at backward_dw() {j}: ", c.seen, now)
+    for i, (x, g) in enumerate(xs):
+        t.bitwise(f"inp.grad[micro-batch {i}] after backward_dw()", x.grad, g)
+    t.bitwise_all("norm grads across backward_dw(): ", late.norm_snapshot(), norm_before_dw)
+    t.bitwise_all("after draining: ", late.all_snapshot(), eager.all_snapshot())
+    return t.result
+
+
+# =============================================================================================
+# P6: interleavings
+# =============================================================================================
+
+
+class InterleavingModel:
+    """Drives a delayed module through a schedule next to two non-delayed twins.
+
+    ``eager`` runs every step as it comes (so input/norm gradients compare right after each
+    backward). ``lagged`` replays micro-batch *i*'s forward+backward at the moment the delayed
+    module runs its *i*-th ``backward_dw()`` (FIFO), so after **every** step the delayed module's
+    GEMM gradients and ``main_grad`` must equal the lagged twin's, bitwise. Zeroing hits all three.
+    Used by :func:`check_p6` and by the stateful machine in :mod:`.state_machine`.
+    """
+
+    def __init__(self, backend: Backend, case: Case) -> None:
+        self.case = case
+        self.t = Tracker()
+        self.late = ModuleRun(backend, case, delay=True)
+        self.eager = ModuleRun(backend, case, delay=False)
+        self.lagged = ModuleRun(backend, case, delay=False)
+        self.queue: list[Any] = []  # micro-batch data of the pending entries, oldest first
+        self.steps: list[str] = []
+        self.dws = 0
+
+    def fb(self, data) -> None:
+        self.steps.append("fb")
+        xl, _ = self.late.fb(data)
+        xe, _ = self.eager.fb(data)
+        self.queue.append(data)
+        n = len(self.steps)
+        self.t.bitwise(f"step {n} (fb): inp.grad", xl.grad, xe.grad)
+        self.t.bitwise_all(f"step {n} (fb): ", self.late.norm_snapshot(), self.eager.norm_snapshot())
+        self.check()
+
+    def dw(self) -> None:
+        self.steps.append("dw")
+        self.late.dw()
+        self.lagged.fb(self.queue.pop(0))
+        self.dws += 1
+        self.check()
+
+    def zero(self) -> None:
+        self.steps.append("zero")
+        for run in (self.late, self.eager, self.lagged):
+            run.zero_grads()
+        self.check()
+
+    def check(self) -> None:
+        n, op = len(self.steps), self.steps[-1] if self.steps else "start"
+        self.t.equal(f"step {n} ({op}): pending_wgrad_count", self.late.pending(), len(self.queue))
+        self.t.bitwise_all(f"step {n} ({op}): ", self.late.gemm_snapshot(), self.lagged.gemm_snapshot())
+        self.t.equal(f"step {n} ({op}): hook calls", len(self.late.hook_calls), 2 * self.dws)
+        _check_hooks_saw_final(self.t, self.late) if op == "dw" else None
+
+
+def check_p6(backend: Backend, case: Case) -> CheckResult:
+    """P6: ``case.schedule`` (``fb``/``dw``/``zero``) on a delayed module against the
+    non-delayed twins of :class:`InterleavingModel`, checked after every step."""
+    data = make_micro_batches(case)
+    model = InterleavingModel(backend, case)
+    nxt = 0
+    for op in case.schedule:
+        if op == "fb":
+            model.fb(data[nxt])
+            nxt += 1
+        elif op == "dw":
+            model.dw()
+        elif op == "zero":
+            model.zero()
+        else:
+            raise ValueError(f"unknown schedule step {op!r} in {case.schedule}")
+    return model.t.result
+
+
+# =============================================================================================
+# P7: tied and frozen weights
+# =============================================================================================
+
+
+def _tied_fb(run: ModuleRun, data, chain: bool) -> tuple[list[torch.Tensor], int]:
+    """One backward through two uses of the same module; returns the leaf inputs."""
+    d0, d1 = data[0], data[1]
+    x0 = d0.fresh_input()
+    y0 = run.forward(x0, d0.spec.m_splits, d0.spec.is_first_microbatch)
+    if chain:
+        y1 = run.forward(y0, d0.spec.m_splits, None)
+        run.backward_outputs([y1], [d0.dy])
+        return [x0], 2
+    x1 = d1.fresh_input()
+    y1 = run.forward(x1, d1.spec.m_splits, None)
+    run.backward_outputs([y0, y1], [d0.dy, d1.dy])
+    return [x0, x1], 2
+
+
+def check_p7(backend: Backend, case: Case) -> CheckResult:
+    """P7. ``variant="tied"``/``"tied-chain"``: one backward through two applications of the
+    module queues two entries; after both ``backward_dw()`` everything equals the non-delayed
+    run bitwise (prefilled ``.grad``/``main_grad``). ``variant="frozen"``: parameters in
+    ``case.frozen`` have ``requires_grad=False``: they get no gradient (and their ``main_grad``
+    stays as prefilled), nothing is queued when no GEMM parameter trains, the rest equals the
+    non-delayed run bitwise."""
+    t = Tracker()
+    data = make_micro_batches(case)
+    if case.variant.startswith("tied"):
+        chain = case.variant == "tied-chain"
+        eager = ModuleRun(backend, case, delay=False, prefill_grads=True)
+        late = ModuleRun(backend, case, delay=True, prefill_grads=True)
+        xe, _ = _tied_fb(eager, data, chain)
+        xl, entries = _tied_fb(late, data, chain)
+        t.equal("pending_wgrad_count after one backward through two uses", late.pending(), entries)
+        for i, (a, b) in enumerate(zip(xl, xe)):
+            t.bitwise(f"inp.grad[use {i}]", a.grad, b.grad)
+        late.drain()
+        t.bitwise_all("tied, after draining: ", late.all_snapshot(), eager.all_snapshot())
+        t.equal("hook calls", len(late.hook_calls), 2 * entries)
+        return t.result
+    if case.variant != "frozen":
+        raise ValueError(f"P7 variant must be 'tied', 'tied-chain' or 'frozen', got {case.variant!r}")
+    eager = ModuleRun(backend, case, delay=False, frozen=case.frozen)
+    late = ModuleRun(backend, case, delay=True, frozen=case.frozen)
+    trains = any(late.params[n].requires_grad for n in late.gemm_names)
+    before = late.all_snapshot()
+    for i, d in enumerate(data):
+        xe, _ = eager.fb(d)
+        xl, _ = late.fb(d)
+        t.bitwise(f"inp.grad[micro-batch {i}]", xl.grad, xe.grad)
+        t.equal(f"pending_wgrad_count after backward() {i} (frozen={list(case.frozen)})",
+                late.pending(), (i + 1) if trains else 0)
+    late.drain()
+    after = late.all_snapshot()
+    for name in case.frozen:
+        for key in (k for k in after if k.split(".")[0] == name):
+            t.bitwise(f"frozen {key}", after[key], before[key])
+    t.bitwise_all("frozen case, after draining: ", after, eager.all_snapshot())
+    return t.result
+
+
+# =============================================================================================
+# P8: is_first_microbatch
+# =============================================================================================
+
+
+def check_p8(backend: Backend, case: Case) -> CheckResult:
+    """P8. Fused: a micro-batch whose forward got ``is_first_microbatch=True`` *overwrites*
+    ``main_grad`` (delayed entries keep their own flag until ``backward_dw()``), others add; the
+    expected run is a non-delayed twin without flags whose ``main_grad`` is zeroed right before
+    each flagged micro-batch. Values compare exactly (``rtol=0, atol=0``; overwrite and
+    add-to-zero may differ only in the sign of an exact zero). Biases still accumulate in
+    ``.grad``. Plain mode: the flag changes nothing, bitwise."""
+    t = Tracker()
+    data = make_micro_batches(case)
+    fused = case.config.fuse_wgrad_accumulation
+    run = ModuleRun(backend, case, delay=case.delay, prefill_grads=True)
+    twin = ModuleRun(backend, case, delay=False, prefill_grads=True)
+    for i, d in enumerate(data):
+        run.fb(d)
+        if fused and d.spec.is_first_microbatch:
+            for name in twin.weight_names:
+                twin.params[name].main_grad.zero_()
+        twin.fb(d, first=None)
+    run.drain()
+    got, want = run.all_snapshot(), twin.all_snapshot()
+    for key in sorted(set(got) | set(want)):
+        if key.endswith(".main_grad"):
+            if B.check_same_presence(key, got.get(key), want.get(key)):
+                a, e = got[key], want[key]
+                bad = a != e
+                if bool(bad.any()):
+                    idx = tuple(int(i) for i in bad.nonzero()[0])
+                    raise B.BudgetViolation(
+                        key,
+                        f"{key}: {int(bad.sum())} elements differ from the overwrite expectation "
+                        f"(is_first_microbatch flags {[d.spec.is_first_microbatch for d in data]}); "
+                        f"worst at {idx}: got {float(a[idx])!r}, expected {float(e[idx])!r} "
+                        "(budget: rtol=0, atol=0)",
+                    )
+                t.result.comparisons += 1
+                t.result.ratio = max(t.result.ratio or 0.0, 0.0)
+        else:
+            t.bitwise(key, got.get(key), want.get(key))
+    return t.result
+
+
+# =============================================================================================
+# P9: ub_bulk_wgrad
+# =============================================================================================
+
+UB_MESSAGE = "ub_bulk_wgrad is not supported when enabling delay_wgrad_compute"
+_OPTIMIZED_CACHE: dict[str, dict[str, str]] = {}
+
+_OPTIMIZED_SCRIPT = """
+import json, sys
+from splitgrad.properties.backends import get_backend
+backend = get_backend(sys.argv[1])
+out = {}
+for kind in sys.argv[2:]:
+    try:
+        backend.constructor(kind)(*([2, 4, 3] if kind == "GroupedLinear" else [4, 3]),
+                                  ub_bulk_wgrad=True, delay_wgrad_compute=True)
+        out[kind] = "no error"
+    except ValueError as exc:
+        out[kind] = "ValueError: " + str(exc)
+    except Exception as exc:
+        out[kind] = type(exc).__name__ + ": " + str(exc)
+print(json.dumps({"optimize": sys.flags.optimize, "results": out}))
+"""
+
+
+def optimized_constructor_results(backend_name: str, kinds: tuple[str, ...]) -> dict[str, str]:
+    """What the constructors raise for ``ub_bulk_wgrad=True, delay_wgrad_compute=True`` in a
+    ``python -O`` subprocess (cached per backend: a subprocess costs seconds)."""
+    if backend_name not in _OPTIMIZED_CACHE:
+        proc = subprocess.run(
+            [sys.executable, "-O", "-c", _OPTIMIZED_SCRIPT, backend_name, *kinds],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONOPTIMIZE": "1"},
+        )
+        if proc.returncode != 0:
+            raise PropertyViolation(f"python -O subprocess for backend {backend_name!r} failed:\n{proc.stderr[-2000:]}")
+        payload = json.loads(proc.stdout.strip().splitlines()[-1])
+        if payload["optimize"] < 1:
+            raise PropertyViolation("the subprocess did not run with python -O")
+        _OPTIMIZED_CACHE[backend_name] = payload["results"]
+    return _OPTIMIZED_CACHE[backend_name]
+
+
+def check_p9(backend: Backend, case: Case) -> CheckResult:
+    """P9: ``ub_bulk_wgrad=True`` with ``delay_wgrad_compute=True`` raises ``ValueError``
+    containing the SPEC message, in this process and under ``python -O``; without delay
+    ``ub_bulk_wgrad=True`` changes no result (bitwise)."""
+    t = Tracker()
+    kind = case.config.kind
+    ctor = backend.constructor(kind)
+    args = (2, 4, 3) if kind == "GroupedLinear" else (4, 3)
+    try:
+        ctor(*args, ub_bulk_wgrad=True, delay_wgrad_compute=True)
+    except ValueError as exc:
+        t.expect(UB_MESSAGE in str(exc), f"{kind}: ValueError message {str(exc)!r} lacks {UB_MESSAGE!r}")
+    else:
+        raise PropertyViolation(f"{kind}(ub_bulk_wgrad=True, delay_wgrad_compute=True) did not raise ValueError")
+    result = optimized_constructor_results(backend.name, tuple(k for k in KINDS if k != "GroupedLinear"))
+    t.expect(
+        result.get(kind, "").startswith("ValueError") and UB_MESSAGE in result[kind],
+        f"under python -O, {kind}(ub_bulk_wgrad=True, delay_wgrad_compute=True) gave {result.get(kind)!r}",
+    )
+    data = make_micro_batches(case)
+    plain = ModuleRun(backend, case, delay=False, prefill_grads=True)
+    bulk = ModuleRun(backend, case, delay=False, prefill_grads=True, ub_bulk_wgrad=True)
+    for i, d in enumerate(data):
+        xp, yp = plain.fb(d)
+        xb, yb = bulk.fb(d)
+        t.bitwise(f"ub_bulk_wgrad output[{i}]", yb, yp)
+        t.bitwise(f"ub_bulk_wgrad inp.grad[{i}]", xb.grad, xp.grad)
+    t.bitwise_all("ub_bulk_wgrad: ", bulk.all_snapshot(), plain.all_snapshot())
+    return t.result
+
+
+# =============================================================================================
+# P10: bad input and misuse
+# =============================================================================================
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def _expect_raises(t: Tracker, what: str, fn: Callable[[], Any], types: tuple[type, ...], *needles: str) -> BaseException:
+    try:
+        fn()
+    except types as exc:
+        msg = str(exc)
+        for needle in needles:
+            t.expect(needle.lower() in msg.lower(), f"{what}: {type(exc).__name__} message {msg!r} does not name {needle!r}")
+        return exc
+    except Exception as exc:
+        raise PropertyViolation(
+            f"{what}: raised {type(exc).__name__}({exc}) instead of {'/'.join(x.__name__ for x in types)}"
+        ) from exc
+    raise PropertyViolation(f"{what}: no error raised (expected {'/'.join(x.__name__ for x in types)})")
+
+
+def _state_snapshot(run: ModuleRun) -> dict[str, Any]:
+    snap: dict[str, Any] = dict(run.all_snapshot())
+    for name, p in run.params.items():
+        snap[f"{name} (value)"] = p.detach().clone()
+    return snap
+
+
+def _unchanged(t: Tracker, what: str, run: ModuleRun, before: dict[str, Any], pending: int) -> None:
+    t.bitwise_all(f"{what} changed ", _state_snapshot(run), before)
+    t.equal(f"{what}: pending_wgrad_count", run.pending(), pending)
+
+
+def misuses(config: ModuleConfig, delay: bool) -> list[str]:
+    """The P10 misuse variants that apply to ``config`` built with or without delay."""
+    out = ["bad_last_dim", "bad_dtype", "bad_device", "dw_empty", "dw_no_delay", "bad_ctor"]
+    if delay:
+        out.append("hook_raises")
+    if config.kind == "GroupedLinear":
+        out += ["m_splits_len", "m_splits_negative", "m_splits_sum"]
+    if config.fuse_wgrad_accumulation:
+        out += ["main_grad_missing", "main_grad_shape", "main_grad_dtype", "main_grad_device"]
+        if delay:
+            out.append("wgrad_fails")
+    return out
+
+
+MISUSES = (
+    "bad_last_dim", "bad_dtype", "bad_device", "dw_empty", "dw_no_delay", "bad_ctor", "hook_raises",
+    "m_splits_len", "m_splits_negative", "m_splits_sum",
+    "main_grad_missing", "main_grad_shape", "main_grad_dtype", "main_grad_device", "wgrad_fails",
+)
+
+
+class _HookError(Exception):
+    pass
+
+
+def check_p10(backend: Backend, case: Case) -> CheckResult:
+    """P10: the misuse named by ``case.variant`` raises the SPEC error, with a message naming
+    the offending value, and leaves parameters, gradients, ``main_grad`` and the queue exactly
+    as they were (bitwise); a valid micro-batch afterwards still matches a fresh module."""
+    t = Tracker()
+    config, misuse = case.config, case.variant.split(":")[0]
+    target = case.variant.split(":")[1] if ":" in case.variant else None
+    data = make_micro_batches(case)
+    d = data[0]
+    run = ModuleRun(backend, case, delay=case.delay, prefill_grads=True)
+    before, pending = _state_snapshot(run), run.pending()
+    dt = config.torch_dtype
+    splits = d.spec.m_splits
+    inp = d.fresh_input()
+
+    def call(x, ms=splits):
+        return run.forward(x, ms, None)
+
+    if misuse == "bad_last_dim":
+        bad = torch.zeros(*d.spec.lead_shape, config.in_features + 1, dtype=dt, requires_grad=True)
+        _expect_raises(t, "wrong last dimension", lambda: call(bad), (ValueError,),
+                       str(config.in_features), str(config.in_features + 1))
+    elif misuse == "bad_dtype":
+        other = torch.float64 if dt != torch.float64 else torch.float32
+        _expect_raises(t, "wrong input dtype", lambda: call(inp.detach().to(other)), (TypeError, ValueError),
+                       _dtype_name(dt), _dtype_name(other))
+    elif misuse == "bad_device":
+        _expect_raises(t, "wrong input device", lambda: call(inp.detach().to("meta")), (ValueError, TypeError),
+                       "meta", config.device)
+    elif misuse in ("m_splits_len", "m_splits_negative", "m_splits_sum"):
+        s = list(splits or [])
+        if misuse == "m_splits_len":
+            ms = s + [0]
+        elif misuse == "m_splits_negative":
+            ms = [-1] + s[1:-1] + [s[-1] + 1 + s[0]] if len(s) > 1 else [-1]
+        else:
+            ms = s[:-1] + [s[-1] + 1]
+        _expect_raises(t, f"m_splits={ms}", lambda: call(inp, ms), (ValueError,), str(ms[-1]) if misuse != "m_splits_negative" else "-1")
+    elif misuse == "dw_empty":
+        if run.delay:
+            _expect_raises(t, "backward_dw() with nothing pending", run.dw, (RuntimeError,), "pending")
+            run.fb(d)
+            run.dw()
+            before, pending = _state_snapshot(run), run.pending()
+            _expect_raises(t, "backward_dw() after the queue drained", run.dw, (RuntimeError,), "pending")
+        else:
+            run.dw()  # must be a no-op on a module built without delay
+    elif misuse == "dw_no_delay":
+        run = ModuleRun(backend, case, delay=False, prefill_grads=True)
+        run.fb(d)
+        before, pending, calls = _state_snapshot(run), run.pending(), len(run.hook_calls)
+        run.dw()
+        t.equal("hook calls of backward_dw() without delay", len(run.hook_calls), calls)
+    elif misuse == "bad_ctor":
+        ctor = backend.constructor(config.kind)
+        bad_calls: list[tuple[str, Callable[[], Any]]] = [("in_features=0", lambda: ctor(*_ctor_args(config, in_features=0)))]
+        bad_calls.append(("negative out size", lambda: ctor(*_ctor_args(config, out_features=-3))))
+        if config.kind == "GroupedLinear":
+            bad_calls.append(("num_gemms=0", lambda: ctor(0, 4, 3)))
+        if config.has_norm:
+            bad_calls.append(("normalization='BatchNorm'", lambda: ctor(4, 3, normalization="BatchNorm")))
+        if config.kind == "LayerNormMLP":
+            bad_calls.append(("activation='tanh'", lambda: ctor(4, 3, activation="tanh")))
+        for what, fn in bad_calls:
+            _expect_raises(t, f"{config.kind}({what})", fn, (ValueError,))
+    elif misuse == "hook_raises":
+        t.expect(run.delay, "P10 hook_raises needs a delayed case")
+        eager = ModuleRun(backend, case, delay=False, prefill_grads=True)
+
+        def bad_hook() -> None:
+            raise _HookError("hook failed on purpose")
+
+        backend.register_hook(run.module, bad_hook)
+        run.fb(d)
+        eager.fb(d)
+        _expect_raises(t, "backward_dw() with a raising hook", run.dw, (_HookError,))
+        t.equal("pending_wgrad_count after a hook raised (entry consumed)", run.pending(), 0)
+        t.bitwise_all("written before the hook raised: ", run.all_snapshot(), eager.all_snapshot())
+        return t.result
+    elif misuse.startswith("main_grad") or misuse == "wgrad_fails":
+        name = target or run.weight_names[0]
+        p = run.params[name]
+        good = p.main_grad
+        broken = {
+            "main_grad_missing": None,
+            "main_grad_shape": torch.zeros(p.shape[0] + 1, *p.shape[1:], dtype=torch.float32),
+            "main_grad_dtype": torch.zeros(p.shape, dtype=torch.bfloat16),
+            "main_grad_device": torch.zeros(p.shape, dtype=torch.float32, device="meta"),
+            "wgrad_fails": torch.zeros(p.shape[0] + 1, *p.shape[1:], dtype=torch.float32),
+        }[misuse]
+        if misuse == "wgrad_fails":
+            t.expect(run.delay, "P10 wgrad_fails needs a delayed case")
+            eager = ModuleRun(backend, case, delay=False, prefill_grads=True)
+            run.fb(d)
+            eager.fb(d)
+            before, pending = _state_snapshot(run), run.pending()
+            _set_main_grad(p, broken)
+            _expect_raises(t, f"backward_dw() with a broken {name}.main_grad", run.dw, (RuntimeError,), name)
+            _set_main_grad(p, good)
+            _unchanged(t, "failed backward_dw()", run, before, pending)
+            run.dw()
+            t.bitwise_all("retried entry: ", run.all_snapshot(), eager.all_snapshot())
+            return t.result
+        _set_main_grad(p, broken)
+
+        def fb() -> None:
+            run.backward_outputs([call(inp)], [d.dy])
+
+        _expect_raises(t, f"backward with {misuse} on {name}", fb, (RuntimeError,), name)
+        _set_main_grad(p, good)
+    else:
+        raise ValueError(f"unknown P10 misuse {case.variant!r}; expected one of {MISUSES}")
+    _unchanged(t, f"after {misuse}", run, before, pending)
+    t.expect(inp.grad is None, f"after {misuse}: the input got a gradient")
+    # The module must still work normally, and match a module that never saw the misuse.
+    fresh = ModuleRun(backend, case, delay=run.delay, prefill_grads=True)
+    if misuse in ("dw_empty",) and run.delay:
+        fresh.fb(d)
+        fresh.dw()
+    if misuse == "dw_no_delay":
+        fresh.fb(d)
+    run.fb(d)
+    fresh.fb(d)
+    run.drain()
+    fresh.drain()
+    t.bitwise_all(f"after {misuse}, a valid micro-batch: ", run.all_snapshot(), fresh.all_snapshot())
+    return t.result
+
+
+def _set_main_grad(p: torch.nn.Parameter, value: torch.Tensor | None) -> None:
+    if value is None:
+        if hasattr(p, "main_grad"):
+            del p.main_grad
+    else:
+        p.main_grad = value
+
+
+def _ctor_args(config: ModuleConfig, **override: int) -> list[int]:
+    k = override.get("in_features", config.in_features)
+    m = override.get("out_features", config.out_features)
+    return [config.num_gemms, k, m] if config.kind == "GroupedLinear" else [k, m]
+
+
+# =============================================================================================
+# P11: freed after backward_dw()
+# =============================================================================================
+
+
+def check_p11(backend: Backend, case: Case) -> CheckResult:
+    """P11: after the ``backward_dw()`` of micro-batch *i* (or its non-delayed backward), the
+    storages of its input, its output gradient and every activation autograd saved for it
+    (tensors with the micro-batch's row count, not sharing a parameter's storage) are freed:
+    their :class:`StorageWeakRef`\\ s have expired, without a ``gc.collect()``."""
+    t = Tracker()
+    data = make_micro_batches(case)
+    run = ModuleRun(backend, case, delay=case.delay, hooks=0)
+    param_ptrs = {p.untyped_storage().data_ptr() for p in run.params.values()}
+    refs: list[list[tuple[str, StorageWeakRef]]] = []
+    for i, d in enumerate(data):
+        tracked: list[tuple[str, StorageWeakRef]] = []
+        rows = d.spec.rows
+
+        def pack(tensor: torch.Tensor, rows: int = rows, tracked=tracked) -> torch.Tensor:
+            s = tensor.untyped_storage()
+            if (
+                s.nbytes() > 0
+                and s.data_ptr() not in param_ptrs
+                and tensor.dim() >= 1
+                and tensor.shape[0] == rows
+                and tensor.device.type != "meta"
+            ):
+                tracked.append((f"saved activation {tuple(tensor.shape)}", StorageWeakRef(s)))
+            return tensor
+
+        x = d.x.detach().clone().requires_grad_(True)
+        dy = d.dy.detach().clone()
+        if x.numel():
+            tracked.append(("input", StorageWeakRef(x.untyped_storage())))
+        if dy.numel():
+            tracked.append(("output gradient", StorageWeakRef(dy.untyped_storage())))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t_: t_):
+            y = run.forward(x, d.spec.m_splits, d.spec.is_first_microbatch)
+        backend.backward(run.module, [y], [dy])
+        del x, y, dy
+        refs.append(tracked)
+        if not run.delay:
+            _expect_freed(t, f"micro-batch {i} after its non-delayed backward", tracked)
+    if run.delay:
+        for i in range(len(data)):
+            run.dw()
+            _expect_freed(t, f"micro-batch {i} after its backward_dw()", refs[i])
+    gc.collect()  # keep later examples independent of anything left behind by a failure
+    return t.result
+
+
+def _expect_freed(t: Tracker, what: str, tracked: list[tuple[str, StorageWeakRef]]) -> None:
+    alive = [name for name, ref in tracked if not ref.expired()]
+    t.result.comparisons += 1
+    t.expect(not alive, f"{what}: still alive: {', '.join(alive)}")
+
+
+# =============================================================================================
+# P12: GroupedLinear == Linears
+# =============================================================================================
+
+
+def check_p12(backend: Backend, case: Case) -> CheckResult:
+    """P12: ``GroupedLinear(n)`` against ``n`` ``Linear``\\ s with the same weights on
+    ``torch.split(x, m_splits)`` (empty groups included), delayed or not: outputs, input grads,
+    weight/bias gradients and ``main_grad`` bitwise when :meth:`Backend.p12_bitwise`, else within
+    :data:`~.budgets.GROUPED_GEMM` of the float64 truth relative to the Linears' error."""
+    t = Tracker()
+    config = case.config
+    if config.kind != "GroupedLinear":
+        raise ValueError(f"P12 needs a GroupedLinear case, got {config.kind}")
+    n = config.num_gemms
+    data = make_micro_batches(case)
+    grouped = ModuleRun(backend, case, delay=case.delay, prefill_grads=True)
+    lin_config = dataclasses.replace(config, kind="Linear", num_gemms=1)
+    state, mg, pre = make_state(config, case.seed), make_main_grads(config, case.seed), make_grad_prefill(config, case.seed)
+    linears = []
+    for i in range(n):
+        s = {"weight": state[f"weight{i}"]}
+        if config.bias:
+            s["bias"] = state[f"bias{i}"]
+        lin = ModuleRun(backend, case, delay=case.delay, config=lin_config, state=s,
+                        main_grads={"weight": mg[f"weight{i}"]})
+        for name, p in lin.params.items():
+            if not lin.uses_main_grad(name):
+                p.grad = pre[f"{name}{i}"].clone()
+        linears.append(lin)
+    bitwise = backend.p12_bitwise(config)
+    for k, d in enumerate(data):
+        splits = list(d.spec.m_splits or ())
+        xg, yg = grouped.fb(d)
+        x_parts = [p.detach().clone().requires_grad_(True) for p in d.x.split(splits)]
+        dy_parts = d.dy.split(splits)
+        ys = []
+        for lin, xi, dyi in zip(linears, x_parts, dy_parts):
+            yi = lin.forward(xi, None, d.spec.is_first_microbatch)
+            lin.backend.backward(lin.module, [yi], [dyi])
+            ys.append(yi.detach())
+        y_lin = torch.cat(ys) if ys else yg
+        dx_lin = torch.cat([xi.grad if xi.grad is not None else torch.zeros_like(xi) for xi in x_parts])
+        if bitwise:
+            t.bitwise(f"output[micro-batch {k}] grouped vs linears", yg, y_lin)
+            t.bitwise(f"inp.grad[micro-batch {k}] grouped vs linears", xg.grad, dx_lin)
+    grouped.drain()
+    for lin in linears:
+        lin.drain()
+    got = grouped.gemm_snapshot()
+    for i, lin in enumerate(linears):
+        for key, value in lin.gemm_snapshot().items():
+            name, slot = key.split(".", 1)
+            gkey = f"{name}{i}.{slot}"
+            if bitwise:
+                t.bitwise(f"{gkey} grouped vs linear {i}", got.get(gkey), value)
+            else:
+                t.expect(gkey in got, f"{gkey} missing from the grouped module's gradients")
+    if not bitwise:
+        # Within budget: the float64 truth is the reference GroupedLinear in float64.
+        _p12_budget(t, backend, case, got, linears)
+    return t.result
+
+
+def _p12_budget(t: Tracker, backend: Backend, case: Case, got: Snapshot, linears: list[ModuleRun]) -> None:
+    _, _, truth = _accuracy(_reference(), case)
+    for i, lin in enumerate(linears):
+        for key, value in lin.gemm_snapshot().items():
+            name, slot = key.split(".", 1)
+            gkey = f"{name}{i}.{slot}"
+            dt = torch.float32 if slot == "main_grad" else case.config.torch_dtype
+            t.budget(gkey, got.get(gkey), truth.gemm.get(gkey), value, B.GROUPED_GEMM, dt)
+
+
+# =============================================================================================
+# Strategies per property, and the single entry point
+# =============================================================================================
+
+CHECKS: dict[str, Callable[[Backend, Case], CheckResult]] = {
+    "P1": check_p1, "P2": check_p2, "P3": check_p3, "P4": check_p4, "P5": check_p5,
+    "P6": check_p6, "P7": check_p7, "P8": check_p8, "P9": check_p9, "P10": check_p10,
+    "P11": check_p11, "P12": check_p12,
+}
+
+
+@st.composite
+def _p6_cases(draw, kinds, dtypes, devices):
+    case = draw(cases(kinds, dtypes, devices, n_micro_batches=(1, 4)))
+    return dataclasses.replace(case, schedule=draw(schedules(len(case.micro_batches))), delay=True)
+
+
+@st.composite
+def _p7_cases(draw, kinds, dtypes, devices):
+    variant = draw(st.sampled_from(["tied", "tied-chain", "frozen"]))
+    config = draw(module_configs(kinds, dtypes, devices, square=variant == "tied-chain"))
+    count = 2 if variant.startswith("tied") else draw(st.integers(1, 2))
+    mbs = draw(micro_batches(config, count))
+    if variant == "tied-chain" and config.kind == "GroupedLinear":
+        mbs = (mbs[0], dataclasses.replace(mbs[1], lead_shape=mbs[0].lead_shape, m_splits=mbs[0].m_splits))
+    frozen: tuple[str, ...] = ()
+    if variant == "frozen":
+        names = [s.name for s in param_specs(config)]
+        frozen = tuple(n for n in names if draw(st.booleans()))
+    return Case(config, mbs, draw(seeds()), variant=variant, frozen=frozen, delay=True)
+
+
+@st.composite
+def _p10_cases(draw, kinds, dtypes, devices):
+    case = draw(cases(kinds, dtypes, devices, n_micro_batches=(1, 1), first_flags=False))
+    variant = draw(st.sampled_from(misuses(case.config, case.delay)))
+    if variant.startswith("main_grad") or variant == "wgrad_fails":
+        weights = [s.name for s in param_specs(case.config) if s.role == GEMM_WEIGHT]
+        variant = f"{variant}:{draw(st.sampled_from(weights))}"
+    return dataclasses.replace(case, variant=variant)
+
+
+@st.composite
+def _p5_cases(draw, kinds, dtypes, devices):
+    case = draw(cases(kinds, dtypes, devices))
+    return dataclasses.replace(case, variant=draw(st.sampled_from(["", "prefill"])), delay=True)
+
+
+def case_strategy(
+    property_id: str,
+    kinds: tuple[str, ...] = KINDS,
+    dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+    devices: tuple[str, ...] = ("cpu",),
+    fused: bool | None = None,
+) -> st.SearchStrategy[Case]:
+    """The cases ``property_id`` is checked on. P1–P3 only draw dtypes below float64 (there is no
+    wider truth); P12 only ``GroupedLinear``; P8 draws fused and plain. ``fused=False`` keeps
+    ``fuse_wgrad_accumulation`` off (backends without ``main_grad``)."""
+    strategy = _case_strategy(property_id, tuple(kinds), tuple(dtypes), tuple(devices))
+    if fused is None:
+        return strategy
+    return strategy.map(lambda c: _with_fused(c, fused))
+
+
+def _with_fused(case: Case, fused: bool) -> Case:
+    if case.config.fuse_wgrad_accumulation == fused:
+        return case
+    variant = case.variant
+    if variant.startswith(("main_grad", "wgrad_fails")):
+        variant = "bad_last_dim"
+    return dataclasses.replace(
+        case, config=dataclasses.replace(case.config, fuse_wgrad_accumulation=fused), variant=variant
+    )
+
+
+def _case_strategy(property_id, kinds, dtypes, devices) -> st.SearchStrategy[Case]:
+    if property_id in ("P1", "P2", "P3"):
+        dtypes = tuple(d for d in dtypes if d in LOW_PRECISION_DTYPES) or ("float32",)
+        return cases(kinds, dtypes, devices)
+    if property_id == "P5":
+        return _p5_cases(kinds, dtypes, devices)
+    if property_id == "P6":
+        return _p6_cases(kinds, dtypes, devices)
+    if property_id == "P7":
+        return _p7_cases(kinds, dtypes, devices)
+    if property_id == "P9":
+        kinds = tuple(k for k in kinds if k != "GroupedLinear") or ("Linear",)
+        return cases(kinds, dtypes, devices, n_micro_batches=(1, 2))
+    if property_id == "P10":
+        return _p10_cases(kinds, dtypes, devices)
+    if property_id == "P12":
+        return cases(("GroupedLinear",), dtypes, devices)
+    if property_id in CHECKS:
+        return cases(kinds, dtypes, devices)
+    raise ValueError(f"unknown property {property_id!r}; expected one of {', '.join(CHECKS)}")
+
+
+def applicable(property_id: str, kind: str) -> bool:
+    """Whether ``property_id`` has anything to check for module ``kind``."""
+    if property_id == "P12":
+        return kind == "GroupedLinear"
+    if property_id == "P9":
+        return kind != "GroupedLinear"
+    return True
+
+
+def run_check(property_id: str, backend: Backend, case: Case) -> CheckResult:
+    """Run one example of ``property_id``."""
+    try:
+        fn = CHECKS[property_id]
+    except KeyError:
+        raise ValueError(f"unknown property {property_id!r}; expected one of {', '.join(CHECKS)}") from None
+    return fn(backend, case)
+
+
+def example_case(kind: str = "Linear", **config: Any) -> Case:
+    """A small fixed case (tests and docs): 2 micro-batches of 3 rows, seed 0."""
+    cfg = ModuleConfig(kind=kind, in_features=config.pop("in_features", 5), out_features=config.pop("out_features", 3), **config)
+    if kind == "GroupedLinear":
+        mbs = tuple(MicroBatch((3,), tuple([3] + [0] * (cfg.num_gemms - 1)) if cfg.num_gemms > 1 else (3,)) for _ in range(2))
+    else:
+        mbs = (MicroBatch((3,)), MicroBatch((1, 3)))
+    return Case(cfg, mbs, 0)

@@ -1,0 +1,136 @@
+"""Tensor values for a :class:`~splitgrad.properties.strategies.Case`, all from its seed.
+
+Parameters get values on the scale a trained layer has (weights ~ 1/sqrt(fan_in), non-trivial
+biases and norm scales) rather than the constructors' defaults (zero biases, unit gammas), so a
+dropped bias or gamma gradient shows up as a large error instead of hiding behind a zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from .strategies import GATED, Case, MicroBatch, ModuleConfig
+
+__all__ = [
+    "ParamSpec",
+    "param_specs",
+    "make_state",
+    "MicroBatchData",
+    "make_micro_batch",
+    "make_micro_batches",
+    "make_main_grads",
+    "make_grad_prefill",
+    "generator",
+]
+
+GEMM_WEIGHT, GEMM_BIAS, NORM = "gemm_weight", "gemm_bias", "norm"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """Name (TransformerEngine spelling), shape and role of one parameter."""
+
+    name: str
+    shape: tuple[int, ...]
+    role: str  # GEMM_WEIGHT, GEMM_BIAS or NORM
+
+
+def param_specs(config: ModuleConfig) -> list[ParamSpec]:
+    """Every parameter a module built from ``config`` has, in a fixed order."""
+    specs: list[ParamSpec] = []
+    k, m = config.in_features, config.out_features
+    if config.has_norm:
+        specs.append(ParamSpec("layer_norm_weight", (k,), NORM))
+        if config.normalization == "LayerNorm":
+            specs.append(ParamSpec("layer_norm_bias", (k,), NORM))
+    if config.kind in ("Linear", "LayerNormLinear"):
+        specs.append(ParamSpec("weight", (m, k), GEMM_WEIGHT))
+        if config.bias:
+            specs.append(ParamSpec("bias", (m,), GEMM_BIAS))
+    elif config.kind == "LayerNormMLP":
+        fc1 = 2 * m if config.activation in GATED else m
+        specs.append(ParamSpec("fc1_weight", (fc1, k), GEMM_WEIGHT))
+        if config.bias:
+            specs.append(ParamSpec("fc1_bias", (fc1,), GEMM_BIAS))
+        specs.append(ParamSpec("fc2_weight", (k, m), GEMM_WEIGHT))
+        if config.bias:
+            specs.append(ParamSpec("fc2_bias", (k,), GEMM_BIAS))
+    else:
+        specs.extend(ParamSpec(f"weight{i}", (m, k), GEMM_WEIGHT) for i in range(config.num_gemms))
+        if config.bias:
+            specs.extend(ParamSpec(f"bias{i}", (m,), GEMM_BIAS) for i in range(config.num_gemms))
+    return specs
+
+
+def generator(seed: int, stream: int = 0) -> torch.Generator:
+    """A CPU generator for ``(seed, stream)``: independent streams for weights, each micro-batch,
+    and prefills, so adding a micro-batch does not change the weights."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + stream) % (2**63 - 1))
+
+
+def make_state(config: ModuleConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Parameter values in the config's dtype on its device, keyed by parameter name."""
+    g = generator(seed, 0)
+    state = {}
+    for spec in param_specs(config):
+        v = torch.randn(spec.shape, generator=g, dtype=torch.float64)
+        if spec.role == GEMM_WEIGHT:
+            v = v / math.sqrt(spec.shape[1])
+        elif spec.role == GEMM_BIAS:
+            v = v * 0.5
+        elif spec.name == "layer_norm_weight":
+            v = v * 0.2 + (0.0 if config.zero_centered_gamma else 1.0)
+        else:
+            v = v * 0.2
+        state[spec.name] = v.to(dtype=config.torch_dtype, device=config.device)
+    return state
+
+
+@dataclasses.dataclass
+class MicroBatchData:
+    """Input ``x`` (leading shape + in_features) and output gradient ``dy`` of one micro-batch."""
+
+    x: torch.Tensor
+    dy: torch.Tensor
+    spec: MicroBatch
+
+    def fresh_input(self) -> torch.Tensor:
+        """A new leaf copy of ``x`` that requires grad (one per module run)."""
+        return self.x.detach().clone().requires_grad_(True)
+
+
+def make_micro_batch(config: ModuleConfig, mb: MicroBatch, seed: int, index: int) -> MicroBatchData:
+    """Values of micro-batch ``index``."""
+    g = generator(seed, 1 + index)
+    dt, dev = config.torch_dtype, config.device
+    x = torch.randn((*mb.lead_shape, config.in_features), generator=g, dtype=torch.float64)
+    dy = torch.randn((*mb.lead_shape, config.output_features), generator=g, dtype=torch.float64)
+    return MicroBatchData(x.to(dtype=dt, device=dev), dy.to(dtype=dt, device=dev), mb)
+
+
+def make_micro_batches(case: Case) -> list[MicroBatchData]:
+    """Values of every micro-batch of ``case``."""
+    return [make_micro_batch(case.config, mb, case.seed, i) for i, mb in enumerate(case.micro_batches)]
+
+
+def make_main_grads(config: ModuleConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Random non-zero fp32 ``main_grad`` prefills for every GEMM weight: accumulation, not
+    assignment, is what the checks then see."""
+    g = generator(seed, 10_000)
+    return {
+        s.name: torch.randn(s.shape, generator=g, dtype=torch.float32).to(config.device)
+        for s in param_specs(config)
+        if s.role == GEMM_WEIGHT
+    }
+
+
+def make_grad_prefill(config: ModuleConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Random ``.grad`` prefills for every parameter (checks ``+=`` rather than ``=``)."""
+    g = generator(seed, 20_000)
+    return {
+        s.name: torch.randn(s.shape, generator=g, dtype=torch.float64).to(config.torch_dtype).to(config.device)
+        for s in param_specs(config)
+    }

@@ -1,0 +1,165 @@
+"""One live module under test with everything the checks observe about it.
+
+:class:`ModuleRun` wraps a backend module: it loads the case's weights, attaches ``main_grad``
+prefills, optionally prefills ``.grad``, registers two recording hooks (which snapshot the GEMM
+gradients at the moment they fire), and runs micro-batches. Checks compare two or three runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from .backends import Backend
+from .data import (
+    MicroBatchData,
+    make_grad_prefill,
+    make_main_grads,
+    make_state,
+)
+from .strategies import Case, ModuleConfig
+
+__all__ = ["ModuleRun", "Snapshot"]
+
+
+Snapshot = dict[str, torch.Tensor | None]
+
+
+@dataclasses.dataclass
+class HookCall:
+    """One hook invocation: which hook, and the GEMM gradients it could see at that moment."""
+
+    hook: int
+    seen: Snapshot
+
+
+class ModuleRun:
+    """A module built by ``backend`` for ``case.config`` with the case's weights."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        case: Case,
+        *,
+        delay: bool,
+        prefill_grads: bool = False,
+        frozen: Sequence[str] = (),
+        state: dict[str, torch.Tensor] | None = None,
+        main_grads: dict[str, torch.Tensor] | None | bool = None,
+        config: ModuleConfig | None = None,
+        ub_bulk_wgrad: bool = False,
+        hooks: int = 2,
+        module: object = None,
+    ) -> None:
+        self.backend = backend
+        self.config = config or case.config
+        self.delay = delay
+        if module is None:
+            module = backend.build(self.config, delay=delay, ub_bulk_wgrad=ub_bulk_wgrad)
+            backend.load_state(module, state if state is not None else make_state(self.config, case.seed))
+        self.module = module
+        self.params = backend.parameters(self.module)
+        self.weight_names = backend.gemm_weight_names(self.module)
+        self.bias_names = backend.gemm_bias_names(self.module)
+        self.gemm_names = self.weight_names + self.bias_names
+        self.norm_names = [n for n in self.params if n not in self.gemm_names]
+        for name in frozen:
+            self.params[name].requires_grad_(False)
+        if self.config.fuse_wgrad_accumulation and main_grads is not False:
+            prefill = main_grads if main_grads is not None else make_main_grads(self.config, case.seed)
+            for name in self.weight_names:
+                p = self.params[name]
+                p.main_grad = prefill[name].clone()
+                p.grad_added_to_main_grad = False
+        if prefill_grads:
+            values = make_grad_prefill(self.config, case.seed)
+            for name, p in self.params.items():
+                if p.requires_grad and not self.uses_main_grad(name):
+                    p.grad = values[name].clone()
+        self.hook_calls: list[HookCall] = []
+        for i in range(hooks):
+            backend.register_hook(self.module, self._make_hook(i))
+
+    def _make_hook(self, index: int):
+        def hook() -> None:
+            self.hook_calls.append(HookCall(index, self.gemm_snapshot()))
+
+        return hook
+
+    # ---- running ---------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, m_splits, is_first_microbatch) -> torch.Tensor:
+        return self.backend.forward(self.module, x, m_splits, is_first_microbatch)
+
+    def fb(self, data: MicroBatchData, *, first: bool | None = ...) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of one micro-batch on a fresh leaf input; returns ``(x, y)``."""
+        x = data.fresh_input()
+        flag = data.spec.is_first_microbatch if first is ... else first
+        y = self.forward(x, data.spec.m_splits, flag)
+        self.backend.backward(self.module, [y], [data.dy])
+        return x, y.detach()
+
+    def backward_outputs(self, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+        self.backend.backward(self.module, outputs, grads)
+
+    def dw(self) -> None:
+        self.backend.backward_dw(self.module)
+
+    def drain(self) -> None:
+        """``backward_dw()`` until nothing is pending (at most 64 times)."""
+        for _ in range(64):
+            if not self.pending():
+                return
+            self.dw()
+
+    def pending(self) -> int:
+        return self.backend.pending_wgrad_count(self.module)
+
+    def zero_grads(self) -> None:
+        """What an optimizer step's ``zero_grad(set_to_none=True)`` plus a main_grad reset do."""
+        for p in self.params.values():
+            p.grad = None
+        if self.config.fuse_wgrad_accumulation:
+            for name in self.weight_names:
+                self.params[name].main_grad.zero_()
+
+    # ---- observing -------------------------------------------------------------------------
+
+    def uses_main_grad(self, name: str) -> bool:
+        return self.config.fuse_wgrad_accumulation and name in self.weight_names
+
+    def grad_of(self, name: str) -> torch.Tensor | None:
+        """The tensor where ``name``'s gradient lives: ``main_grad`` for fused weights."""
+        p = self.params[name]
+        return p.main_grad if self.uses_main_grad(name) else p.grad
+
+    @staticmethod
+    def _label(name: str, fused: bool) -> str:
+        return f"{name}.main_grad" if fused else f"{name}.grad"
+
+    def snapshot(self, names: Sequence[str]) -> Snapshot:
+        """Clones of the gradients of ``names``, keyed ``"fc1_weight.main_grad"`` etc. Fused
+        weights also report ``.grad`` (which must stay ``None``)."""
+        out: Snapshot = {}
+        for name in names:
+            fused = self.uses_main_grad(name)
+            g = self.grad_of(name)
+            out[self._label(name, fused)] = None if g is None else g.detach().clone()
+            if fused:
+                pg = self.params[name].grad
+                out[f"{name}.grad"] = None if pg is None else pg.detach().clone()
+        return out
+
+    def gemm_snapshot(self) -> Snapshot:
+        return self.snapshot(self.gemm_names)
+
+    def norm_snapshot(self) -> Snapshot:
+        return self.snapshot(self.norm_names)
+
+    def all_snapshot(self) -> Snapshot:
+        return self.snapshot(list(self.params))
+
+    def added_flags(self) -> dict[str, bool]:
+        return {n: bool(getattr(self.params[n], "grad_added_to_main_grad", False)) for n in self.weight_names}

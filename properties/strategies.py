@@ -1,0 +1,336 @@
+"""Typed hypothesis strategies for the conformance campaign.
+
+Strategies draw *structure* only — module kind, sizes (1 and primes included), flags, dtype,
+device, ``m_splits`` with empty groups, micro-batch schedules and a seed. Every tensor value is
+made later from ``torch.Generator().manual_seed(case.seed)`` (:mod:`.data`), so hypothesis
+shrinks shapes and flags, never float payloads, and a shrunk case prints as a short JSON line.
+
+One tunable limit, :data:`MAX_WORK` (env ``SPLITGRAD_MAX_WORK``), caps the multiply-adds of one
+example over all its GEMMs and micro-batches; rows are drawn under the cap by construction (no
+``assume``).
+
+FP8 is a later issue: :class:`ModuleConfig` carries ``recipe`` (always ``None`` for now) so a
+recipe dimension can be drawn here without changing any property signature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+
+__all__ = [
+    "KINDS",
+    "DTYPES",
+    "LOW_PRECISION_DTYPES",
+    "MAX_WORK",
+    "ModuleConfig",
+    "MicroBatch",
+    "Case",
+    "torch_dtype",
+    "sizes",
+    "module_configs",
+    "m_splits",
+    "micro_batches",
+    "schedules",
+    "seeds",
+    "cases",
+]
+
+KINDS = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+# Dtypes with a wider dtype to measure error against (float64 has no truth above it).
+LOW_PRECISION_DTYPES = ("float32", "bfloat16", "float16")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+ACTIVATIONS = ("gelu", "relu", "swiglu", "geglu")
+GATED = ("swiglu", "geglu")
+
+
+def _max_work() -> int:
+    raw = os.environ.get("SPLITGRAD_MAX_WORK", "24576")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"SPLITGRAD_MAX_WORK must be an int, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"SPLITGRAD_MAX_WORK must be positive, got {value}")
+    return value
+
+
+MAX_WORK = _max_work()
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; raises ``ValueError`` naming unknown dtypes."""
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {DTYPES}")
+    return getattr(torch, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleConfig:
+    """How to build one module: the constructor's structure, without any tensor values.
+
+    ``out_features`` is ``ffn_hidden_size`` for ``LayerNormMLP`` (whose output has
+    ``in_features`` columns); ``num_gemms`` only matters for ``GroupedLinear``.
+    """
+
+    kind: str
+    in_features: int
+    out_features: int
+    num_gemms: int = 1
+    bias: bool = True
+    fuse_wgrad_accumulation: bool = False
+    normalization: str = "LayerNorm"
+    activation: str = "gelu"
+    zero_centered_gamma: bool = False
+    dtype: str = "float32"
+    device: str = "cpu"
+    recipe: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown module kind {self.kind!r}; expected one of {KINDS}")
+        torch_dtype(self.dtype)
+        if self.recipe is not None:
+            raise ValueError(f"FP8 recipes are not supported by the harness yet, got {self.recipe!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
+
+    @property
+    def output_features(self) -> int:
+        """Columns of the module's output."""
+        return self.in_features if self.kind == "LayerNormMLP" else self.out_features
+
+    @property
+    def has_norm(self) -> bool:
+        return self.kind in ("LayerNormLinear", "LayerNormMLP")
+
+    def gemm_shapes(self) -> list[tuple[int, int]]:
+        """(out, in) of every GEMM weight, in parameter order."""
+        if self.kind == "LayerNormMLP":
+            fc1 = 2 * self.out_features if self.activation in GATED else self.out_features
+            return [(fc1, self.in_features), (self.in_features, self.out_features)]
+        if self.kind == "GroupedLinear":
+            return [(self.out_features, self.in_features)] * self.num_gemms
+        return [(self.out_features, self.in_features)]
+
+    def work_per_row(self) -> int:
+        """Multiply-adds per input row over forward, dgrad and wgrad of every GEMM."""
+        if self.kind == "GroupedLinear":
+            return 3 * self.in_features * self.out_features
+        return 3 * sum(o * i for o, i in self.gemm_shapes())
+
+    def label(self) -> str:
+        """Short human description, used in tables and test ids."""
+        parts = [self.kind, f"{self.in_features}x{self.out_features}", self.dtype]
+        if self.kind == "GroupedLinear":
+            parts.insert(1, f"n={self.num_gemms}")
+        if self.has_norm:
+            parts.append(self.normalization + ("+zcg" if self.zero_centered_gamma else ""))
+        if self.kind == "LayerNormMLP":
+            parts.append(self.activation)
+        if self.fuse_wgrad_accumulation:
+            parts.append("fused")
+        if not self.bias:
+            parts.append("nobias")
+        return " ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch: leading shape of the input (rows = product) and, for ``GroupedLinear``,
+    its ``m_splits``; ``is_first_microbatch`` as passed to the forward."""
+
+    lead_shape: tuple[int, ...]
+    m_splits: tuple[int, ...] | None = None
+    is_first_microbatch: bool | None = None
+
+    @property
+    def rows(self) -> int:
+        n = 1
+        for d in self.lead_shape:
+            n *= d
+        return n
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One example of one property: a module, its micro-batches, a seed for every value, and the
+    property-specific structure (``schedule`` for P6, ``variant`` / ``frozen`` for P7 and P10)."""
+
+    config: ModuleConfig
+    micro_batches: tuple[MicroBatch, ...]
+    seed: int = 0
+    schedule: tuple[str, ...] = ()
+    variant: str = ""
+    frozen: tuple[str, ...] = ()
+    delay: bool = True
+
+    def to_json(self) -> str:
+        """One-line JSON that :meth:`from_json` turns back into this case."""
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str | dict[str, Any]) -> Case:
+        """Parse :meth:`to_json` output; raises ``ValueError`` naming what is wrong."""
+        try:
+            raw = json.loads(text) if isinstance(text, str) else dict(text)
+            config = ModuleConfig(**raw.pop("config"))
+            mbs = tuple(
+                MicroBatch(
+                    lead_shape=tuple(mb["lead_shape"]),
+                    m_splits=None if mb.get("m_splits") is None else tuple(mb["m_splits"]),
+                    is_first_microbatch=mb.get("is_first_microbatch"),
+                )
+                for mb in raw.pop("micro_batches")
+            )
+            return Case(
+                config=config,
+                micro_batches=mbs,
+                seed=int(raw.pop("seed", 0)),
+                schedule=tuple(raw.pop("schedule", ())),
+                variant=str(raw.pop("variant", "")),
+                frozen=tuple(raw.pop("frozen", ())),
+                delay=bool(raw.pop("delay", True)),
+            )
+        except (KeyError, TypeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"not a splitgrad case: {text!r} ({exc})") from None
+
+
+# ---- building blocks ----------------------------------------------------------------------
+
+
+def sizes(max_size: int = 17) -> st.SearchStrategy[int]:
+    """Feature sizes: small ones (shrinking towards 1) or primes and powers of two."""
+    special = [s for s in (5, 7, 8, 11, 13, 16, 17) if s <= max_size]
+    return st.one_of(st.integers(1, min(4, max_size)), st.sampled_from(special or [1]))
+
+
+def seeds() -> st.SearchStrategy[int]:
+    """Seeds for ``torch.Generator``; shrink towards 0."""
+    return st.integers(0, 2**31 - 1)
+
+
+@st.composite
+def m_splits(draw: st.DrawFn, num_gemms: int, max_rows: int) -> tuple[int, ...]:
+    """``num_gemms`` non-negative ints summing to at most ``max_rows``; empty groups are common
+    (each group is zero with probability about one half)."""
+    budget = max_rows
+    out = []
+    for _ in range(num_gemms):
+        n = draw(st.one_of(st.just(0), st.integers(0, max(0, min(budget, 6)))))
+        out.append(n)
+        budget -= n
+    return tuple(out)
+
+
+@st.composite
+def module_configs(
+    draw: st.DrawFn,
+    kinds: Sequence[str] = KINDS,
+    dtypes: Sequence[str] = ("float32", "bfloat16"),
+    devices: Sequence[str] = ("cpu",),
+    fused: bool | None = None,
+    bias: bool | None = None,
+    square: bool = False,
+) -> ModuleConfig:
+    """A module configuration. ``fused``/``bias`` pin a flag when not ``None``; ``square`` makes
+    the output width equal the input width (so the module can be chained on itself)."""
+    kind = draw(st.sampled_from(list(kinds)))
+    in_features = draw(sizes())
+    out_features = in_features if square and kind != "LayerNormMLP" else draw(sizes())
+    return ModuleConfig(
+        kind=kind,
+        in_features=in_features,
+        out_features=out_features,
+        num_gemms=draw(st.sampled_from([1, 2, 3, 5])) if kind == "GroupedLinear" else 1,
+        bias=draw(st.booleans()) if bias is None else bias,
+        fuse_wgrad_accumulation=draw(st.booleans()) if fused is None else fused,
+        normalization=draw(st.sampled_from(NORMALIZATIONS)),
+        activation=draw(st.sampled_from(ACTIVATIONS)) if kind == "LayerNormMLP" else "gelu",
+        zero_centered_gamma=draw(st.booleans()) if kind in ("LayerNormLinear", "LayerNormMLP") else False,
+        dtype=draw(st.sampled_from(list(dtypes))),
+        device=draw(st.sampled_from(list(devices))),
+    )
+
+
+def _max_rows(config: ModuleConfig, n_micro_batches: int) -> int:
+    return max(1, MAX_WORK // (config.work_per_row() * max(1, n_micro_batches)))
+
+
+@st.composite
+def micro_batches(
+    draw: st.DrawFn,
+    config: ModuleConfig,
+    count: int,
+    first_flags: bool = True,
+) -> tuple[MicroBatch, ...]:
+    """``count`` micro-batches for ``config`` under :data:`MAX_WORK`. Non-grouped inputs get 1–3
+    leading dimensions; ``GroupedLinear`` gets 2-D inputs with drawn ``m_splits``."""
+    limit = _max_rows(config, count)
+    out = []
+    for _ in range(count):
+        first = draw(st.sampled_from([None, True, False])) if first_flags else None
+        if config.kind == "GroupedLinear":
+            splits = draw(m_splits(config.num_gemms, limit))
+            out.append(MicroBatch((sum(splits),), splits, first))
+            continue
+        rows = draw(st.integers(1, min(limit, 12)))
+        shape: tuple[int, ...] = (rows,)
+        if rows > 1 and draw(st.booleans()):
+            # Split rows into (batch, seq) to exercise the flattening of leading dimensions.
+            divisors = [d for d in range(1, rows + 1) if rows % d == 0]
+            d = draw(st.sampled_from(divisors))
+            shape = (d, rows // d)
+        out.append(MicroBatch(shape, None, first))
+    return tuple(out)
+
+
+@st.composite
+def schedules(draw: st.DrawFn, n_micro_batches: int) -> tuple[str, ...]:
+    """A legal interleaving for P6: ``"fb"`` (forward+backward of the next micro-batch),
+    ``"dw"`` (``backward_dw`` while something is pending), ``"zero"`` (zero all gradients).
+    Every micro-batch is run once; trailing ``"dw"`` steps drain the queue."""
+    ops: list[str] = []
+    pending = 0
+    done = 0
+    while done < n_micro_batches:
+        choices = ["fb"] + (["dw"] if pending else []) + ["zero"]
+        op = draw(st.sampled_from(choices))
+        if op == "zero" and ops.count("zero") >= 2:
+            op = "fb"
+        ops.append(op)
+        if op == "fb":
+            done += 1
+            pending += 1
+        elif op == "dw":
+            pending -= 1
+    ops.extend(["dw"] * pending)
+    return tuple(ops)
+
+
+@st.composite
+def cases(
+    draw: st.DrawFn,
+    kinds: Sequence[str] = KINDS,
+    dtypes: Sequence[str] = ("float32", "bfloat16"),
+    devices: Sequence[str] = ("cpu",),
+    n_micro_batches: tuple[int, int] = (1, 3),
+    fused: bool | None = None,
+    bias: bool | None = None,
+    square: bool = False,
+    first_flags: bool = True,
+) -> Case:
+    """A :class:`Case` with a drawn config, micro-batches, seed and ``delay`` flag."""
+    config = draw(module_configs(kinds, dtypes, devices, fused=fused, bias=bias, square=square))
+    count = draw(st.integers(*n_micro_batches))
+    mbs = draw(micro_batches(config, count, first_flags=first_flags))
+    return Case(config=config, micro_batches=mbs, seed=draw(seeds()), delay=draw(st.booleans()))
