@@ -2,7 +2,8 @@
 
 GEMM paths (chosen per forward by :attr:`GroupedLinear.grouped_gemm`):
 
-* ``"grouped"`` (where :func:`.gemm.grouped_mm_runs`, else the loop): forward and dgrad are one ``torch._grouped_mm`` each over the stacked weights.
+* ``"grouped"`` (where :func:`.gemm.grouped_mm_runs`, else the loop): forward and dgrad are
+  one ``torch._grouped_mm`` each over the stacked weights.
   The weights are allocated as consecutive slices of one (G, M, K) storage, so the stack is a
   free view; if that layout is lost (``.to()``, ``.data =``) the weights are stacked per call.
 * ``"loop"``: one ``addmm``/``mm`` per non-empty group, written into its row block of a
