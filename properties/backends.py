@@ -58,6 +58,11 @@ class Deviation:
     summary: str
     reference: str = ""
     applies: Callable[[Case], bool] = lambda case: True
+    matches: str = ""
+
+    def explains(self, case: Case, message: str) -> bool:
+        """Whether a failure of this property on ``case`` with ``message`` is this deviation."""
+        return self.applies(case) and self.matches in message
 
 
 class Backend(abc.ABC):
@@ -84,10 +89,11 @@ class Backend(abc.ABC):
             return "config asks for CUDA but torch.cuda.is_available() is False"
         return None
 
-    def deviation_for(self, property_id: str, case: Case) -> Deviation | None:
-        """The declared deviation that may explain a failure of ``property_id`` on ``case``."""
+    def deviation_for(self, property_id: str, case: Case, message: str = "") -> Deviation | None:
+        """The declared deviation that explains a failure of ``property_id`` on ``case`` whose
+        message is ``message`` (``None``: an undeclared failure)."""
         for dev in self.deviations:
-            if dev.property_id == property_id and dev.applies(case):
+            if dev.property_id == property_id and dev.explains(case, message):
                 return dev
         return None
 
@@ -340,8 +346,8 @@ class TorchSplitHandle:
     hooks: list[Callable[[], None]] = dataclasses.field(default_factory=list)
 
 
-def _fused_case(case: Case) -> bool:
-    return case.config.fuse_wgrad_accumulation
+def _delayed_norm_case(case: Case) -> bool:
+    return case.config.has_norm and case.delay
 
 
 class TorchSplitBackend(Backend):
@@ -363,19 +369,30 @@ class TorchSplitBackend(Backend):
         "fused wgrad accumulation (main_grad, is_first_microbatch) does not exist in torch.nn: "
         "fused configs and P8 are reported n/a",
     )
-    deviations = (
+    deviations = tuple(
         Deviation(
-            "P5",
+            pid,
             "norm-parameter gradients are deferred too: stage_backward_input computes input "
             "gradients only, every parameter (norm gamma/beta included) waits for "
             "stage_backward_weight",
             "torch.distributed.pipelining._backward",
-            applies=lambda case: case.config.has_norm,
+            applies=_delayed_norm_case,
+            matches="layer_norm_",
+        )
+        for pid in ("P2", "P5", "P6")
+    ) + (
+        Deviation(
+            "P7",
+            "one stage_backward_input call covers every use of the module in the graph: a weight "
+            "used twice queues one entry, not two (the gradients themselves are checked first)",
+            "torch.distributed.pipelining._backward",
+            matches="pending_wgrad_count after one backward through two uses",
         ),
         Deviation(
             "P10",
-            "no input validation: a wrong last dimension or dtype fails inside torch.nn.functional "
-            "with RuntimeError instead of ValueError/TypeError naming expected and actual",
+            "no input validation: a wrong last dimension, dtype, device or m_splits fails inside "
+            "torch.nn.functional with RuntimeError, or not at all, instead of ValueError/TypeError "
+            "naming expected and actual",
         ),
     )
 

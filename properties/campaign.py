@@ -144,7 +144,7 @@ def run_cell(
         ratio = getattr(exc, "ratio", math.inf)
         cell.worst_ratio = ratio if cell.worst_ratio is None else max(cell.worst_ratio, ratio)
         cell.repro = repro_command(backend, property_id, case) if case is not None else ""
-        dev = backend.deviation_for(property_id, case) if case is not None else None
+        dev = backend.deviation_for(property_id, case, cell.message) if case is not None else None
         if dev is not None:
             cell.status = DEVIATION
             cell.deviation = dev.summary + (f" ({dev.reference})" if dev.reference else "")

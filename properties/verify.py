@@ -154,7 +154,7 @@ def _replay(backend, properties: list[str], text: str) -> int:
     try:
         result = run_case(backend, pid, case)
     except Exception as exc:
-        dev = backend.deviation_for(pid, case)
+        dev = backend.deviation_for(pid, case, str(exc))
         print(f"{pid} {'DEVIATES (known: ' + dev.summary + ')' if dev else 'FAIL'} on {backend.name}: {case.config.label()}")
         print(f"  {type(exc).__name__}: {exc}")
         return 0 if dev else 1

@@ -1,0 +1,73 @@
+"""P6 as a hypothesis ``RuleBasedStateMachine``: any legal interleaving of micro-batch
+forward+backward (with or without ``is_first_microbatch``), ``backward_dw()`` and zeroing.
+
+The machine drives :class:`~.checks.InterleavingModel` — a delayed module next to an eager and a
+lagged non-delayed twin — and after every step checks the pending count, input and norm
+gradients against the eager twin, and every GEMM gradient and ``main_grad`` against the lagged
+twin, bitwise. Micro-batch shapes are drawn per step, so shrinking finds the shortest schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from .backends import Backend
+from .checks import InterleavingModel
+from .data import make_micro_batch
+from .strategies import KINDS, Case, micro_batches, module_configs, seeds
+
+__all__ = ["make_p6_machine"]
+
+
+def make_p6_machine(
+    backend: Backend,
+    kinds: Sequence[str] = KINDS,
+    dtypes: Sequence[str] = ("float32", "bfloat16"),
+    devices: Sequence[str] = ("cpu",),
+) -> type[RuleBasedStateMachine]:
+    """A state-machine class checking P6 on ``backend`` (run it with
+    ``run_state_machine_as_test`` or expose ``.TestCase`` to pytest)."""
+    fused = None if backend.supports_fused else False
+
+    class P6Machine(RuleBasedStateMachine):
+        model: InterleavingModel | None = None
+
+        @initialize(config=module_configs(kinds, dtypes, devices, fused=fused), seed=seeds())
+        def build(self, config, seed: int) -> None:
+            self.case = Case(config, (), seed)
+            self.model = InterleavingModel(backend, self.case)
+            self.count = 0
+
+        @rule(data=st.data(), first=st.sampled_from([None, True, False]))
+        def forward_backward(self, data: st.DataObject, first: bool | None) -> None:
+            (mb,) = data.draw(micro_batches(self.case.config, 1, first_flags=False))
+            mb = type(mb)(mb.lead_shape, mb.m_splits, first)
+            self.model.fb(make_micro_batch(self.case.config, mb, self.case.seed, self.count))
+            self.count += 1
+
+        @precondition(lambda self: self.model is not None and bool(self.model.queue))
+        @rule()
+        def backward_dw(self) -> None:
+            self.model.dw()
+
+        @precondition(lambda self: self.model is not None)
+        @rule()
+        def zero_grads(self) -> None:
+            self.model.zero()
+
+        @invariant()
+        def matches_non_delayed_twins(self) -> None:
+            if self.model is not None and self.model.steps:
+                self.model.check()
+
+        def teardown(self) -> None:
+            # Drain: once nothing is pending every gradient must match the twins.
+            if self.model is not None:
+                while self.model.queue:
+                    self.model.dw()
+
+    P6Machine.__name__ = f"P6Machine_{backend.name.replace('-', '_')}"
+    return P6Machine
