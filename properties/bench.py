@@ -1,0 +1,506 @@
+"""``splitgrad bench``: speed and memory ratios of ``splitgrad.impl``, all measured in one run.
+
+Per module (Linear, LayerNormLinear, LayerNormMLP, GroupedLinear) and dtype (fp32, bf16), at
+realistic shapes (default: 2048 tokens, hidden 1024, ffn 4096, 8 groups), each timing the median
+of ``--reps`` repetitions, the variants of one repetition run back to back (interleaved) so a
+noisy neighbour hurts all of them alike:
+
+* ``split``   (backward + backward_dw) / non-delayed backward           target <= 1.03
+* ``bare``    impl backward / the bare dgrad + wgrad ``torch.mm`` calls  target <= 1.10 (CPU,
+  Linear; the other modules also run norm/activation kernels that the bare GEMMs do not)
+* ``nn``      impl backward / the same layer from ``torch.nn`` + autograd target <= 1.0
+* ``generic`` impl delayed / PyTorch's generic split
+  (``stage_backward_input`` + ``stage_backward_weight``) on the ``torch.nn`` twin: time, peak
+  memory, and the memory kept alive between the two halves
+* ``grouped`` GroupedLinear ``torch._grouped_mm`` path / per-group loop (forward + backward)
+* ``recompute`` LayerNormMLP recomputed / saved activation: backward time, memory kept from
+  forward to backward
+* ``fused``   peak memory of fused (fp32 ``main_grad``) / plain accumulation (prefilled ``.grad``)
+
+Timings are forward-excluded: each repetition runs the forward untimed, then times the backward.
+Memory is counted by a dispatch mode that tracks every storage an operator allocates until it is
+freed (CPU has no allocator statistics); it sees every tensor an ATen op returns, not kernel
+scratch space. Peak = most bytes alive at once above what existed before the measured step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import splitgrad.impl as impl
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["main", "run"]
+
+TARGETS = {"split": 1.03, "bare": 1.10, "nn": 1.0}
+
+
+# ---- measurement helpers ----------------------------------------------------------------
+
+
+class PeakMemory(TorchDispatchMode):
+    """Track bytes of storages allocated by ATen ops inside the block; ``peak`` is the maximum
+    alive at once. Ops whose outputs alias an input (views, in-place, ``out=``) allocate
+    nothing and are skipped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _sweep(self) -> None:
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.current -= self.live.pop(key)[1]
+
+    def alive_bytes(self) -> int:
+        """Bytes still alive now (after a sweep)."""
+        self._sweep()
+        return self.current
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._sweep()
+        if not any(r.alias_info is not None for r in func._schema.returns):
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    storage = t.untyped_storage()
+                    key = storage.data_ptr()
+                    if storage.nbytes() and key not in self.live:
+                        self.live[key] = (StorageWeakRef(storage), storage.nbytes())
+                        self.current += storage.nbytes()
+        self.peak = max(self.peak, self.current)
+        return out
+
+
+def _median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# ---- the modules under test and their torch.nn twins ---------------------------------------
+
+
+@dataclasses.dataclass
+class Shapes:
+    tokens: int
+    hidden: int
+    ffn: int
+    groups: int
+
+    def splits(self) -> list[int]:
+        """Uneven, deterministic group sizes summing to ``tokens`` (MoE routing is uneven)."""
+        weights = [3, 1, 2, 2.5, 1.5, 2, 2.25, 1.75][: self.groups] or [1]
+        weights += [2] * (self.groups - len(weights))
+        raw = [int(self.tokens * w / sum(weights)) for w in weights]
+        raw[-1] += self.tokens - sum(raw)
+        return raw
+
+
+class _GroupedTwin(torch.nn.Module):
+    def __init__(self, linears: list[torch.nn.Linear], splits: list[int]) -> None:
+        super().__init__()
+        self.linears = torch.nn.ModuleList(linears)
+        self.splits = splits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([lin(xi) for lin, xi in zip(self.linears, x.split(self.splits))])
+
+
+def _build_impl(kind: str, s: Shapes, dtype: torch.dtype, delay: bool, fused: bool):
+    kw = dict(params_dtype=dtype, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fused)
+    if kind == "Linear":
+        return impl.Linear(s.hidden, s.ffn, **kw)
+    if kind == "LayerNormLinear":
+        return impl.LayerNormLinear(s.hidden, s.ffn, **kw)
+    if kind == "LayerNormMLP":
+        return impl.LayerNormMLP(s.hidden, s.ffn, **kw)
+    return impl.GroupedLinear(s.groups, s.hidden, s.ffn, **kw)
+
+
+def _build_twin(kind: str, src, s: Shapes, dtype: torch.dtype) -> torch.nn.Module:
+    """The same layer from ``torch.nn`` modules, with ``src``'s parameter values."""
+    nn = torch.nn
+    kw = {"dtype": dtype}
+
+    def linear(weight, bias):
+        lin = nn.Linear(weight.shape[1], weight.shape[0], **kw)
+        lin.weight.data.copy_(weight.detach())
+        lin.bias.data.copy_(bias.detach())
+        return lin
+
+    def norm():
+        ln = nn.LayerNorm(s.hidden, eps=src.eps, **kw)
+        ln.weight.data.copy_(src.layer_norm_weight.detach())
+        ln.bias.data.copy_(src.layer_norm_bias.detach())
+        return ln
+
+    if kind == "Linear":
+        return linear(src.weight, src.bias)
+    if kind == "LayerNormLinear":
+        return nn.Sequential(norm(), linear(src.weight, src.bias))
+    if kind == "LayerNormMLP":
+        return nn.Sequential(
+            norm(),
+            linear(src.fc1_weight, src.fc1_bias),
+            nn.GELU(approximate="tanh"),
+            linear(src.fc2_weight, src.fc2_bias),
+        )
+    lins = [linear(getattr(src, f"weight{i}"), getattr(src, f"bias{i}")) for i in range(s.groups)]
+    return _GroupedTwin(lins, s.splits())
+
+
+def _copy_params(dst, src) -> None:
+    with torch.no_grad():
+        for (_, p), (_, q) in zip(dst.named_parameters(), src.named_parameters()):
+            p.copy_(q)
+
+
+def _prefill(module, fused: bool) -> None:
+    """Non-zero starting gradients (steady state of gradient accumulation)."""
+    gemm_weights = set(module.gemm_weight_names()) if hasattr(module, "gemm_weight_names") else ()
+    for name, p in module.named_parameters():
+        if fused and name in gemm_weights:
+            p.main_grad = torch.full(p.shape, 1e-3, dtype=torch.float32)
+        else:
+            p.grad = torch.full_like(p, 1e-3)
+
+
+def _forward(module, x, splits):
+    return module(x, splits) if isinstance(module, impl.GroupedLinear) else module(x)
+
+
+def _bare_gemms(kind: str, module, x: torch.Tensor, dy: torch.Tensor, s: Shapes):
+    """The dgrad and wgrad GEMMs of the layer's backward, nothing else (same shapes)."""
+    with torch.no_grad():
+        if kind in ("Linear", "LayerNormLinear"):
+            w = module.weight
+
+            def run():
+                torch.mm(dy, w)
+                torch.mm(dy.t(), x)
+
+            return run
+        if kind == "LayerNormMLP":
+            w1, w2 = module.fc1_weight, module.fc2_weight
+            h = torch.empty(x.shape[0], w1.shape[0], dtype=x.dtype)
+
+            def run():
+                torch.mm(dy, w2)
+                torch.mm(dy.t(), h)
+                torch.mm(h, w1)
+                torch.mm(h.t(), x)
+
+            return run
+        weights = [getattr(module, f"weight{i}") for i in range(s.groups)]
+        splits = s.splits()
+
+        def run():
+            for w, d, xi in zip(weights, dy.split(splits), x.split(splits)):
+                torch.mm(d, w)
+                torch.mm(d.t(), xi)
+
+        return run
+
+
+# ---- one (module, dtype) case ------------------------------------------------------------
+
+
+def _case(kind: str, dtype: torch.dtype, s: Shapes, reps: int) -> dict:
+    torch.manual_seed(0)
+    nd = _build_impl(kind, s, dtype, delay=False, fused=False)
+    dl = _build_impl(kind, s, dtype, delay=True, fused=False)
+    _copy_params(dl, nd)
+    twin = _build_twin(kind, nd, s, dtype)
+    for m in (nd, dl):
+        _prefill(m, fused=False)
+    for p in twin.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    splits = s.splits()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(s.tokens, s.hidden, generator=gen).to(dtype).requires_grad_()
+    out_features = s.hidden if kind == "LayerNormMLP" else s.ffn
+    dy = torch.randn(s.tokens, out_features, generator=gen).to(dtype)
+    x_in = x.detach()
+    bare = _bare_gemms(kind, nd, x_in, dy, s)
+
+    def impl_backward(module, delayed):
+        y = _forward(module, x, splits)
+        x.grad = None
+
+        def run():
+            y.backward(dy)
+            if delayed:
+                module.backward_dw()
+
+        return _timed(run)
+
+    def twin_backward():
+        y = twin(x)
+        return _timed(lambda: y.backward(dy))
+
+    def generic_split():
+        from torch.distributed.pipelining._backward import (
+            stage_backward_input,
+            stage_backward_weight,
+        )
+
+        y = twin(x)
+
+        def run():
+            _, groups = stage_backward_input([y], [dy], [x], twin.parameters())
+            stage_backward_weight(twin.parameters(), groups)
+
+        return _timed(run)
+
+    t = {k: [] for k in ("nd", "delayed", "bare", "nn", "generic")}
+    for rep in range(reps + 1):  # the first repetition warms up and is dropped
+        sample = {
+            "nd": impl_backward(nd, False),
+            "delayed": impl_backward(dl, True),
+            "bare": _timed(bare),
+            "nn": twin_backward(),
+            "generic": generic_split(),
+        }
+        if rep:
+            for k, v in sample.items():
+                t[k].append(v)
+    ms = {k: _median_ms(v) for k, v in t.items()}
+    row = {
+        "module": kind,
+        "dtype": str(dtype).replace("torch.", ""),
+        "ms": ms,
+        "split": ms["delayed"] / ms["nd"],
+        "bare": ms["nd"] / ms["bare"],
+        "nn": ms["nd"] / ms["nn"],
+        "generic_time": ms["delayed"] / ms["generic"],
+    }
+    row.update(_generic_memory(dl, twin, x, dy, splits))
+    row.update(_fused_memory(kind, s, dtype, nd, x, dy, splits))
+    if kind == "GroupedLinear":
+        row.update(_grouped_vs_loop(nd, x, dy, splits, reps))
+    if kind == "LayerNormMLP":
+        row.update(_recompute_vs_saved(nd, x, dy, reps))
+    return row
+
+
+def _generic_memory(dl, twin, x, dy, splits) -> dict:
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    result = {}
+    for name in ("impl", "generic"):
+        with PeakMemory() as mem:
+            if name == "impl":
+                y = _forward(dl, x, splits)
+                y.backward(dy)
+                del y
+                kept = mem.alive_bytes()
+                dl.backward_dw()
+            else:
+                y = twin(x)
+                _, groups = stage_backward_input([y], [dy], [x], twin.parameters())
+                del y
+                kept = mem.alive_bytes()
+                stage_backward_weight(twin.parameters(), groups)
+                del groups
+        result[f"peak_{name}_mb"] = mem.peak / 2**20
+        result[f"kept_{name}_mb"] = kept / 2**20
+        x.grad = None
+    result["generic_peak"] = result["peak_impl_mb"] / result["peak_generic_mb"]
+    return result
+
+
+def _fused_memory(kind, s, dtype, nd, x, dy, splits) -> dict:
+    fused = _build_impl(kind, s, dtype, delay=False, fused=True)
+    _copy_params(fused, nd)
+    _prefill(fused, fused=True)
+    peaks = {}
+    for name, module in (("plain", nd), ("fused", fused)):
+        with PeakMemory() as mem:
+            _forward(module, x, splits).backward(dy)
+        peaks[name] = mem.peak / 2**20
+        x.grad = None
+    return {
+        "peak_plain_mb": peaks["plain"],
+        "peak_fused_mb": peaks["fused"],
+        "fused_peak": peaks["fused"] / peaks["plain"],
+    }
+
+
+def _grouped_vs_loop(module, x, dy, splits, reps) -> dict:
+    samples = {"grouped": [], "loop": []}
+    for rep in range(reps + 1):
+        for path in samples:
+            module.grouped_gemm = path
+
+            def run():
+                _forward(module, x, splits).backward(dy)
+
+            elapsed = _timed(run)
+            if rep:
+                samples[path].append(elapsed)
+    module.grouped_gemm = "auto"
+    ran_grouped = impl.gemm.grouped_mm_runs(x.dtype, module.in_features, module.out_features)
+    ms = {k: _median_ms(v) for k, v in samples.items()}
+    return {
+        "grouped_ms": ms["grouped"],
+        "loop_ms": ms["loop"],
+        "grouped": ms["grouped"] / ms["loop"] if ran_grouped else float("nan"),
+    }
+
+
+def _recompute_vs_saved(module, x, dy, reps) -> dict:
+    samples = {True: [], False: []}
+    kept = {}
+    for rep in range(reps + 1):
+        for recompute in samples:
+            module.recompute_activation = recompute
+            y = module(x)
+            x.grad = None
+            elapsed = _timed(lambda y=y: y.backward(dy))
+            if rep:
+                samples[recompute].append(elapsed)
+    for recompute in samples:
+        module.recompute_activation = recompute
+        with PeakMemory() as mem:
+            y = module(x)
+            kept[recompute] = mem.alive_bytes() - y.untyped_storage().nbytes()
+            y.backward(dy)
+            del y
+        x.grad = None
+    module.recompute_activation = type(module).recompute_activation
+    return {
+        "recompute_time": _median_ms(samples[True]) / _median_ms(samples[False]),
+        "saved_fwd_mb_recompute": kept[True] / 2**20,
+        "saved_fwd_mb_saved": kept[False] / 2**20,
+    }
+
+
+# ---- driver ------------------------------------------------------------------------------
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return (
+        f"{cpu}; torch {torch.__version__}; {torch.get_num_threads()} threads; "
+        f"cuda={'yes' if torch.cuda.is_available() else 'no'}"
+    )
+
+
+def _fmt(v: float) -> str:
+    return "   n/a" if v != v else f"{v:6.2f}"
+
+
+def _print_table(rows: list[dict], shapes: Shapes, reps: int) -> None:
+    print(f"splitgrad bench — {_machine()}")
+    print(
+        f"tokens={shapes.tokens} hidden={shapes.hidden} ffn={shapes.ffn} groups={shapes.groups} "
+        f"(splits {shapes.splits()}); median of {reps} reps; ratios < 1 mean impl is better"
+    )
+    header = (
+        f"{'module':<16}{'dtype':<9}{'bwd ms':>8}{'split':>7}{'bare':>7}{'nn':>7}"
+        f"{'gen.t':>7}{'gen.pk':>7}{'kept MB':>15}{'fused.pk':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        kept = f"{r['kept_impl_mb']:.1f}/{r['kept_generic_mb']:.1f}"
+        print(
+            f"{r['module']:<16}{r['dtype']:<9}{r['ms']['nd']:8.1f}{_fmt(r['split'])}"
+            f" {_fmt(r['bare'])} {_fmt(r['nn'])} {_fmt(r['generic_time'])}"
+            f" {_fmt(r['generic_peak'])}{kept:>15}{_fmt(r['fused_peak'])}"
+        )
+    print(
+        "\nsplit  = (backward + backward_dw) / non-delayed backward          (target <= 1.03)\n"
+        "bare   = impl backward / bare dgrad+wgrad torch.mm calls          (target <= 1.10)\n"
+        "nn     = impl backward / torch.nn twin backward (autograd)        (target <= 1.00)\n"
+        "gen.t  = impl delayed time / stage_backward_input+weight on twin\n"
+        "gen.pk = impl delayed peak memory / generic split peak memory\n"
+        "kept   = MB alive between backward and backward_dw: impl / generic split\n"
+        "fused.pk = peak memory, fused fp32 main_grad / plain .grad accumulation"
+    )
+    extra = [r for r in rows if "grouped" in r or "recompute_time" in r]
+    for r in extra:
+        if "grouped" in r:
+            print(
+                f"GroupedLinear {r['dtype']}: grouped / loop (fwd+bwd) = {_fmt(r['grouped'])} "
+                f"({r['grouped_ms']:.1f} / {r['loop_ms']:.1f} ms)"
+            )
+        if "recompute_time" in r:
+            print(
+                f"LayerNormMLP {r['dtype']}: recomputed / saved activation, backward time = "
+                f"{_fmt(r['recompute_time'])}; kept fwd->bwd {r['saved_fwd_mb_recompute']:.1f} "
+                f"vs {r['saved_fwd_mb_saved']:.1f} MB"
+            )
+
+
+def run(shapes: Shapes, dtypes: list[torch.dtype], kinds: list[str], reps: int) -> list[dict]:
+    """Measure every (module, dtype) case; returns one dict of ratios per case."""
+    return [_case(kind, dtype, shapes, reps) for dtype in dtypes for kind in kinds]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``splitgrad bench``."""
+    parser = argparse.ArgumentParser(prog="splitgrad bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes, 2 reps (smoke run)")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--ffn", type=int, default=4096)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument(
+        "--modules", default="Linear,LayerNormLinear,LayerNormMLP,GroupedLinear"
+    )
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    if args.quick:
+        shapes, reps = Shapes(256, 128, 512, args.groups), 2
+    else:
+        shapes, reps = Shapes(args.tokens, args.hidden, args.ffn, args.groups), args.reps
+    try:
+        dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",")]
+    except AttributeError as e:
+        parser.error(f"unknown dtype in --dtypes {args.dtypes!r}: {e}")
+    kinds = [k.strip() for k in args.modules.split(",")]
+    unknown = set(kinds) - {"Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"}
+    if unknown:
+        parser.error(f"unknown module(s) in --modules: {sorted(unknown)}")
+    rows = run(shapes, dtypes, kinds, reps)
+    _print_table(rows, shapes, reps)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"machine": _machine(), "shapes": dataclasses.asdict(shapes), "reps": reps,
+                 "targets": TARGETS, "rows": rows},
+                f,
+                indent=2,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
