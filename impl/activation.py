@@ -6,8 +6,9 @@ halves ``[a, b]`` and return ``act(a) * b``. Backward uses aten's ``gelu_backwar
 straight into one (N, 2F) buffer (no ``cat``).
 
 Precision: the kernels run in the tensor's dtype (bf16/fp16 kernels compute each element in
-fp32 internally and round once); a gated activation rounds ``act(a)`` before the product, one
-rounding more than the reference. The products feed a GEMM whose output rounding dominates.
+fp32 internally and round once). Gated activations in bf16/fp16 are computed in fp32 and rounded
+once, like the reference: rounding ``act(a)`` before the product doubled the error of fc2's
+wgrad operand, which the harness's P3 budget (found by ``splitgrad verify``) rejects.
 """
 
 from __future__ import annotations
@@ -38,12 +39,23 @@ def _elementwise_bwd(d: torch.Tensor, a: torch.Tensor, activation: str, out: tor
         torch.ops.aten.silu_backward.grad_input(d, a, grad_input=out)
 
 
+def _elementwise_bwd_new(d: torch.Tensor, a: torch.Tensor, activation: str) -> torch.Tensor:
+    out = torch.empty_like(a)
+    _elementwise_bwd(d, a, activation, out)
+    return out
+
+
 def act_fwd(h: torch.Tensor, activation: str) -> torch.Tensor:
     """(N, F) or, gated, (N, 2F) -> (N, F)."""
     if activation in GATED:
-        a, b = h.chunk(2, dim=-1)
-        return _elementwise(a, activation).mul_(b)
+        a, b = _wide(h).chunk(2, dim=-1)
+        return _elementwise(a, activation).mul_(b).to(h.dtype)
     return _elementwise(h, activation)
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """fp32 view of a bf16/fp16 tensor for single-rounding gated math (no-op otherwise)."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
 
 
 def act_bwd(
@@ -56,11 +68,15 @@ def act_bwd(
     """
     dh = torch.empty_like(h, memory_format=torch.contiguous_format)
     if activation in GATED:
-        a, b = h.chunk(2, dim=-1)
+        a, b = _wide(h).chunk(2, dim=-1)
+        d = _wide(d_out)
         da, db = dh.chunk(2, dim=-1)
         act_a = _elementwise(a, activation)
-        torch.mul(d_out, act_a, out=db)
-        _elementwise_bwd(d_out * b, a, activation, da)
-        return dh, (act_a.mul_(b) if want_out else None)
+        db.copy_(d * act_a)
+        if da.dtype == a.dtype:
+            _elementwise_bwd(d * b, a, activation, da)
+        else:
+            da.copy_(_elementwise_bwd_new(d * b, a, activation))
+        return dh, (act_a.mul_(b).to(h.dtype) if want_out else None)
     _elementwise_bwd(d_out, h, activation, dh)
     return dh, (_elementwise(h, activation) if want_out else None)
