@@ -41,90 +41,151 @@ MUTANTS = (
     Mutant(
         "dw-overwrites",
         "backward_dw() overwrites .grad instead of accumulating (TE #3437)",
-        (("base.py", "        entry = self._wgrad_store.head()\n",
-          "        entry = self._wgrad_store.head()\n"
-          "        for p in entry.params:\n"
-          "            if not (self.fuse_wgrad_accumulation and p.dim() == 2):\n"
-          "                p.grad = None\n"),),
+        (
+            (
+                "base.py",
+                "        entry = self._wgrad_store.head()\n",
+                "        entry = self._wgrad_store.head()\n"
+                "        for p in entry.params:\n"
+                "            if not (self.fuse_wgrad_accumulation and p.dim() == 2):\n"
+                "                p.grad = None\n",
+            ),
+        ),
     ),
     Mutant(
         "lifo",
         "backward_dw() runs the newest entry (LIFO) instead of the oldest",
-        (("store.py", "return self._entries[0]", "return self._entries[-1]"),
-         ("store.py", "self._entries.popleft().release()", "self._entries.pop().release()")),
+        (
+            ("store.py", "return self._entries[0]", "return self._entries[-1]"),
+            ("store.py", "self._entries.popleft().release()", "self._entries.pop().release()"),
+        ),
     ),
     Mutant(
         "bias-dropped",
         "the bias gradient is never written",
-        (("base.py", '        db = dy.sum(dim=0)\n', '        return\n        db = dy.sum(dim=0)\n'),),
+        (
+            (
+                "base.py",
+                "        db = dy.sum(dim=0)\n",
+                "        return\n        db = dy.sum(dim=0)\n",
+            ),
+        ),
     ),
     Mutant(
         "bias-in-backward",
         "Linear writes its bias gradient during backward() under delay",
-        (("linear.py",
-          "                if need_b:\n                    module._write_bias_grad(b, dy)\n", ""),
-         ("linear.py",
-          "            saved = (dy, x.detach()) if need_w else (dy,)\n",
-          "            if need_b:\n                module._write_bias_grad(b, dy)\n"
-          "            saved = (dy, x.detach()) if need_w else (dy,)\n")),
+        (
+            (
+                "linear.py",
+                "                if need_b:\n                    module._write_bias_grad(b, dy)\n",
+                "",
+            ),
+            (
+                "linear.py",
+                "            saved = (dy, x.detach()) if need_w else (dy,)\n",
+                "            if need_b:\n                module._write_bias_grad(b, dy)\n"
+                "            saved = (dy, x.detach()) if need_w else (dy,)\n",
+            ),
+        ),
     ),
     Mutant(
         "wgrad-operands-swapped",
         "wgrad GEMMs compute x^T dy instead of dy^T x (transposed / swapped operands)",
-        (("gemm.py", "torch.mm(dy.t(), x)", "torch.mm(x.t(), dy).t().contiguous().t()"),
-         ("gemm.py", "main_grad.addmm_(dy.t(), x)", "main_grad.addmm_(x.t(), dy)"),
-         ("gemm.py", "    grad.addmm_(dy.t(), x)", "    grad.addmm_(x.t(), dy)"),
-         ("gemm.py", "torch.mm(dy.t(), x, out=main_grad)", "torch.mm(x.t(), dy, out=main_grad)"),
-         ("gemm.py", "a, b = dy.t().to(acc), x.to(acc)", "a, b = x.t().to(acc), dy.to(acc)")),
+        (
+            ("gemm.py", "torch.mm(dy.t(), x)", "torch.mm(x.t(), dy).t().contiguous().t()"),
+            ("gemm.py", "main_grad.addmm_(dy.t(), x)", "main_grad.addmm_(x.t(), dy)"),
+            ("gemm.py", "    grad.addmm_(dy.t(), x)", "    grad.addmm_(x.t(), dy)"),
+            ("gemm.py", "torch.mm(dy.t(), x, out=main_grad)", "torch.mm(x.t(), dy, out=main_grad)"),
+            ("gemm.py", "a, b = dy.t().to(acc), x.to(acc)", "a, b = x.t().to(acc), dy.to(acc)"),
+        ),
     ),
     Mutant(
         "main-grad-bf16",
         "fused accumulation adds a low-precision dW into main_grad in the operands' dtype",
-        (("gemm.py",
-          "    a, b = dy.t().to(acc), x.to(acc)\n    if overwrite:\n        torch.mm(a, b, out=main_grad)\n"
-          "    else:\n        main_grad.addmm_(a, b)\n",
-          "    low = torch.mm(dy.t(), x)\n    if overwrite:\n        main_grad.copy_(low)\n"
-          "    else:\n        main_grad.copy_(main_grad.to(low.dtype) + low)\n"),),
+        (
+            (
+                "gemm.py",
+                "    a, b = dy.t().to(acc), x.to(acc)\n    if overwrite:\n"
+                "        torch.mm(a, b, out=main_grad)\n"
+                "    else:\n        main_grad.addmm_(a, b)\n",
+                "    low = torch.mm(dy.t(), x)\n    if overwrite:\n        main_grad.copy_(low)\n"
+                "    else:\n        main_grad.copy_(main_grad.to(low.dtype) + low)\n",
+            ),
+        ),
     ),
     Mutant(
         "first-microbatch-ignored",
         "is_first_microbatch is ignored: main_grad is always accumulated",
-        (("base.py", "gemm.wgrad_into_main_grad_(param.main_grad, dy, x, overwrite)",
-          "gemm.wgrad_into_main_grad_(param.main_grad, dy, x, False)"),),
+        (
+            (
+                "base.py",
+                "gemm.wgrad_into_main_grad_(param.main_grad, dy, x, overwrite)",
+                "gemm.wgrad_into_main_grad_(param.main_grad, dy, x, False)",
+            ),
+        ),
     ),
     Mutant(
         "ub-bulk-check-removed",
         "the ub_bulk_wgrad + delay_wgrad_compute ValueError is gone",
-        (("base.py", "        if ub_bulk_wgrad and delay_wgrad_compute:\n",
-          "        if False:\n"),),
+        (
+            (
+                "base.py",
+                "        if ub_bulk_wgrad and delay_wgrad_compute:\n",
+                "        if False:\n",
+            ),
+        ),
     ),
     Mutant(
         "ub-bulk-assert",
         "the ub_bulk_wgrad check is a bare assert (vanishes under python -O)",
-        (("base.py",
-          "        if ub_bulk_wgrad and delay_wgrad_compute:\n            raise ValueError(\n",
-          "        if ub_bulk_wgrad and delay_wgrad_compute and __debug__:\n            raise ValueError(\n"),),
+        (
+            (
+                "base.py",
+                "        if ub_bulk_wgrad and delay_wgrad_compute:\n"
+                "            raise ValueError(\n",
+                "        if ub_bulk_wgrad and delay_wgrad_compute and __debug__:\n"
+                "            raise ValueError(\n",
+            ),
+        ),
     ),
     Mutant(
         "empty-group-skipped",
         "GroupedLinear writes no gradient for an empty group (None instead of zeros)",
-        (("grouped_linear.py", "                    if need_w[i]:\n",
-          "                    if need_w[i] and dy_g.shape[0]:\n"),
-         ("grouped_linear.py", "                    if need_b[i]:\n",
-          "                    if need_b[i] and dy_g.shape[0]:\n")),
+        (
+            (
+                "grouped_linear.py",
+                "                    if need_w[i]:\n",
+                "                    if need_w[i] and dy_g.shape[0]:\n",
+            ),
+            (
+                "grouped_linear.py",
+                "                    if need_b[i]:\n",
+                "                    if need_b[i] and dy_g.shape[0]:\n",
+            ),
+        ),
     ),
     Mutant(
         "entry-kept",
         "backward_dw() keeps the finished entry (and its tensors) alive",
-        (("store.py", "        self._entries.popleft().release()\n",
-          "        self.last_entry = self._entries.popleft()\n"),),
+        (
+            (
+                "store.py",
+                "        self._entries.popleft().release()\n",
+                "        self.last_entry = self._entries.popleft()\n",
+            ),
+        ),
     ),
     Mutant(
         "hooks-before-write",
         "backward_dw() fires the hooks before the gradients are written",
-        (("base.py", "        entry = self._wgrad_store.head()\n",
-          "        self._run_hooks()\n        entry = self._wgrad_store.head()\n"),
-         ("base.py", "        del entry\n        self._run_hooks()\n", "        del entry\n")),
+        (
+            (
+                "base.py",
+                "        entry = self._wgrad_store.head()\n",
+                "        self._run_hooks()\n        entry = self._wgrad_store.head()\n",
+            ),
+            ("base.py", "        del entry\n        self._run_hooks()\n", "        del entry\n"),
+        ),
     ),
 )
 
@@ -160,8 +221,18 @@ def run_mutant(mutant: Mutant, profile: str, full: bool, workdir: Path) -> Mutan
     if why:
         return MutantResult(mutant.name, mutant.bug, "edit does not apply", detail=why)
     out = workdir / f"{mutant.name}.json"
-    cmd = [sys.executable, "-m", "splitgrad.properties.verify", "--backend", f"path:{dest}",
-           "--profile", profile, "--quiet", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "splitgrad.properties.verify",
+        "--backend",
+        f"path:{dest}",
+        "--profile",
+        profile,
+        "--quiet",
+        "--json",
+        str(out),
+    ]
     if not full:
         cmd.append("--fail-fast")
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, timeout=1800)
@@ -189,7 +260,8 @@ def run_mutant(mutant: Mutant, profile: str, full: bool, workdir: Path) -> Mutan
 
 def markdown(results: list[MutantResult], profile: str) -> str:
     lines = [
-        f"| mutant | bug | caught (`{profile}` profile) | first caught by | examples in that cell | examples in campaign |",
+        f"| mutant | bug | caught (`{profile}` profile) | first caught by "
+        "| examples in that cell | examples in campaign |",
         "|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -197,7 +269,7 @@ def markdown(results: list[MutantResult], profile: str) -> str:
         more = f" (+{len(r.caught_by) - 1} more cells)" if len(r.caught_by) > 1 else ""
         lines.append(
             f"| `{r.name}` | {r.bug} | {r.status} | {by}{more} | "
-            f"{r.examples_in_cell if r.examples_in_cell is not None else '-'} | {r.examples_total} |"
+            f"{'-' if r.examples_in_cell is None else r.examples_in_cell} | {r.examples_total} |"
         )
     return "\n".join(lines)
 
@@ -207,8 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default="ci", choices=("dev", "ci", "nightly", "gpu"))
     parser.add_argument("--jobs", type=int, default=2, help="mutants run in parallel")
     parser.add_argument("--only", action="append", help="run only these mutants")
-    parser.add_argument("--full", action="store_true",
-                        help="run every cell for every mutant (default: stop at the first failure)")
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="run every cell for every mutant (default: stop at the first failure)",
+    )
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--json", type=Path, help="write the results as JSON")
     args = parser.parse_args(argv)
@@ -220,22 +295,32 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="splitgrad-mutants-") as tmp:
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            futures = [pool.submit(run_mutant, m, args.profile, args.full, Path(tmp)) for m in chosen]
+            futures = [
+                pool.submit(run_mutant, m, args.profile, args.full, Path(tmp)) for m in chosen
+            ]
             results = [f.result() for f in futures]
     if args.markdown:
         print(markdown(results, args.profile))
     else:
         w = max(len(r.name) for r in results)
-        print(f"{'mutant':<{w}}  {'status':<20} {'first caught by':<36} {'ex/cell':>7} {'ex/total':>8} {'s':>6}")
+        print(
+            f"{'mutant':<{w}}  {'status':<20} {'first caught by':<36} "
+            f"{'ex/cell':>7} {'ex/total':>8} {'s':>6}"
+        )
         for r in results:
             by = r.caught_by[0] if r.caught_by else "-"
-            print(f"{r.name:<{w}}  {r.status:<20} {by:<36} "
-                  f"{r.examples_in_cell if r.examples_in_cell is not None else '-':>7} {r.examples_total:>8} {r.seconds:6.1f}")
+            print(
+                f"{r.name:<{w}}  {r.status:<20} {by:<36} "
+                f"{'-' if r.examples_in_cell is None else r.examples_in_cell:>7} "
+                f"{r.examples_total:>8} {r.seconds:6.1f}"
+            )
             if r.status != "caught" and r.detail:
                 print(f"    {r.detail}")
     caught = sum(r.status == "caught" for r in results)
-    print(f"\n{caught}/{len(results)} mutants caught under the {args.profile!r} profile "
-          f"in {time.perf_counter() - start:.0f}s")
+    print(
+        f"\n{caught}/{len(results)} mutants caught under the {args.profile!r} profile "
+        f"in {time.perf_counter() - start:.0f}s"
+    )
     if args.json:
         args.json.write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=2))
     return 0 if caught == len(results) else 1

@@ -137,7 +137,9 @@ class Backend(abc.ABC):
     ) -> torch.Tensor:
         """``module(x[, m_splits], is_first_microbatch=...)``."""
 
-    def backward(self, module: Any, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    def backward(
+        self, module: Any, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+    ) -> None:
         """The autograd backward of ``outputs`` (one call, possibly several outputs of one
         module, e.g. a tied weight used twice)."""
         torch.autograd.backward(list(outputs), list(grads))
@@ -172,7 +174,9 @@ class Backend(abc.ABC):
 # -------------------------------------------------------------------------------------------
 
 
-def build_library_module(lib: Any, config: ModuleConfig, *, delay: bool, ub_bulk_wgrad: bool = False) -> Any:
+def build_library_module(
+    lib: Any, config: ModuleConfig, *, delay: bool, ub_bulk_wgrad: bool = False
+) -> Any:
     """Construct ``config`` from a namespace with the splitgrad/TE module API."""
     kw: dict[str, Any] = {
         "bias": config.bias,
@@ -216,7 +220,11 @@ class LibraryBackend(Backend):
             lib = self.lib
         except ImportError as exc:
             return f"cannot import {self._module_name}: {exc}"
-        missing = [k for k in ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear") if not hasattr(lib, k)]
+        missing = [
+            k
+            for k in ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
+            if not hasattr(lib, k)
+        ]
         if missing:
             return f"{getattr(lib, '__name__', self.name)} does not export {', '.join(missing)} yet"
         return None
@@ -251,6 +259,34 @@ class LibraryBackend(Backend):
         module.register_wgrad_accumulation_and_reduce_hooks(fn)
 
 
+def _fp32_layernorm_dgrad(case: Case) -> bool:
+    return (
+        case.config.has_norm
+        and case.config.normalization == "LayerNorm"
+        and case.config.dtype == "float32"
+    )
+
+
+class ImplBackend(LibraryBackend):
+    """``splitgrad.impl``."""
+
+    deviations = (
+        Deviation(
+            "P2",
+            "float32 LayerNorm input gradient from torch's native_layer_norm_backward (CPU) has up "
+            "to ~18x the reference's error against the float64 truth (e.g. 1.1e-5 vs 6.3e-7 at "
+            "|dx|~0.25, in_features=3), beyond the 8x float32 dgrad budget; to be decided by "
+            "impl's owner (compute dx with the reference's formula in fp32, or relax the budget)",
+            "found by splitgrad verify P2; pinned in tests/test_properties_pinned.py",
+            applies=_fp32_layernorm_dgrad,
+            matches="[dgrad budget]",
+        ),
+    )
+
+    def __init__(self) -> None:
+        super().__init__("impl", "splitgrad.impl")
+
+
 def load_library_from_path(path: str | Path, package_name: str) -> Any:
     """Import the package in directory ``path`` under ``package_name`` (used for mutated copies
     of impl). Raises :class:`BackendUnavailable` naming the path when it is not a package."""
@@ -278,7 +314,9 @@ class _TwinNorm:
     """LayerNorm/RMSNorm forward with TE's parameterisation, in torch.nn.functional."""
 
     @staticmethod
-    def apply(config: ModuleConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(
+        config: ModuleConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         gamma = weight + 1 if config.zero_centered_gamma else weight
         k = (config.in_features,)
         if config.normalization == "LayerNorm":
@@ -309,7 +347,9 @@ class TorchTwin(torch.nn.Module):
 
         self.config = config
         for spec in param_specs(config):
-            p = torch.nn.Parameter(torch.zeros(spec.shape, dtype=config.torch_dtype, device=config.device))
+            p = torch.nn.Parameter(
+                torch.zeros(spec.shape, dtype=config.torch_dtype, device=config.device)
+            )
             self.register_parameter(spec.name, p)
 
     def forward(self, x: torch.Tensor, m_splits: Sequence[int] | None = None) -> torch.Tensor:
@@ -323,7 +363,9 @@ class TorchTwin(torch.nn.Module):
             ]
             return torch.cat(parts, dim=0) if parts else rows.new_zeros(0, c.out_features)
         if c.has_norm:
-            x = _TwinNorm.apply(c, x, self.layer_norm_weight, getattr(self, "layer_norm_bias", None))
+            x = _TwinNorm.apply(
+                c, x, self.layer_norm_weight, getattr(self, "layer_norm_bias", None)
+            )
         if c.kind == "LayerNormMLP":
             h = lin(x, self.fc1_weight, getattr(self, "fc1_bias", None))
             y = lin(_activation(c.activation, h), self.fc2_weight, getattr(self, "fc2_bias", None))
@@ -389,6 +431,22 @@ class TorchSplitBackend(Backend):
             matches="pending_wgrad_count after one backward through two uses",
         ),
         Deviation(
+            "P7",
+            "a module chained on itself (y = m(m(x))) with a norm in front cannot be split: "
+            "stage_backward_weight fails with 'Trying to backward through the graph a second time'",
+            "torch.distributed.pipelining._backward",
+            applies=lambda case: case.variant == "tied-chain",
+            matches="backward through the graph a second time",
+        ),
+        Deviation(
+            "P11",
+            "with a norm in front (torch.nn.functional.layer_norm / rms_norm), the input and "
+            "saved activations of a micro-batch are still alive after stage_backward_weight",
+            "torch.distributed.pipelining._backward",
+            applies=lambda case: case.config.has_norm and case.delay,
+            matches="still alive",
+        ),
+        Deviation(
             "P10",
             "no input validation: a wrong last dimension, dtype, device or m_splits fails inside "
             "torch.nn.functional with RuntimeError, or not at all, instead of ValueError/TypeError "
@@ -400,7 +458,9 @@ class TorchSplitBackend(Backend):
         try:
             importlib.import_module("torch.distributed.pipelining._backward")
         except ImportError as exc:
-            return f"torch {torch.__version__} has no torch.distributed.pipelining._backward ({exc})"
+            return (
+                f"torch {torch.__version__} has no torch.distributed.pipelining._backward ({exc})"
+            )
         return None
 
     def unsupported_reason(self, property_id: str, config: ModuleConfig) -> str | None:
@@ -410,7 +470,9 @@ class TorchSplitBackend(Backend):
             return "torch.nn has no ub_bulk_wgrad option"
         return super().unsupported_reason(property_id, config)
 
-    def build(self, config: ModuleConfig, *, delay: bool, ub_bulk_wgrad: bool = False) -> TorchSplitHandle:
+    def build(
+        self, config: ModuleConfig, *, delay: bool, ub_bulk_wgrad: bool = False
+    ) -> TorchSplitHandle:
         if config.fuse_wgrad_accumulation:
             raise BackendUnavailable("torch-split: fuse_wgrad_accumulation is not supported")
         return TorchSplitHandle(TorchTwin(config), delay)
@@ -456,7 +518,9 @@ class TorchSplitBackend(Backend):
         if not module.delay:
             return
         if not module.queue:
-            raise RuntimeError("torch-split backward_dw(): nothing is pending (pending_wgrad_count=0)")
+            raise RuntimeError(
+                "torch-split backward_dw(): nothing is pending (pending_wgrad_count=0)"
+            )
         from torch.distributed.pipelining._backward import stage_backward_weight
 
         param_groups = module.queue.popleft()
@@ -511,7 +575,8 @@ class TransformerEngineBackend(LibraryBackend):
         ),
         Deviation(
             "P7",
-            "a weight used twice queues two entries whose non-fused backward_dw() overwrite each other",
+            "a weight used twice queues two entries whose non-fused backward_dw() overwrite "
+            "each other",
             "TransformerEngine issue #3437",
             applies=_plain_case,
         ),
@@ -551,11 +616,23 @@ class TransformerEngineBackend(LibraryBackend):
 
     def gemm_weight_names(self, module: Any) -> list[str]:
         names = [n for n, _ in module.named_parameters()]
-        return [n for n in names if n == "weight" or n.startswith(("fc1_weight", "fc2_weight")) or (n.startswith("weight") and n[6:].isdigit())]
+        return [
+            n
+            for n in names
+            if n == "weight"
+            or n.startswith(("fc1_weight", "fc2_weight"))
+            or (n.startswith("weight") and n[6:].isdigit())
+        ]
 
     def gemm_bias_names(self, module: Any) -> list[str]:
         names = [n for n, _ in module.named_parameters()]
-        return [n for n in names if n == "bias" or n in ("fc1_bias", "fc2_bias") or (n.startswith("bias") and n[4:].isdigit())]
+        return [
+            n
+            for n in names
+            if n == "bias"
+            or n in ("fc1_bias", "fc2_bias")
+            or (n.startswith("bias") and n[4:].isdigit())
+        ]
 
     def pending_wgrad_count(self, module: Any) -> int:
         if hasattr(module, "pending_wgrad_count"):
@@ -578,7 +655,7 @@ def get_backend(name: str) -> Backend:
     """The backend called ``name``; ``path:DIR`` loads a package directory (a mutated impl).
     Raises ``ValueError`` naming unknown backends."""
     if name == "impl":
-        return LibraryBackend("impl", "splitgrad.impl")
+        return ImplBackend()
     if name == "reference":
         return LibraryBackend("reference", "splitgrad.reference")
     if name == "torch-split":
@@ -593,9 +670,13 @@ def get_backend(name: str) -> Backend:
         except BackendUnavailable:
             raise
         except Exception as exc:
-            raise BackendUnavailable(f"cannot import the package at {path}: {type(exc).__name__}: {exc}") from exc
+            raise BackendUnavailable(
+                f"cannot import the package at {path}: {type(exc).__name__}: {exc}"
+            ) from exc
         return LibraryBackend(name, lib=lib)
-    raise ValueError(f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)} or path:DIR")
+    raise ValueError(
+        f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)} or path:DIR"
+    )
 
 
 def available_backends(names: Iterable[str] = BACKEND_NAMES) -> list[Backend]:

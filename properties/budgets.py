@@ -7,7 +7,8 @@
    truth may be at most ``multiplier`` times the naive low-precision reference's own error, plus
    ``floor_steps`` rounding steps of the compared tensor's dtype at the truth's largest magnitude:
 
-       max|actual - truth| <= multiplier * max|naive - truth| + floor_steps * eps(dtype) * max|truth|
+       max|actual - truth| <= multiplier * max|naive - truth|
+                              + floor_steps * eps(dtype) * max|truth|
 
    One budget per kind of tensor (outputs, dgrad, wgrad, norm-parameter gradients), because they
    round at different places (see below).
@@ -164,7 +165,9 @@ def _scalar(t: torch.Tensor, index: tuple[int, ...]) -> float:
     return float(t[index].item()) if t.numel() else float("nan")
 
 
-def check_same_presence(name: str, actual: torch.Tensor | None, expected: torch.Tensor | None) -> bool:
+def check_same_presence(
+    name: str, actual: torch.Tensor | None, expected: torch.Tensor | None
+) -> bool:
     """Raise unless both are ``None`` or both tensors of one shape; return ``True`` when there
     are tensors to compare."""
     if actual is None and expected is None:
@@ -229,7 +232,9 @@ def check_error_budget(
         raise BudgetViolation(name, f"{name}: the naive reference produced no tensor to compare")
     assert actual is not None and truth is not None  # narrowed by check_same_presence
     if naive.shape != truth.shape:
-        raise BudgetViolation(name, f"{name}: naive shape {tuple(naive.shape)} != {tuple(truth.shape)}")
+        raise BudgetViolation(
+            name, f"{name}: naive shape {tuple(naive.shape)} != {tuple(truth.shape)}"
+        )
     dtype = dtype or actual.dtype
     multiplier = budget.multiplier_for(module_dtype or dtype)
     t = truth.detach().double().cpu()
@@ -298,10 +303,17 @@ def gradcheck_reference(config, seed: int = 0, rows: int = 3, backend=None) -> N
 
     x = x0.clone().requires_grad_(True)
     ok = torch.autograd.gradcheck(
-        fwd, (x,), eps=GRADCHECK_EPS, atol=GRADCHECK_ATOL, rtol=GRADCHECK_RTOL, raise_exception=False
+        fwd,
+        (x,),
+        eps=GRADCHECK_EPS,
+        atol=GRADCHECK_ATOL,
+        rtol=GRADCHECK_RTOL,
+        raise_exception=False,
     )
     if not ok:
-        raise BudgetViolation("x.grad", f"gradcheck of the input gradient failed for {config.label()}")
+        raise BudgetViolation(
+            "x.grad", f"gradcheck of the input gradient failed for {config.label()}"
+        )
     # Parameter gradients: one analytic backward, then finite differences per element.
     params = backend.parameters(module)
     for p in params.values():
@@ -330,5 +342,6 @@ def gradcheck_reference(config, seed: int = 0, rows: int = 3, backend=None) -> N
                 raise BudgetViolation(
                     name,
                     f"{name}: analytic gradient {got!r} at index {idx} vs finite difference "
-                    f"{numeric!r} (atol {GRADCHECK_ATOL}, rtol {GRADCHECK_RTOL}) for {config.label()}",
+                    f"{numeric!r} (atol {GRADCHECK_ATOL}, rtol {GRADCHECK_RTOL}) "
+                    f"for {config.label()}",
                 )

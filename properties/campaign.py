@@ -22,7 +22,17 @@ from .backends import Backend
 from .checks import CheckResult, case_strategy, run_check
 from .strategies import Case
 
-__all__ = ["CellResult", "run_cell", "run_case", "repro_command", "PASS", "FAIL", "DEVIATION", "NA", "ERROR"]
+__all__ = [
+    "CellResult",
+    "run_cell",
+    "run_case",
+    "repro_command",
+    "PASS",
+    "FAIL",
+    "DEVIATION",
+    "NA",
+    "ERROR",
+]
 
 PASS, FAIL, DEVIATION, NA, ERROR = "pass", "FAIL", "deviates", "n/a", "ERROR"
 
@@ -65,8 +75,16 @@ class CellResult:
 def repro_command(backend: Backend, property_id: str, case: Case) -> str:
     """One shell command that replays ``case`` for ``property_id`` on ``backend``."""
     return " ".join(
-        ["splitgrad", "verify", "--backend", shlex.quote(backend.name), "--property", property_id,
-         "--case", shlex.quote(case.to_json())]
+        [
+            "splitgrad",
+            "verify",
+            "--backend",
+            shlex.quote(backend.name),
+            "--property",
+            property_id,
+            "--case",
+            shlex.quote(case.to_json()),
+        ]
     )
 
 
@@ -107,14 +125,24 @@ def run_cell(
     from .checks import applicable
     from .strategies import ModuleConfig
 
-    probe = ModuleConfig(kind=kind, in_features=2, out_features=2, dtype=dtype if dtype in ("float32", "bfloat16", "float16", "float64") else "float32", device=device)
+    probe = ModuleConfig(
+        kind=kind,
+        in_features=2,
+        out_features=2,
+        dtype=dtype if dtype in ("float32", "bfloat16", "float16", "float64") else "float32",
+        device=device,
+    )
     why = None if applicable(property_id, kind) else f"{property_id} does not apply to {kind}"
     why = why or backend.unsupported_reason(property_id, probe)
     if why:
         cell.status, cell.message = NA, why
         return cell
     strategy = case_strategy(
-        property_id, (kind,), dtypes or (dtype,), (device,), fused=None if backend.supports_fused else False
+        property_id,
+        (kind,),
+        dtypes or (dtype,),
+        (device,),
+        fused=None if backend.supports_fused else False,
     )
     seen: dict[str, Any] = {"case": None}
     start = time.perf_counter()
@@ -131,7 +159,9 @@ def run_cell(
                 cell.first_failure_at = cell.examples
             raise
         if result.ratio is not None:
-            cell.worst_ratio = result.ratio if cell.worst_ratio is None else max(cell.worst_ratio, result.ratio)
+            cell.worst_ratio = (
+                result.ratio if cell.worst_ratio is None else max(cell.worst_ratio, result.ratio)
+            )
 
     try:
         campaign()
@@ -140,7 +170,9 @@ def run_cell(
     except Exception as exc:  # any failure of the implementation under test is a result
         case = seen["case"]
         cell.case = case
-        cell.message = f"{type(exc).__name__}: {exc}" if not isinstance(exc, AssertionError) else str(exc)
+        cell.message = (
+            f"{type(exc).__name__}: {exc}" if not isinstance(exc, AssertionError) else str(exc)
+        )
         ratio = getattr(exc, "ratio", math.inf)
         cell.worst_ratio = ratio if cell.worst_ratio is None else max(cell.worst_ratio, ratio)
         cell.repro = repro_command(backend, property_id, case) if case is not None else ""

@@ -14,7 +14,6 @@ Truth and baseline for P1–P3 come from the reference: the naive run is
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import os
 import subprocess
@@ -28,7 +27,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import budgets as B
 from .backends import Backend, get_backend
-from .data import GEMM_WEIGHT, make_grad_prefill, make_main_grads, make_micro_batches, make_state, param_specs
+from .data import (
+    GEMM_WEIGHT,
+    make_grad_prefill,
+    make_main_grads,
+    make_micro_batches,
+    make_state,
+    param_specs,
+)
 from .runner import ModuleRun, Snapshot
 from .strategies import (
     KINDS,
@@ -104,7 +110,9 @@ class Tracker:
         self.result.comparisons += 1
         self.result.ratio = ratio if self.result.ratio is None else max(self.result.ratio, ratio)
 
-    def bitwise(self, name: str, actual: torch.Tensor | None, expected: torch.Tensor | None) -> None:
+    def bitwise(
+        self, name: str, actual: torch.Tensor | None, expected: torch.Tensor | None
+    ) -> None:
         self._note(B.check_bitwise(name, actual, expected))
 
     def bitwise_all(self, prefix: str, actual: Snapshot, expected: Snapshot) -> None:
@@ -112,7 +120,9 @@ class Tracker:
         for k in keys:
             self.bitwise(f"{prefix}{k}", actual.get(k), expected.get(k))
 
-    def budget(self, name, actual, truth, naive, budget: B.ErrorBudget, dtype=None, module_dtype=None) -> None:
+    def budget(
+        self, name, actual, truth, naive, budget: B.ErrorBudget, dtype=None, module_dtype=None
+    ) -> None:
         self._note(B.check_error_budget(name, actual, truth, naive, budget, dtype, module_dtype))
 
     def expect(self, condition: bool, message: str) -> None:
@@ -141,7 +151,9 @@ class _AccuracyRun:
     gemm: Snapshot
 
 
-def _accuracy_run(run: ModuleRun, case: Case, data, dtype: torch.dtype | None = None) -> _AccuracyRun:
+def _accuracy_run(
+    run: ModuleRun, case: Case, data, dtype: torch.dtype | None = None
+) -> _AccuracyRun:
     outputs, xgrads = [], []
     for d in data:
         if dtype is not None:
@@ -205,14 +217,26 @@ def check_p3(backend: Backend, case: Case) -> CheckResult:
     :data:`~.budgets.WGRAD` after every ``backward_dw()``; fused weights keep ``.grad is None``."""
     t = Tracker()
     test, naive, truth = _accuracy(backend, case)
-    t.expect(set(test.gemm) == set(truth.gemm), f"gradient slots {sorted(test.gemm)} != {sorted(truth.gemm)}")
+    t.expect(
+        set(test.gemm) == set(truth.gemm),
+        f"gradient slots {sorted(test.gemm)} != {sorted(truth.gemm)}",
+    )
     for key in sorted(truth.gemm):
         a = test.gemm[key]
         if key.endswith(".grad") and truth.gemm[key] is None:
-            t.expect(a is None, f"{key}: expected None (fused weights keep .grad None), got a tensor")
+            t.expect(
+                a is None, f"{key}: expected None (fused weights keep .grad None), got a tensor"
+            )
             continue
-        t.budget(key, a, truth.gemm[key], naive.gemm.get(key), B.WGRAD, _floor_dtype(key, case.config),
-                 case.config.torch_dtype)
+        t.budget(
+            key,
+            a,
+            truth.gemm[key],
+            naive.gemm.get(key),
+            B.WGRAD,
+            _floor_dtype(key, case.config),
+            case.config.torch_dtype,
+        )
     return t.result
 
 
@@ -239,10 +263,17 @@ def check_p4(backend: Backend, case: Case) -> CheckResult:
     late.drain()
     t.equal("pending_wgrad_count after draining", late.pending(), 0)
     t.bitwise_all("", late.all_snapshot(), eager.all_snapshot())
-    t.equal("hook calls (delayed vs non-delayed)", [c.hook for c in late.hook_calls], [c.hook for c in eager.hook_calls])
+    t.equal(
+        "hook calls (delayed vs non-delayed)",
+        [c.hook for c in late.hook_calls],
+        [c.hook for c in eager.hook_calls],
+    )
     if case.config.fuse_wgrad_accumulation:
         t.equal("grad_added_to_main_grad (delayed)", late.added_flags(), eager.added_flags())
-        t.expect(all(late.added_flags().values()), f"grad_added_to_main_grad not set: {late.added_flags()}")
+        t.expect(
+            all(late.added_flags().values()),
+            f"grad_added_to_main_grad not set: {late.added_flags()}",
+        )
     _check_hooks_saw_final(t, late)
     return t.result
 
@@ -277,8 +308,12 @@ def check_p5(backend: Backend, case: Case) -> CheckResult:
         xl, _ = late.fb(d)
         xs.append((xl, xl.grad.detach().clone() if xl.grad is not None else None))
         t.bitwise(f"inp.grad[micro-batch {i}] right after backward()", xl.grad, xe.grad)
-        t.bitwise_all(f"after backward() of micro-batch {i}: ", late.norm_snapshot(), eager.norm_snapshot())
-        t.bitwise_all(f"untouched until backward_dw(), after backward() {i}: ", late.gemm_snapshot(), before)
+        t.bitwise_all(
+            f"after backward() of micro-batch {i}: ", late.norm_snapshot(), eager.norm_snapshot()
+        )
+        t.bitwise_all(
+            f"untouched until backward_dw(), after backward() {i}: ", late.gemm_snapshot(), before
+        )
         t.equal(f"grad_added_to_main_grad after backward() {i}", late.added_flags(), flags_before)
         t.equal(f"hook calls after backward() {i}", len(late.hook_calls), 0)
         t.equal(f"pending_wgrad_count after backward() {i}", late.pending(), i + 1)
@@ -330,7 +365,9 @@ class InterleavingModel:
         self.queue.append(data)
         n = len(self.steps)
         self.t.bitwise(f"step {n} (fb): inp.grad", xl.grad, xe.grad)
-        self.t.bitwise_all(f"step {n} (fb): ", self.late.norm_snapshot(), self.eager.norm_snapshot())
+        self.t.bitwise_all(
+            f"step {n} (fb): ", self.late.norm_snapshot(), self.eager.norm_snapshot()
+        )
         self.check()
 
     def dw(self) -> None:
@@ -349,7 +386,9 @@ class InterleavingModel:
     def check(self) -> None:
         n, op = len(self.steps), self.steps[-1] if self.steps else "start"
         self.t.equal(f"step {n} ({op}): pending_wgrad_count", self.late.pending(), len(self.queue))
-        self.t.bitwise_all(f"step {n} ({op}): ", self.late.gemm_snapshot(), self.lagged.gemm_snapshot())
+        self.t.bitwise_all(
+            f"step {n} ({op}): ", self.late.gemm_snapshot(), self.lagged.gemm_snapshot()
+        )
         self.t.equal(f"step {n} ({op}): hook calls", len(self.late.hook_calls), 2 * self.dws)
         _check_hooks_saw_final(self.t, self.late) if op == "dw" else None
 
@@ -418,7 +457,9 @@ def check_p7(backend: Backend, case: Case) -> CheckResult:
         t.equal("hook calls", len(late.hook_calls), 2 * entries)
         return t.result
     if case.variant != "frozen":
-        raise ValueError(f"P7 variant must be 'tied', 'tied-chain' or 'frozen', got {case.variant!r}")
+        raise ValueError(
+            f"P7 variant must be 'tied', 'tied-chain' or 'frozen', got {case.variant!r}"
+        )
     eager = ModuleRun(backend, case, delay=False, frozen=case.frozen)
     late = ModuleRun(backend, case, delay=True, frozen=case.frozen)
     trains = any(late.params[n].requires_grad for n in late.gemm_names)
@@ -427,8 +468,11 @@ def check_p7(backend: Backend, case: Case) -> CheckResult:
         xe, _ = eager.fb(d)
         xl, _ = late.fb(d)
         t.bitwise(f"inp.grad[micro-batch {i}]", xl.grad, xe.grad)
-        t.equal(f"pending_wgrad_count after backward() {i} (frozen={list(case.frozen)})",
-                late.pending(), (i + 1) if trains else 0)
+        t.equal(
+            f"pending_wgrad_count after backward() {i} (frozen={list(case.frozen)})",
+            late.pending(),
+            (i + 1) if trains else 0,
+        )
     late.drain()
     after = late.all_snapshot()
     for name in case.frozen:
@@ -455,7 +499,7 @@ def check_p8(backend: Backend, case: Case) -> CheckResult:
     fused = case.config.fuse_wgrad_accumulation
     run = ModuleRun(backend, case, delay=case.delay, prefill_grads=True)
     twin = ModuleRun(backend, case, delay=False, prefill_grads=True)
-    for i, d in enumerate(data):
+    for d in data:
         run.fb(d)
         if fused and d.spec.is_first_microbatch:
             for name in twin.weight_names:
@@ -463,6 +507,7 @@ def check_p8(backend: Backend, case: Case) -> CheckResult:
         twin.fb(d, first=None)
     run.drain()
     got, want = run.all_snapshot(), twin.all_snapshot()
+    flags = [d.spec.is_first_microbatch for d in data]
     for key in sorted(set(got) | set(want)):
         if key.endswith(".main_grad"):
             if B.check_same_presence(key, got.get(key), want.get(key)):
@@ -473,7 +518,7 @@ def check_p8(backend: Backend, case: Case) -> CheckResult:
                     raise B.BudgetViolation(
                         key,
                         f"{key}: {int(bad.sum())} elements differ from the overwrite expectation "
-                        f"(is_first_microbatch flags {[d.spec.is_first_microbatch for d in data]}); "
+                        f"(is_first_microbatch flags {flags}); "
                         f"worst at {idx}: got {float(a[idx])!r}, expected {float(e[idx])!r} "
                         "(budget: rtol=0, atol=0)",
                     )
@@ -521,7 +566,9 @@ def optimized_constructor_results(backend_name: str, kinds: tuple[str, ...]) -> 
             env={**os.environ, "PYTHONOPTIMIZE": "1"},
         )
         if proc.returncode != 0:
-            raise PropertyViolation(f"python -O subprocess for backend {backend_name!r} failed:\n{proc.stderr[-2000:]}")
+            raise PropertyViolation(
+                f"python -O subprocess for backend {backend_name!r} failed:\n{proc.stderr[-2000:]}"
+            )
         payload = json.loads(proc.stdout.strip().splitlines()[-1])
         if payload["optimize"] < 1:
             raise PropertyViolation("the subprocess did not run with python -O")
@@ -540,13 +587,20 @@ def check_p9(backend: Backend, case: Case) -> CheckResult:
     try:
         ctor(*args, ub_bulk_wgrad=True, delay_wgrad_compute=True)
     except ValueError as exc:
-        t.expect(UB_MESSAGE in str(exc), f"{kind}: ValueError message {str(exc)!r} lacks {UB_MESSAGE!r}")
+        t.expect(
+            UB_MESSAGE in str(exc), f"{kind}: ValueError message {str(exc)!r} lacks {UB_MESSAGE!r}"
+        )
     else:
-        raise PropertyViolation(f"{kind}(ub_bulk_wgrad=True, delay_wgrad_compute=True) did not raise ValueError")
-    result = optimized_constructor_results(backend.name, tuple(k for k in KINDS if k != "GroupedLinear"))
+        raise PropertyViolation(
+            f"{kind}(ub_bulk_wgrad=True, delay_wgrad_compute=True) did not raise ValueError"
+        )
+    result = optimized_constructor_results(
+        backend.name, tuple(k for k in KINDS if k != "GroupedLinear")
+    )
     t.expect(
         result.get(kind, "").startswith("ValueError") and UB_MESSAGE in result[kind],
-        f"under python -O, {kind}(ub_bulk_wgrad=True, delay_wgrad_compute=True) gave {result.get(kind)!r}",
+        f"under python -O, {kind}(ub_bulk_wgrad=True, delay_wgrad_compute=True) gave "
+        f"{result.get(kind)!r}",
     )
     data = make_micro_batches(case)
     plain = ModuleRun(backend, case, delay=False, prefill_grads=True)
@@ -569,19 +623,27 @@ def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
 
 
-def _expect_raises(t: Tracker, what: str, fn: Callable[[], Any], types: tuple[type, ...], *needles: str) -> BaseException:
+def _expect_raises(
+    t: Tracker, what: str, fn: Callable[[], Any], types: tuple[type, ...], *needles: str
+) -> BaseException:
     try:
         fn()
     except types as exc:
         msg = str(exc)
         for needle in needles:
-            t.expect(needle.lower() in msg.lower(), f"{what}: {type(exc).__name__} message {msg!r} does not name {needle!r}")
+            t.expect(
+                needle.lower() in msg.lower(),
+                f"{what}: {type(exc).__name__} message {msg!r} does not name {needle!r}",
+            )
         return exc
     except Exception as exc:
         raise PropertyViolation(
-            f"{what}: raised {type(exc).__name__}({exc}) instead of {'/'.join(x.__name__ for x in types)}"
+            f"{what}: raised {type(exc).__name__}({exc}) instead of "
+            f"{'/'.join(x.__name__ for x in types)}"
         ) from exc
-    raise PropertyViolation(f"{what}: no error raised (expected {'/'.join(x.__name__ for x in types)})")
+    raise PropertyViolation(
+        f"{what}: no error raised (expected {'/'.join(x.__name__ for x in types)})"
+    )
 
 
 def _state_snapshot(run: ModuleRun) -> dict[str, Any]:
@@ -611,9 +673,21 @@ def misuses(config: ModuleConfig, delay: bool) -> list[str]:
 
 
 MISUSES = (
-    "bad_last_dim", "bad_dtype", "bad_device", "dw_empty", "dw_no_delay", "bad_ctor", "hook_raises",
-    "m_splits_len", "m_splits_negative", "m_splits_sum",
-    "main_grad_missing", "main_grad_shape", "main_grad_dtype", "main_grad_device", "wgrad_fails",
+    "bad_last_dim",
+    "bad_dtype",
+    "bad_device",
+    "dw_empty",
+    "dw_no_delay",
+    "bad_ctor",
+    "hook_raises",
+    "m_splits_len",
+    "m_splits_negative",
+    "m_splits_sum",
+    "main_grad_missing",
+    "main_grad_shape",
+    "main_grad_dtype",
+    "main_grad_device",
+    "wgrad_fails",
 )
 
 
@@ -641,15 +715,33 @@ def check_p10(backend: Backend, case: Case) -> CheckResult:
 
     if misuse == "bad_last_dim":
         bad = torch.zeros(*d.spec.lead_shape, config.in_features + 1, dtype=dt, requires_grad=True)
-        _expect_raises(t, "wrong last dimension", lambda: call(bad), (ValueError,),
-                       str(config.in_features), str(config.in_features + 1))
+        _expect_raises(
+            t,
+            "wrong last dimension",
+            lambda: call(bad),
+            (ValueError,),
+            str(config.in_features),
+            str(config.in_features + 1),
+        )
     elif misuse == "bad_dtype":
         other = torch.float64 if dt != torch.float64 else torch.float32
-        _expect_raises(t, "wrong input dtype", lambda: call(inp.detach().to(other)), (TypeError, ValueError),
-                       _dtype_name(dt), _dtype_name(other))
+        _expect_raises(
+            t,
+            "wrong input dtype",
+            lambda: call(inp.detach().to(other)),
+            (TypeError, ValueError),
+            _dtype_name(dt),
+            _dtype_name(other),
+        )
     elif misuse == "bad_device":
-        _expect_raises(t, "wrong input device", lambda: call(inp.detach().to("meta")), (ValueError, TypeError),
-                       "meta", config.device)
+        _expect_raises(
+            t,
+            "wrong input device",
+            lambda: call(inp.detach().to("meta")),
+            (ValueError, TypeError),
+            "meta",
+            config.device,
+        )
     elif misuse in ("m_splits_len", "m_splits_negative", "m_splits_sum"):
         s = list(splits or [])
         if misuse == "m_splits_len":
@@ -658,14 +750,24 @@ def check_p10(backend: Backend, case: Case) -> CheckResult:
             ms = [-1] + s[1:-1] + [s[-1] + 1 + s[0]] if len(s) > 1 else [-1]
         else:
             ms = s[:-1] + [s[-1] + 1]
-        _expect_raises(t, f"m_splits={ms}", lambda: call(inp, ms), (ValueError,), str(ms[-1]) if misuse != "m_splits_negative" else "-1")
+        _expect_raises(
+            t,
+            f"m_splits={ms}",
+            lambda: call(inp, ms),
+            (ValueError,),
+            str(ms[-1]) if misuse != "m_splits_negative" else "-1",
+        )
     elif misuse == "dw_empty":
         if run.delay:
-            _expect_raises(t, "backward_dw() with nothing pending", run.dw, (RuntimeError,), "pending")
+            _expect_raises(
+                t, "backward_dw() with nothing pending", run.dw, (RuntimeError,), "pending"
+            )
             run.fb(d)
             run.dw()
             before, pending = _state_snapshot(run), run.pending()
-            _expect_raises(t, "backward_dw() after the queue drained", run.dw, (RuntimeError,), "pending")
+            _expect_raises(
+                t, "backward_dw() after the queue drained", run.dw, (RuntimeError,), "pending"
+            )
         else:
             run.dw()  # must be a no-op on a module built without delay
     elif misuse == "dw_no_delay":
@@ -676,12 +778,16 @@ def check_p10(backend: Backend, case: Case) -> CheckResult:
         t.equal("hook calls of backward_dw() without delay", len(run.hook_calls), calls)
     elif misuse == "bad_ctor":
         ctor = backend.constructor(config.kind)
-        bad_calls: list[tuple[str, Callable[[], Any]]] = [("in_features=0", lambda: ctor(*_ctor_args(config, in_features=0)))]
+        bad_calls: list[tuple[str, Callable[[], Any]]] = [
+            ("in_features=0", lambda: ctor(*_ctor_args(config, in_features=0)))
+        ]
         bad_calls.append(("negative out size", lambda: ctor(*_ctor_args(config, out_features=-3))))
         if config.kind == "GroupedLinear":
             bad_calls.append(("num_gemms=0", lambda: ctor(0, 4, 3)))
         if config.has_norm:
-            bad_calls.append(("normalization='BatchNorm'", lambda: ctor(4, 3, normalization="BatchNorm")))
+            bad_calls.append(
+                ("normalization='BatchNorm'", lambda: ctor(4, 3, normalization="BatchNorm"))
+            )
         if config.kind == "LayerNormMLP":
             bad_calls.append(("activation='tanh'", lambda: ctor(4, 3, activation="tanh")))
         for what, fn in bad_calls:
@@ -718,7 +824,9 @@ def check_p10(backend: Backend, case: Case) -> CheckResult:
             eager.fb(d)
             before, pending = _state_snapshot(run), run.pending()
             _set_main_grad(p, broken)
-            _expect_raises(t, f"backward_dw() with a broken {name}.main_grad", run.dw, (RuntimeError,), name)
+            _expect_raises(
+                t, f"backward_dw() with a broken {name}.main_grad", run.dw, (RuntimeError,), name
+            )
             _set_main_grad(p, good)
             _unchanged(t, "failed backward_dw()", run, before, pending)
             run.dw()
@@ -746,7 +854,9 @@ def check_p10(backend: Backend, case: Case) -> CheckResult:
     fresh.fb(d)
     run.drain()
     fresh.drain()
-    t.bitwise_all(f"after {misuse}, a valid micro-batch: ", run.all_snapshot(), fresh.all_snapshot())
+    t.bitwise_all(
+        f"after {misuse}, a valid micro-batch: ", run.all_snapshot(), fresh.all_snapshot()
+    )
     return t.result
 
 
@@ -812,7 +922,6 @@ def check_p11(backend: Backend, case: Case) -> CheckResult:
         for i in range(len(data)):
             run.dw()
             _expect_freed(t, f"micro-batch {i} after its backward_dw()", refs[i])
-    gc.collect()  # keep later examples independent of anything left behind by a failure
     return t.result
 
 
@@ -840,14 +949,24 @@ def check_p12(backend: Backend, case: Case) -> CheckResult:
     data = make_micro_batches(case)
     grouped = ModuleRun(backend, case, delay=case.delay, prefill_grads=True)
     lin_config = dataclasses.replace(config, kind="Linear", num_gemms=1)
-    state, mg, pre = make_state(config, case.seed), make_main_grads(config, case.seed), make_grad_prefill(config, case.seed)
+    state, mg, pre = (
+        make_state(config, case.seed),
+        make_main_grads(config, case.seed),
+        make_grad_prefill(config, case.seed),
+    )
     linears = []
     for i in range(n):
         s = {"weight": state[f"weight{i}"]}
         if config.bias:
             s["bias"] = state[f"bias{i}"]
-        lin = ModuleRun(backend, case, delay=case.delay, config=lin_config, state=s,
-                        main_grads={"weight": mg[f"weight{i}"]})
+        lin = ModuleRun(
+            backend,
+            case,
+            delay=case.delay,
+            config=lin_config,
+            state=s,
+            main_grads={"weight": mg[f"weight{i}"]},
+        )
         for name, p in lin.params.items():
             if not lin.uses_main_grad(name):
                 p.grad = pre[f"{name}{i}"].clone()
@@ -864,7 +983,9 @@ def check_p12(backend: Backend, case: Case) -> CheckResult:
             lin.backend.backward(lin.module, [yi], [dyi])
             ys.append(yi.detach())
         y_lin = torch.cat(ys) if ys else yg
-        dx_lin = torch.cat([xi.grad if xi.grad is not None else torch.zeros_like(xi) for xi in x_parts])
+        dx_lin = torch.cat(
+            [xi.grad if xi.grad is not None else torch.zeros_like(xi) for xi in x_parts]
+        )
         if bitwise:
             t.bitwise(f"output[micro-batch {k}] grouped vs linears", yg, y_lin)
             t.bitwise(f"inp.grad[micro-batch {k}] grouped vs linears", xg.grad, dx_lin)
@@ -886,14 +1007,24 @@ def check_p12(backend: Backend, case: Case) -> CheckResult:
     return t.result
 
 
-def _p12_budget(t: Tracker, backend: Backend, case: Case, got: Snapshot, linears: list[ModuleRun]) -> None:
+def _p12_budget(
+    t: Tracker, backend: Backend, case: Case, got: Snapshot, linears: list[ModuleRun]
+) -> None:
     _, _, truth = _accuracy(_reference(), case)
     for i, lin in enumerate(linears):
         for key, value in lin.gemm_snapshot().items():
             name, slot = key.split(".", 1)
             gkey = f"{name}{i}.{slot}"
             dt = torch.float32 if slot == "main_grad" else case.config.torch_dtype
-            t.budget(gkey, got.get(gkey), truth.gemm.get(gkey), value, B.GROUPED_GEMM, dt, case.config.torch_dtype)
+            t.budget(
+                gkey,
+                got.get(gkey),
+                truth.gemm.get(gkey),
+                value,
+                B.GROUPED_GEMM,
+                dt,
+                case.config.torch_dtype,
+            )
 
 
 # =============================================================================================
@@ -901,9 +1032,18 @@ def _p12_budget(t: Tracker, backend: Backend, case: Case, got: Snapshot, linears
 # =============================================================================================
 
 CHECKS: dict[str, Callable[[Backend, Case], CheckResult]] = {
-    "P1": check_p1, "P2": check_p2, "P3": check_p3, "P4": check_p4, "P5": check_p5,
-    "P6": check_p6, "P7": check_p7, "P8": check_p8, "P9": check_p9, "P10": check_p10,
-    "P11": check_p11, "P12": check_p12,
+    "P1": check_p1,
+    "P2": check_p2,
+    "P3": check_p3,
+    "P4": check_p4,
+    "P5": check_p5,
+    "P6": check_p6,
+    "P7": check_p7,
+    "P8": check_p8,
+    "P9": check_p9,
+    "P10": check_p10,
+    "P11": check_p11,
+    "P12": check_p12,
 }
 
 
@@ -920,7 +1060,10 @@ def _p7_cases(draw, kinds, dtypes, devices):
     count = 2 if variant.startswith("tied") else draw(st.integers(1, 2))
     mbs = draw(micro_batches(config, count))
     if variant == "tied-chain" and config.kind == "GroupedLinear":
-        mbs = (mbs[0], dataclasses.replace(mbs[1], lead_shape=mbs[0].lead_shape, m_splits=mbs[0].m_splits))
+        mbs = (
+            mbs[0],
+            dataclasses.replace(mbs[1], lead_shape=mbs[0].lead_shape, m_splits=mbs[0].m_splits),
+        )
     frozen: tuple[str, ...] = ()
     if variant == "frozen":
         names = [s.name for s in param_specs(config)]
@@ -967,7 +1110,9 @@ def _with_fused(case: Case, fused: bool) -> Case:
     if variant.startswith(("main_grad", "wgrad_fails")):
         variant = "bad_last_dim"
     return dataclasses.replace(
-        case, config=dataclasses.replace(case.config, fuse_wgrad_accumulation=fused), variant=variant
+        case,
+        config=dataclasses.replace(case.config, fuse_wgrad_accumulation=fused),
+        variant=variant,
     )
 
 
@@ -1007,15 +1152,25 @@ def run_check(property_id: str, backend: Backend, case: Case) -> CheckResult:
     try:
         fn = CHECKS[property_id]
     except KeyError:
-        raise ValueError(f"unknown property {property_id!r}; expected one of {', '.join(CHECKS)}") from None
+        raise ValueError(
+            f"unknown property {property_id!r}; expected one of {', '.join(CHECKS)}"
+        ) from None
     return fn(backend, case)
 
 
 def example_case(kind: str = "Linear", **config: Any) -> Case:
     """A small fixed case (tests and docs): 2 micro-batches of 3 rows, seed 0."""
-    cfg = ModuleConfig(kind=kind, in_features=config.pop("in_features", 5), out_features=config.pop("out_features", 3), **config)
+    cfg = ModuleConfig(
+        kind=kind,
+        in_features=config.pop("in_features", 5),
+        out_features=config.pop("out_features", 3),
+        **config,
+    )
     if kind == "GroupedLinear":
-        mbs = tuple(MicroBatch((3,), tuple([3] + [0] * (cfg.num_gemms - 1)) if cfg.num_gemms > 1 else (3,)) for _ in range(2))
+        mbs = tuple(
+            MicroBatch((3,), tuple([3] + [0] * (cfg.num_gemms - 1)) if cfg.num_gemms > 1 else (3,))
+            for _ in range(2)
+        )
     else:
         mbs = (MicroBatch((3,)), MicroBatch((1, 3)))
     return Case(cfg, mbs, 0)

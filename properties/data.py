@@ -113,7 +113,9 @@ def make_micro_batch(config: ModuleConfig, mb: MicroBatch, seed: int, index: int
 
 def make_micro_batches(case: Case) -> list[MicroBatchData]:
     """Values of every micro-batch of ``case``."""
-    return [make_micro_batch(case.config, mb, case.seed, i) for i, mb in enumerate(case.micro_batches)]
+    return [
+        make_micro_batch(case.config, mb, case.seed, i) for i, mb in enumerate(case.micro_batches)
+    ]
 
 
 def make_main_grads(config: ModuleConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -131,6 +133,8 @@ def make_grad_prefill(config: ModuleConfig, seed: int) -> dict[str, torch.Tensor
     """Random ``.grad`` prefills for every parameter (checks ``+=`` rather than ``=``)."""
     g = generator(seed, 20_000)
     return {
-        s.name: torch.randn(s.shape, generator=g, dtype=torch.float64).to(config.torch_dtype).to(config.device)
+        s.name: torch.randn(s.shape, generator=g, dtype=torch.float64)
+        .to(config.torch_dtype)
+        .to(config.device)
         for s in param_specs(config)
     }

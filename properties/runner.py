@@ -58,7 +58,9 @@ class ModuleRun:
         self.delay = delay
         if module is None:
             module = backend.build(self.config, delay=delay, ub_bulk_wgrad=ub_bulk_wgrad)
-            backend.load_state(module, state if state is not None else make_state(self.config, case.seed))
+            backend.load_state(
+                module, state if state is not None else make_state(self.config, case.seed)
+            )
         self.module = module
         self.params = backend.parameters(self.module)
         self.weight_names = backend.gemm_weight_names(self.module)
@@ -68,7 +70,9 @@ class ModuleRun:
         for name in frozen:
             self.params[name].requires_grad_(False)
         if self.config.fuse_wgrad_accumulation and main_grads is not False:
-            prefill = main_grads if main_grads is not None else make_main_grads(self.config, case.seed)
+            prefill = (
+                main_grads if main_grads is not None else make_main_grads(self.config, case.seed)
+            )
             for name in self.weight_names:
                 p = self.params[name]
                 p.main_grad = prefill[name].clone()
@@ -93,7 +97,9 @@ class ModuleRun:
     def forward(self, x: torch.Tensor, m_splits, is_first_microbatch) -> torch.Tensor:
         return self.backend.forward(self.module, x, m_splits, is_first_microbatch)
 
-    def fb(self, data: MicroBatchData, *, first: bool | None = ...) -> tuple[torch.Tensor, torch.Tensor]:
+    def fb(
+        self, data: MicroBatchData, *, first: bool | None = ...
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of one micro-batch on a fresh leaf input; returns ``(x, y)``."""
         x = data.fresh_input()
         flag = data.spec.is_first_microbatch if first is ... else first
@@ -101,7 +107,9 @@ class ModuleRun:
         self.backend.backward(self.module, [y], [data.dy])
         return x, y.detach()
 
-    def backward_outputs(self, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    def backward_outputs(
+        self, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+    ) -> None:
         self.backend.backward(self.module, outputs, grads)
 
     def dw(self) -> None:
@@ -162,4 +170,7 @@ class ModuleRun:
         return self.snapshot(list(self.params))
 
     def added_flags(self) -> dict[str, bool]:
-        return {n: bool(getattr(self.params[n], "grad_added_to_main_grad", False)) for n in self.weight_names}
+        return {
+            n: bool(getattr(self.params[n], "grad_added_to_main_grad", False))
+            for n in self.weight_names
+        }

@@ -99,7 +99,9 @@ class ModuleConfig:
             raise ValueError(f"unknown module kind {self.kind!r}; expected one of {KINDS}")
         torch_dtype(self.dtype)
         if self.recipe is not None:
-            raise ValueError(f"FP8 recipes are not supported by the harness yet, got {self.recipe!r}")
+            raise ValueError(
+                f"FP8 recipes are not supported by the harness yet, got {self.recipe!r}"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -259,7 +261,9 @@ def module_configs(
         fuse_wgrad_accumulation=draw(st.booleans()) if fused is None else fused,
         normalization=draw(st.sampled_from(NORMALIZATIONS)),
         activation=draw(st.sampled_from(ACTIVATIONS)) if kind == "LayerNormMLP" else "gelu",
-        zero_centered_gamma=draw(st.booleans()) if kind in ("LayerNormLinear", "LayerNormMLP") else False,
+        zero_centered_gamma=draw(st.booleans())
+        if kind in ("LayerNormLinear", "LayerNormMLP")
+        else False,
         dtype=draw(st.sampled_from(list(dtypes))),
         device=draw(st.sampled_from(list(devices))),
     )

@@ -62,18 +62,38 @@ def _split_list(values: Sequence[str] | None, allowed: Sequence[str], what: str)
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="splitgrad verify", description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", default="impl",
-                   help="impl (default), reference, torch-split, transformer_engine, or path:DIR")
-    p.add_argument("--module", action="append", metavar="KIND",
-                   help=f"module kind(s), repeatable or comma-separated (default: all of {', '.join(KINDS)})")
-    p.add_argument("--dtype", action="append",
-                   help=f"dtype(s) among {', '.join(DTYPES)} (default: float32,bfloat16)")
-    p.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cpu (cuda for TE)")
-    p.add_argument("--property", action="append", metavar="PID",
-                   help="property id(s) P1..P12 (default: all)")
-    p.add_argument("--examples", type=int, default=None,
-                   help=f"hypothesis examples per cell (default {DEFAULT_EXAMPLES}; the profile's with --profile)")
-    p.add_argument("--profile", default=None, choices=_PROFILES, help="hypothesis profile (default ci)")
+    p.add_argument(
+        "--backend",
+        default="impl",
+        help="impl (default), reference, torch-split, transformer_engine, or path:DIR",
+    )
+    p.add_argument(
+        "--module",
+        action="append",
+        metavar="KIND",
+        help=f"module kind(s), repeatable or comma-separated (default: all of {', '.join(KINDS)})",
+    )
+    p.add_argument(
+        "--dtype",
+        action="append",
+        help=f"dtype(s) among {', '.join(DTYPES)} (default: float32,bfloat16)",
+    )
+    p.add_argument(
+        "--device", default=None, choices=("cpu", "cuda"), help="default: cpu (cuda for TE)"
+    )
+    p.add_argument(
+        "--property", action="append", metavar="PID", help="property id(s) P1..P12 (default: all)"
+    )
+    p.add_argument(
+        "--examples",
+        type=int,
+        default=None,
+        help=f"hypothesis examples per cell (default {DEFAULT_EXAMPLES}; "
+        "the profile's with --profile)",
+    )
+    p.add_argument(
+        "--profile", default=None, choices=_PROFILES, help="hypothesis profile (default ci)"
+    )
     p.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
     p.add_argument("--junit", type=Path, metavar="PATH", help="write the results as JUnit XML")
     p.add_argument("--case", metavar="JSON", help="replay one case (needs exactly one --property)")
@@ -99,11 +119,25 @@ def format_table(cells: list[CellResult]) -> str:
     rows = [header]
     for c in cells:
         result = c.status
-        rows.append((c.property_id, c.kind, c.dtype, str(c.examples) if c.status != NA else "-", c.ratio_text, result))
+        rows.append(
+            (
+                c.property_id,
+                c.kind,
+                c.dtype,
+                str(c.examples) if c.status != NA else "-",
+                c.ratio_text,
+                result,
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = []
     for n, r in enumerate(rows):
-        lines.append("  ".join(v.ljust(w) if i in (0, 1, 2, 5) else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))).rstrip())
+        lines.append(
+            "  ".join(
+                v.ljust(w) if i in (0, 1, 2, 5) else v.rjust(w)
+                for i, (v, w) in enumerate(zip(r, widths))
+            ).rstrip()
+        )
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -120,10 +154,17 @@ def _write_junit(path: Path, backend: str, cells: list[CellResult], elapsed: flo
         time=f"{elapsed:.3f}",
     )
     for c in cells:
-        tc = ET.SubElement(suite, "testcase", classname=f"splitgrad.verify.{c.property_id}",
-                           name=f"{c.kind}[{c.dtype}]", time=f"{c.seconds:.3f}")
+        tc = ET.SubElement(
+            suite,
+            "testcase",
+            classname=f"splitgrad.verify.{c.property_id}",
+            name=f"{c.kind}[{c.dtype}]",
+            time=f"{c.seconds:.3f}",
+        )
         if c.status == FAIL:
-            f = ET.SubElement(tc, "failure", message=c.message.splitlines()[0][:500] if c.message else "failed")
+            f = ET.SubElement(
+                tc, "failure", message=c.message.splitlines()[0][:500] if c.message else "failed"
+            )
             f.text = f"{c.message}\n\nreproduce: {c.repro}"
         elif c.status == ERROR:
             ET.SubElement(tc, "error", message=c.message[:500])
@@ -132,7 +173,9 @@ def _write_junit(path: Path, backend: str, cells: list[CellResult], elapsed: flo
         elif c.status == NA:
             ET.SubElement(tc, "skipped", message=c.message)
         else:
-            ET.SubElement(tc, "system-out").text = f"examples={c.examples} worst_ratio={c.ratio_text}"
+            ET.SubElement(
+                tc, "system-out"
+            ).text = f"examples={c.examples} worst_ratio={c.ratio_text}"
     root = ET.Element("testsuites")
     root.append(suite)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -155,7 +198,10 @@ def _replay(backend, properties: list[str], text: str) -> int:
         result = run_case(backend, pid, case)
     except Exception as exc:
         dev = backend.deviation_for(pid, case, str(exc))
-        print(f"{pid} {'DEVIATES (known: ' + dev.summary + ')' if dev else 'FAIL'} on {backend.name}: {case.config.label()}")
+        print(
+            f"{pid} {'DEVIATES (known: ' + dev.summary + ')' if dev else 'FAIL'} "
+            f"on {backend.name}: {case.config.label()}"
+        )
         print(f"  {type(exc).__name__}: {exc}")
         return 0 if dev else 1
     print(f"{pid} pass on {backend.name}: {case.config.label()} (worst/budget {result.ratio})")
@@ -192,7 +238,10 @@ def _main(argv: list[str]) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            print("splitgrad verify: --device cuda, but torch.cuda.is_available() is False", file=sys.stderr)
+            print(
+                "splitgrad verify: --device cuda, but torch.cuda.is_available() is False",
+                file=sys.stderr,
+            )
             return 2
     kinds = _split_list(args.module, KINDS, "module") or list(KINDS)
     dtypes = _split_list(args.dtype, DTYPES, "dtype") or ["float32", "bfloat16"]
@@ -202,8 +251,12 @@ def _main(argv: list[str]) -> int:
     from .profiles import load_profile
 
     load_profile()
-    profile = args.profile or ("ci" if not os.environ.get("HYPOTHESIS_PROFILE") else active_profile_name())
-    examples = args.examples if args.examples is not None else (None if args.profile else DEFAULT_EXAMPLES)
+    profile = args.profile or (
+        "ci" if not os.environ.get("HYPOTHESIS_PROFILE") else active_profile_name()
+    )
+    examples = (
+        args.examples if args.examples is not None else (None if args.profile else DEFAULT_EXAMPLES)
+    )
     if args.case:
         return _replay(backend, properties, args.case)
 
@@ -215,8 +268,10 @@ def _main(argv: list[str]) -> int:
             for dtype in dtypes:
                 plan.append((pid, kind, dtype))
     show = not args.quiet and sys.stderr.isatty()
-    print(f"splitgrad verify: backend {backend.name}, device {device}, profile {profile}, "
-          f"{examples or 'profile default'} examples per cell, {len(plan)} cells")
+    print(
+        f"splitgrad verify: backend {backend.name}, device {device}, profile {profile}, "
+        f"{examples or 'profile default'} examples per cell, {len(plan)} cells"
+    )
     for note in backend.notes:
         print(f"  note: {note}")
     cells: list[CellResult] = []
@@ -224,9 +279,13 @@ def _main(argv: list[str]) -> int:
     for i, (pid, kind, dtype) in enumerate(plan):
         _progress(i, len(plan), f"{pid} {kind} {dtype}", show)
         if pid in ("P1", "P2", "P3") and dtype not in LOW_PRECISION_DTYPES:
-            cell = CellResult(pid, kind, dtype, status=NA, message="no wider dtype to measure error against")
+            cell = CellResult(
+                pid, kind, dtype, status=NA, message="no wider dtype to measure error against"
+            )
         else:
-            cell = run_cell(backend, pid, kind, dtype, device=device, examples=examples, profile=profile)
+            cell = run_cell(
+                backend, pid, kind, dtype, device=device, examples=examples, profile=profile
+            )
         cells.append(cell)
         if args.fail_fast and cell.status in (FAIL, ERROR):
             break
@@ -236,27 +295,43 @@ def _main(argv: list[str]) -> int:
     failed = [c for c in cells if c.status in (FAIL, ERROR)]
     deviating = [c for c in cells if c.status == DEVIATION]
     for c in failed:
-        print(f"\n{c.status} {c.property_id} {c.kind} {c.dtype} after {c.first_failure_at} example(s):")
+        mbs = c.case.micro_batches if c.case is not None else ()
+        print(
+            f"\n{c.status} {c.property_id} {c.kind} {c.dtype} "
+            f"after {c.first_failure_at} example(s):"
+        )
         print("  " + c.message.replace("\n", "\n  "))
         if c.case is not None:
-            print(f"  shrunk case: {c.case.config.label()}; micro-batches "
-                  f"{[(mb.lead_shape, mb.m_splits, mb.is_first_microbatch) for mb in c.case.micro_batches]}"
-                  + (f"; schedule {list(c.case.schedule)}" if c.case.schedule else "")
-                  + (f"; variant {c.case.variant}" if c.case.variant else "")
-                  + (f"; frozen {list(c.case.frozen)}" if c.case.frozen else ""))
+            print(
+                f"  shrunk case: {c.case.config.label()}; micro-batches "
+                f"{[(m.lead_shape, m.m_splits, m.is_first_microbatch) for m in mbs]}"
+                + (f"; schedule {list(c.case.schedule)}" if c.case.schedule else "")
+                + (f"; variant {c.case.variant}" if c.case.variant else "")
+                + (f"; frozen {list(c.case.frozen)}" if c.case.frozen else "")
+            )
             print(f"  reproduce: {c.repro}")
     if deviating:
         print("\nknown deviations from SPEC.md (declared by the backend, shown, not excused):")
         for c in deviating:
-            print(f"  {c.property_id} {c.kind} {c.dtype}: {c.deviation}\n    observed: {c.message.splitlines()[0][:300]}")
+            print(
+                f"  {c.property_id} {c.kind} {c.dtype}: {c.deviation}\n"
+                f"    observed: {c.message.splitlines()[0][:300]}"
+            )
             print(f"    reproduce: {c.repro}")
     ran = {c.property_id for c in cells if c.status in (PASS, DEVIATION, FAIL)}
     for dev in backend.deviations:
-        if dev.property_id in ran and not any(c.property_id == dev.property_id and c.status == DEVIATION for c in cells):
-            print(f"\nnote: declared deviation not observed in this run: {dev.property_id}: {dev.summary}")
+        if dev.property_id in ran and not any(
+            c.property_id == dev.property_id and c.status == DEVIATION for c in cells
+        ):
+            print(
+                "\nnote: declared deviation not observed in this run: "
+                f"{dev.property_id}: {dev.summary}"
+            )
     n_pass = sum(c.status == PASS for c in cells)
-    print(f"\n{n_pass} passed, {len(failed)} failed, {len(deviating)} known deviations, "
-          f"{sum(c.status == NA for c in cells)} n/a in {elapsed:.1f}s")
+    print(
+        f"\n{n_pass} passed, {len(failed)} failed, {len(deviating)} known deviations, "
+        f"{sum(c.status == NA for c in cells)} n/a in {elapsed:.1f}s"
+    )
     payload = {
         "backend": backend.name,
         "device": device,

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-
 from splitgrad.properties import budgets as B
 from splitgrad.properties.backends import LibraryBackend, get_backend
 from splitgrad.properties.checks import _accuracy, example_case
@@ -27,7 +26,10 @@ def _truth_and_naive(dtype: torch.dtype, seed: int = 0):
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 def test_budget_passes_on_truth(budget: B.ErrorBudget, dtype: torch.dtype) -> None:
     truth, naive = _truth_and_naive(dtype)
-    assert B.check_error_budget("t", naive, truth, naive, budget) <= 1.0 / budget.multiplier_for(dtype) + 1e-12
+    assert (
+        B.check_error_budget("t", naive, truth, naive, budget)
+        <= 1.0 / budget.multiplier_for(dtype) + 1e-12
+    )
     assert B.check_error_budget("t", truth, truth, naive, budget, dtype) == 0.0
 
 
@@ -36,7 +38,9 @@ def test_budget_passes_on_truth(budget: B.ErrorBudget, dtype: torch.dtype) -> No
 def test_budget_fails_just_past_its_limit(budget: B.ErrorBudget, dtype: torch.dtype) -> None:
     truth, naive = _truth_and_naive(dtype)
     naive_err = float((naive.double() - truth).abs().max())
-    allowed = budget.multiplier_for(dtype) * naive_err + budget.floor_steps * B.rounding_step(dtype, float(truth.abs().max()))
+    allowed = budget.multiplier_for(dtype) * naive_err + budget.floor_steps * B.rounding_step(
+        dtype, float(truth.abs().max())
+    )
     wrong = truth.clone()
     wrong[3, 2] += allowed * 1.05  # 5% past the budget, at a known index
     with pytest.raises(B.BudgetViolation) as info:
@@ -55,9 +59,26 @@ def test_floor_is_one_rounding_step_when_naive_is_exact(dtype: torch.dtype) -> N
     truth = torch.tensor([1.0, -2.0, 4.0], dtype=torch.float64)
     naive = truth.to(dtype)  # exactly representable: naive error 0
     step = torch.finfo(dtype).eps * 4.0
-    assert B.check_error_budget("y", truth + torch.tensor([0, 0, step * 0.99], dtype=torch.float64), truth, naive, B.OUTPUT, dtype) <= 1.0
+    assert (
+        B.check_error_budget(
+            "y",
+            truth + torch.tensor([0, 0, step * 0.99], dtype=torch.float64),
+            truth,
+            naive,
+            B.OUTPUT,
+            dtype,
+        )
+        <= 1.0
+    )
     with pytest.raises(B.BudgetViolation):
-        B.check_error_budget("y", truth + torch.tensor([0, 0, step * 1.01], dtype=torch.float64), truth, naive, B.OUTPUT, dtype)
+        B.check_error_budget(
+            "y",
+            truth + torch.tensor([0, 0, step * 1.01], dtype=torch.float64),
+            truth,
+            naive,
+            B.OUTPUT,
+            dtype,
+        )
 
 
 def test_budget_rejects_nan_missing_and_shape() -> None:
@@ -87,12 +108,20 @@ def test_bitwise_passes_on_identical_and_fails_on_one_ulp(dtype: torch.dtype) ->
     a = torch.randn(4, 3, generator=torch.Generator().manual_seed(1)).to(dtype)
     assert B.check_bitwise("w.grad", a, a.clone()) == 0.0
     b = a.clone()
-    b[2, 1] = torch.nextafter(b[2, 1].float(), torch.tensor(math.inf)).to(dtype) if dtype != torch.float64 else torch.nextafter(b[2, 1], torch.tensor(math.inf, dtype=dtype))
+    b[2, 1] = (
+        torch.nextafter(b[2, 1].float(), torch.tensor(math.inf)).to(dtype)
+        if dtype != torch.float64
+        else torch.nextafter(b[2, 1], torch.tensor(math.inf, dtype=dtype))
+    )
     if dtype in (torch.bfloat16, torch.float16):
         b[2, 1] = (a[2, 1].view(torch.int16) + 1).view(dtype)
     with pytest.raises(B.BudgetViolation) as info:
         B.check_bitwise("w.grad", b, a)
-    assert "w.grad" in str(info.value) and "(2, 1)" in str(info.value) and "rtol=0, atol=0" in str(info.value)
+    assert (
+        "w.grad" in str(info.value)
+        and "(2, 1)" in str(info.value)
+        and "rtol=0, atol=0" in str(info.value)
+    )
 
 
 def test_bitwise_distinguishes_signed_zero_and_keeps_nan_payloads() -> None:
@@ -129,7 +158,9 @@ def test_module_budgets_pass_on_reference_and_fail_a_few_steps_off(kind: str, dt
     ):
         assert B.check_error_budget(name, a, t, n, budget, floor_dt, mdt) <= 1.0
         naive_err = float((n.double() - t.double()).abs().max())
-        allowed = budget.multiplier_for(mdt) * naive_err + B.rounding_step(floor_dt, float(t.abs().max()))
+        allowed = budget.multiplier_for(mdt) * naive_err + B.rounding_step(
+            floor_dt, float(t.abs().max())
+        )
         wrong = a.detach().double().clone()
         wrong.view(-1)[0] = t.double().view(-1)[0] + 1.5 * allowed
         with pytest.raises(B.BudgetViolation, match=name.split(".")[0]):
@@ -147,7 +178,13 @@ def test_module_budgets_pass_on_reference_and_fail_a_few_steps_off(kind: str, dt
         dict(kind="LayerNormLinear", in_features=4, out_features=2, zero_centered_gamma=True),
         dict(kind="LayerNormLinear", in_features=3, out_features=2, normalization="RMSNorm"),
         dict(kind="LayerNormMLP", in_features=3, out_features=2, activation="swiglu"),
-        dict(kind="LayerNormMLP", in_features=3, out_features=2, activation="gelu", normalization="RMSNorm"),
+        dict(
+            kind="LayerNormMLP",
+            in_features=3,
+            out_features=2,
+            activation="gelu",
+            normalization="RMSNorm",
+        ),
         dict(kind="GroupedLinear", in_features=2, out_features=2, num_gemms=3),
     ],
     ids=lambda c: "-".join(str(v) for v in c.values()),

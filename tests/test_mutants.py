@@ -13,8 +13,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_every_mutant_is_caught_under_the_ci_profile() -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "ci" / "mutants.py"), "--profile", "ci"],
-                          capture_output=True, text=True, timeout=3000, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "ci" / "mutants.py"), "--profile", "ci"],
+        capture_output=True,
+        text=True,
+        timeout=3000,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

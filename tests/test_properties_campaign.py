@@ -9,7 +9,6 @@ known deviation is an ``xfail`` whose reason is the deviation and the observed m
 from __future__ import annotations
 
 import pytest
-
 from splitgrad.properties.backends import get_backend
 from splitgrad.properties.campaign import DEVIATION, NA, PASS, run_cell
 from splitgrad.properties.checks import PROPERTIES, applicable
@@ -37,6 +36,8 @@ def test_property(backend_name: str, property_id: str, kind: str) -> None:
     if cell.status == NA:
         pytest.skip(f"{property_id} n/a on {backend_name}: {cell.message}")
     if cell.status == DEVIATION:
-        pytest.xfail(f"known deviation of {backend_name}: {cell.deviation} | observed: {cell.message[:300]}")
+        pytest.xfail(
+            f"known deviation of {backend_name}: {cell.deviation} | observed: {cell.message[:300]}"
+        )
     assert cell.status == PASS, f"{cell.message}\nreproduce: {cell.repro}"
     assert cell.examples > 0

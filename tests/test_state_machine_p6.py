@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import settings
-
+from hypothesis import Phase, settings
 from splitgrad.properties.backends import get_backend
 from splitgrad.properties.state_machine import make_p6_machine
 
 
-def _machine_test(backend_name: str, kinds=("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")):
+def _machine_test(
+    backend_name: str, kinds=("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
+):
     backend = get_backend(backend_name)
     why = backend.unavailable_reason()
     if why:
@@ -52,6 +53,17 @@ def test_p6_machine_catches_lifo() -> None:
 
     backend = LifoBackend("reference-lifo", "splitgrad.reference")
     machine = make_p6_machine(backend, kinds=("Linear",), dtypes=("float32",))
-    with pytest.raises(AssertionError):
-        _run(machine, settings(settings.default, stateful_step_count=12, max_examples=200,
-                               derandomize=True, database=None, print_blob=False))
+    with pytest.raises(AssertionError, match="not bitwise identical|pending"):
+        _run(
+            machine,
+            settings(
+                settings.default,
+                stateful_step_count=10,
+                max_examples=100,
+                derandomize=True,
+                database=None,
+                print_blob=False,
+                report_multiple_bugs=False,
+                phases=[Phase.generate],
+            ),
+        )

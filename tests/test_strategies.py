@@ -62,9 +62,14 @@ def test_strategies_reach_the_edge_cases() -> None:
     grouped = S.cases(kinds=("GroupedLinear",))
     assert find(grouped, lambda c: any(0 in mb.m_splits for mb in c.micro_batches))
     assert find(grouped, lambda c: any(mb.rows == 0 for mb in c.micro_batches))
-    assert find(S.cases(kinds=("Linear",)), lambda c: c.config.in_features == 1 and c.config.out_features == 1)
+    assert find(
+        S.cases(kinds=("Linear",)),
+        lambda c: c.config.in_features == 1 and c.config.out_features == 1,
+    )
     assert find(S.cases(), lambda c: c.config.in_features == 13)
-    assert find(S.cases(kinds=("Linear",)), lambda c: any(len(mb.lead_shape) == 2 for mb in c.micro_batches))
+    assert find(
+        S.cases(kinds=("Linear",)), lambda c: any(len(mb.lead_shape) == 2 for mb in c.micro_batches)
+    )
     assert find(S.cases(), lambda c: any(mb.is_first_microbatch for mb in c.micro_batches))
     assert find(case_strategy("P6"), lambda c: "zero" in c.schedule and c.schedule.index("dw") > 1)
 
@@ -78,4 +83,6 @@ def test_bad_values_are_rejected_with_their_name() -> None:
         S.ModuleConfig("Linear", 2, 2, dtype="int8")
     with pytest.raises(ValueError, match="not a splitgrad case"):
         S.Case.from_json('{"nope": 1}')
-    assert dataclasses.replace(S.ModuleConfig("Linear", 2, 2), dtype="bfloat16").torch_dtype.is_floating_point
+    assert dataclasses.replace(
+        S.ModuleConfig("Linear", 2, 2), dtype="bfloat16"
+    ).torch_dtype.is_floating_point

@@ -11,7 +11,6 @@ from pathlib import Path
 from xml.etree import ElementTree as ET
 
 import pytest
-
 from splitgrad.properties.verify import main
 
 
@@ -51,15 +50,36 @@ def test_unavailable_backend_is_explained(capsys) -> None:
 
 def test_campaign_prints_table_and_writes_json_and_junit(tmp_path: Path, capsys) -> None:
     js, xml = tmp_path / "out.json", tmp_path / "out.xml"
-    argv = ["--backend", "reference", "--module", "Linear,GroupedLinear", "--dtype", "bfloat16",
-            "--property", "P1,P4", "--property", "P12", "--examples", "3", "--json", str(js), "--junit", str(xml)]
+    argv = [
+        "--backend",
+        "reference",
+        "--module",
+        "Linear,GroupedLinear",
+        "--dtype",
+        "bfloat16",
+        "--property",
+        "P1,P4",
+        "--property",
+        "P12",
+        "--examples",
+        "3",
+        "--json",
+        str(js),
+        "--junit",
+        str(xml),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "property" in out and "worst/budget" in out and "0 (bitwise)" in out
     assert "5 passed, 0 failed" in out
     data = json.loads(js.read_text())
     assert {(c["property_id"], c["kind"]) for c in data["cells"]} == {
-        ("P1", "Linear"), ("P1", "GroupedLinear"), ("P4", "Linear"), ("P4", "GroupedLinear"), ("P12", "GroupedLinear")}
+        ("P1", "Linear"),
+        ("P1", "GroupedLinear"),
+        ("P4", "Linear"),
+        ("P4", "GroupedLinear"),
+        ("P12", "GroupedLinear"),
+    }
     assert all(c["status"] == "pass" and c["examples"] == 3 for c in data["cells"])
     suite = ET.parse(xml).getroot().find("testsuite")
     assert suite.get("tests") == "5" and suite.get("failures") == "0"
@@ -82,19 +102,35 @@ def test_failure_prints_shrunk_case_and_a_working_repro(tmp_path: Path, capsys) 
     pkg = tmp_path / "broken_lib"
     pkg.mkdir()
     (pkg / "__init__.py").write_text(BROKEN)
-    argv = ["--backend", f"path:{pkg}", "--module", "Linear", "--dtype", "float32", "--property", "P1",
-            "--examples", "5"]
+    argv = [
+        "--backend",
+        f"path:{pkg}",
+        "--module",
+        "Linear",
+        "--dtype",
+        "float32",
+        "--property",
+        "P1",
+        "--examples",
+        "5",
+    ]
     assert main(argv) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "shrunk case: Linear 1x1 float32" in out
-    repro = next(line.split("reproduce: ", 1)[1] for line in out.splitlines() if "reproduce: " in line)
+    repro = next(
+        line.split("reproduce: ", 1)[1] for line in out.splitlines() if "reproduce: " in line
+    )
     args = shlex.split(repro)
     assert args[:2] == ["splitgrad", "verify"]
     assert main(args[2:]) == 1
     assert "P1 FAIL" in capsys.readouterr().out
     # The console script is installed and behaves the same.
-    proc = subprocess.run([sys.executable, "-m", "splitgrad.properties.cli", "verify", *args[2:]],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "splitgrad.properties.cli", "verify", *args[2:]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1 and "output[micro-batch 0]" in proc.stdout
 
 
