@@ -38,9 +38,9 @@ def test_budget_passes_on_truth(budget: B.ErrorBudget, dtype: torch.dtype) -> No
 def test_budget_fails_just_past_its_limit(budget: B.ErrorBudget, dtype: torch.dtype) -> None:
     truth, naive = _truth_and_naive(dtype)
     naive_err = float((naive.double() - truth).abs().max())
-    allowed = budget.multiplier_for(dtype) * naive_err + budget.floor_steps * B.rounding_step(
-        dtype, float(truth.abs().max())
-    )
+    allowed = budget.multiplier_for(dtype) * naive_err + budget.floor_steps_for(
+        dtype
+    ) * B.rounding_step(dtype, float(truth.abs().max()))
     wrong = truth.clone()
     wrong[3, 2] += allowed * 1.05  # 5% past the budget, at a known index
     with pytest.raises(B.BudgetViolation) as info:
@@ -58,7 +58,7 @@ def test_budget_fails_just_past_its_limit(budget: B.ErrorBudget, dtype: torch.dt
 def test_floor_is_one_rounding_step_when_naive_is_exact(dtype: torch.dtype) -> None:
     truth = torch.tensor([1.0, -2.0, 4.0], dtype=torch.float64)
     naive = truth.to(dtype)  # exactly representable: naive error 0
-    step = torch.finfo(dtype).eps * 4.0
+    step = B.OUTPUT.floor_steps_for(dtype) * torch.finfo(dtype).eps * 4.0
     assert (
         B.check_error_budget(
             "y",
@@ -158,9 +158,8 @@ def test_module_budgets_pass_on_reference_and_fail_a_few_steps_off(kind: str, dt
     ):
         assert B.check_error_budget(name, a, t, n, budget, floor_dt, mdt) <= 1.0
         naive_err = float((n.double() - t.double()).abs().max())
-        allowed = budget.multiplier_for(mdt) * naive_err + B.rounding_step(
-            floor_dt, float(t.abs().max())
-        )
+        floor = budget.floor_steps_for(mdt) * B.rounding_step(floor_dt, float(t.abs().max()))
+        allowed = budget.multiplier_for(mdt) * naive_err + floor
         wrong = a.detach().double().clone()
         wrong.view(-1)[0] = t.double().view(-1)[0] + 1.5 * allowed
         with pytest.raises(B.BudgetViolation, match=name.split(".")[0]):
