@@ -8,8 +8,11 @@ the portable path when the running torch/GPU does not support them.
 Choices (measured on CPU, torch 2.13, see ``splitgrad bench``):
 
 * Forward ``y = x W^T + b`` is one ``addmm`` (bias added inside the GEMM epilogue, rounded once).
-* Plain wgrad accumulation ``grad += dy^T x`` is ``grad.addmm_(dy.t(), x)``: no weight-sized
-  temporary and one rounding instead of two.
+* Plain wgrad accumulation ``grad += dy^T x`` is a fresh ``mm`` then ``grad.add_``, exactly as
+  autograd accumulates (SPEC §3: plain mode is autograd's ``+=``). ``grad.addmm_`` would save the
+  weight-sized temporary but rounds once instead of twice in bf16/fp16, and even in fp32 MKL's
+  K-blocked ``addmm_`` differs from ``G0 + mm`` in the last bit on large shapes (measured at
+  2048x1024x1024), so it is not used for plain accumulation.
 * Fused wgrad (fp32 ``main_grad``): with fp32 operands ``main_grad.addmm_(dy.t(), x)``. With
   bf16/fp16 operands on CUDA the GEMM reads the low-precision operands and accumulates straight
   into ``main_grad`` in fp32 (``torch.addmm(..., out_dtype=torch.float32, out=main_grad)``).
@@ -57,8 +60,9 @@ def wgrad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def wgrad_accumulate_(grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
-    """``grad += dy^T @ x`` in place, without a weight-sized temporary."""
-    grad.addmm_(dy.t(), x)
+    """``grad += dy^T @ x`` as autograd does it: the product rounded to ``grad``'s dtype first,
+    then one in-place add (bitwise ``G0 + g``)."""
+    grad.add_(torch.mm(dy.t(), x))
 
 
 @functools.cache

@@ -450,10 +450,14 @@ def test_state_dict_is_shared_between_sources():
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
 @pytest.mark.parametrize("delay", [False, True], ids=["nodelay", "delay"])
-def test_gradients_accumulate_into_existing_ones(lib, kind, fused, delay):
-    """§3: a gradient that starts at G0 ends at exactly G0 + g, where g is what the same
-    micro-batch writes into empty gradients (``.grad`` None, ``main_grad`` zero)."""
-    fresh, prefilled = (build(lib, kind, fused=fused, delay=delay) for _ in range(2))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gradients_accumulate_into_existing_ones(lib, kind, fused, delay, dtype):
+    """§3: a gradient that starts at G0 ends at exactly G0 + g (one ``+=`` in the gradient's
+    dtype, as autograd accumulates), where g is what the same micro-batch writes into empty
+    gradients (``.grad`` None, ``main_grad`` zero)."""
+    fresh, prefilled = (
+        build(lib, kind, fused=fused, delay=delay, dtype=dtype) for _ in range(2)
+    )
     for m in (fresh, prefilled):
         fill(m, 0)
     prefill_grads(prefilled, 1, fused=fused)
