@@ -317,7 +317,12 @@ class _TwinNorm:
     def apply(
         config: ModuleConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        gamma = weight + 1 if config.zero_centered_gamma else weight
+        if config.zero_centered_gamma:
+            # gamma = 1 + stored in fp32 (as TE and the reference), not rounded to bf16; torch's
+            # norms accept fp32 affine parameters next to a low-precision input.
+            weight = weight.float() + 1
+            bias = None if bias is None else bias.float()
+        gamma = weight
         k = (config.in_features,)
         if config.normalization == "LayerNorm":
             return torch.nn.functional.layer_norm(x, k, gamma, bias, eps=1e-5)
@@ -437,6 +442,17 @@ class TorchSplitBackend(Backend):
             "torch.distributed.pipelining._backward",
             applies=lambda case: case.variant == "tied-chain",
             matches="backward through the graph a second time",
+        ),
+        Deviation(
+            "P2",
+            "torch's CPU LayerNorm backward in bf16/fp16 (gamma and beta in the same low "
+            "precision, zero-centred gamma + 1 rounded to it) has several times the reference's "
+            "error on dx and dgamma (e.g. dx -0.115 vs truth -0.036 at in_features=3)",
+            "torch.nn.functional.layer_norm",
+            applies=lambda case: (
+                case.config.has_norm and case.config.dtype in ("bfloat16", "float16")
+            ),
+            matches="budget]",
         ),
         Deviation(
             "P11",
