@@ -317,11 +317,13 @@ class _TwinNorm:
     def apply(
         config: ModuleConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        if config.zero_centered_gamma:
+        if config.zero_centered_gamma and x.dtype in (torch.bfloat16, torch.float16):
             # gamma = 1 + stored in fp32 (as TE and the reference), not rounded to bf16; torch's
-            # norms accept fp32 affine parameters next to a low-precision input.
+            # CPU norms accept fp32 affine parameters next to a bf16/fp16 input.
             weight = weight.float() + 1
             bias = None if bias is None else bias.float()
+        elif config.zero_centered_gamma:
+            weight = weight + 1
         gamma = weight
         k = (config.in_features,)
         if config.normalization == "LayerNorm":
