@@ -272,6 +272,15 @@ class ImplBackend(LibraryBackend):
 
     deviations = (
         Deviation(
+            "P1",
+            "float32 LayerNorm output from torch's native_layer_norm (CPU) is several ulps off "
+            "where the reference's formula is within one (e.g. 7 ulps at in_features=3 with a "
+            "zero-centred gamma), beyond the float32 output budget; same cause as the P2 entry",
+            "found by splitgrad verify P1 --examples 100",
+            applies=_fp32_layernorm_dgrad,
+            matches="[output budget]",
+        ),
+        Deviation(
             "P2",
             "float32 LayerNorm input gradient from torch's native_layer_norm_backward (CPU) has up "
             "to ~18x the reference's error against the float64 truth (e.g. 1.1e-5 vs 6.3e-7 at "

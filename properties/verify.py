@@ -29,7 +29,7 @@ from .strategies import DTYPES, KINDS, LOW_PRECISION_DTYPES, Case
 __all__ = ["main", "build_parser", "DEFAULT_EXAMPLES"]
 
 # About two minutes for the default campaign on 2 CPU cores (see README).
-DEFAULT_EXAMPLES = 100
+DEFAULT_EXAMPLES = 60
 _PROFILES = ("dev", "ci", "nightly", "gpu")
 
 
