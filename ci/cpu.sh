@@ -11,6 +11,7 @@ PYTHON=${PYTHON:-python3}
 "$PYTHON" -m pip install --quiet -e ".[test]"
 
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
+# `slow` tests (the mutation check, the benchmark smoke run) are left to `ci/nightly.sh`.
 start=$(date +%s)
-"$PYTHON" -m pytest -n auto -p no:cacheprovider "$@"
+"$PYTHON" -m pytest -n auto -p no:cacheprovider -m "not slow" "$@"
 echo "test suite took $(( $(date +%s) - start )) s (HYPOTHESIS_PROFILE=$HYPOTHESIS_PROFILE)"
