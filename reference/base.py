@@ -126,6 +126,8 @@ class SplitBackwardModule(torch.nn.Module):
         # Userbuffers bulk overlap is a multi-GPU communication optimisation; in one process it
         # changes no value, so the reference accepts it and otherwise ignores it.
         self.ub_bulk_wgrad = bool(ub_bulk_wgrad)
+        self._gemm_weight_names: list[str] = []
+        self._gemm_bias_names: list[str] = []
         # FP8 delayed-scaling state (amax histories and scales) of this module, by tensor role.
         self.fp8_states: dict = {}
         self._wgrad_queue: collections.deque[WgradEntry] = collections.deque()
@@ -135,16 +137,32 @@ class SplitBackwardModule(torch.nn.Module):
 
     def gemm_weight_names(self) -> list[str]:
         """Names of the GEMM weights (the parameters that use ``main_grad`` when fused)."""
-        raise NotImplementedError
+        return list(self._gemm_weight_names)
 
     def gemm_bias_names(self) -> list[str]:
         """Names of the GEMM biases (empty when built with ``bias=False``)."""
-        raise NotImplementedError
+        return list(self._gemm_bias_names)
 
-    def _init_gemm_parameter_flags(self) -> None:
+    def _add_gemm_weight(self, name: str, out_features: int, in_features: int) -> None:
+        """Register a GEMM weight (out, in), initialised N(0, 0.02^2)."""
+        w = torch.empty(out_features, in_features, dtype=self.params_dtype, device=self._device)
+        self._add_gemm_parameter(name, torch.nn.init.normal_(w, std=0.02), self._gemm_weight_names)
+
+    def _add_gemm_bias(self, name: str, out_features: int) -> None:
+        """Register a zero GEMM bias (out,), or ``None`` when built with ``bias=False``."""
+        if not self.use_bias:
+            self.register_parameter(name, None)
+            return
+        b = torch.zeros(out_features, dtype=self.params_dtype, device=self._device)
+        self._add_gemm_parameter(name, b, self._gemm_bias_names)
+
+    def _add_gemm_parameter(self, name: str, value: torch.Tensor, names: list[str]) -> None:
+        param = torch.nn.Parameter(value)
         if self.delay_wgrad_compute:
-            for name in self.gemm_weight_names() + self.gemm_bias_names():
-                getattr(self, name).skip_backward_post_hook = True
+            # A DDP wrapper reads this to reduce from the module hooks instead of autograd's.
+            param.skip_backward_post_hook = True
+        self.register_parameter(name, param)
+        names.append(name)
 
     def _name_of(self, param: torch.nn.Parameter) -> str:
         for name, p in self.named_parameters():

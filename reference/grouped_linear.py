@@ -107,21 +107,10 @@ class GroupedLinear(SplitBackwardModule):
             delay_wgrad_compute=delay_wgrad_compute,
         )
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
-        kw = {"dtype": params_dtype, "device": device}
         for i in range(num_gemms):
-            w = torch.nn.Parameter(torch.empty(out_features, in_features, **kw))
-            torch.nn.init.normal_(w, std=0.02)
-            self.register_parameter(f"weight{i}", w)
+            self._add_gemm_weight(f"weight{i}", out_features, in_features)
         for i in range(num_gemms):
-            b = torch.nn.Parameter(torch.zeros(out_features, **kw)) if self.use_bias else None
-            self.register_parameter(f"bias{i}", b)
-        self._init_gemm_parameter_flags()
-
-    def gemm_weight_names(self) -> list[str]:
-        return [f"weight{i}" for i in range(self.num_gemms)]
-
-    def gemm_bias_names(self) -> list[str]:
-        return [f"bias{i}" for i in range(self.num_gemms)] if self.use_bias else []
+            self._add_gemm_bias(f"bias{i}", out_features)
 
     def _check_m_splits(self, m_splits: object, rows: int) -> list[int]:
         if not isinstance(m_splits, Sequence) or isinstance(m_splits, (str, bytes)):

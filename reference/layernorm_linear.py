@@ -104,23 +104,8 @@ class LayerNormLinear(SplitBackwardModule):
         self.eps, self.normalization = float(eps), normalization
         self.zero_centered_gamma = bool(zero_centered_gamma)
         create_norm_parameters(self, in_features)
-        self.weight = torch.nn.Parameter(
-            torch.empty(out_features, in_features, dtype=params_dtype, device=device)
-        )
-        torch.nn.init.normal_(self.weight, std=0.02)
-        if self.use_bias:
-            self.bias = torch.nn.Parameter(
-                torch.zeros(out_features, dtype=params_dtype, device=device)
-            )
-        else:
-            self.register_parameter("bias", None)
-        self._init_gemm_parameter_flags()
-
-    def gemm_weight_names(self) -> list[str]:
-        return ["weight"]
-
-    def gemm_bias_names(self) -> list[str]:
-        return ["bias"] if self.use_bias else []
+        self._add_gemm_weight("weight", out_features, in_features)
+        self._add_gemm_bias("bias", out_features)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.in_features)

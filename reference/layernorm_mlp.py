@@ -153,27 +153,11 @@ class LayerNormMLP(SplitBackwardModule):
         self.zero_centered_gamma = bool(zero_centered_gamma)
         self.activation = activation
         fc1_out = 2 * ffn_hidden_size if activation in F.GATED_ACTIVATIONS else ffn_hidden_size
-        kw = {"dtype": params_dtype, "device": device}
         create_norm_parameters(self, hidden_size)
-        self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_out, hidden_size, **kw))
-        if self.use_bias:
-            self.fc1_bias = torch.nn.Parameter(torch.zeros(fc1_out, **kw))
-        else:
-            self.register_parameter("fc1_bias", None)
-        self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **kw))
-        if self.use_bias:
-            self.fc2_bias = torch.nn.Parameter(torch.zeros(hidden_size, **kw))
-        else:
-            self.register_parameter("fc2_bias", None)
-        torch.nn.init.normal_(self.fc1_weight, std=0.02)
-        torch.nn.init.normal_(self.fc2_weight, std=0.02)
-        self._init_gemm_parameter_flags()
-
-    def gemm_weight_names(self) -> list[str]:
-        return ["fc1_weight", "fc2_weight"]
-
-    def gemm_bias_names(self) -> list[str]:
-        return ["fc1_bias", "fc2_bias"] if self.use_bias else []
+        self._add_gemm_weight("fc1_weight", fc1_out, hidden_size)
+        self._add_gemm_bias("fc1_bias", fc1_out)
+        self._add_gemm_weight("fc2_weight", hidden_size, ffn_hidden_size)
+        self._add_gemm_bias("fc2_bias", hidden_size)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.hidden_size)
