@@ -5,9 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-# A CPU build of torch, explicitly: a bare `torch` requirement would pull a multi-GB CUDA build.
-# With torch already installed at this version, this is a no-op.
-"$PYTHON" -m pip install --quiet "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
+# A CPU build of torch, explicitly, unless a usable torch (>= 2.4, e.g. your CUDA build) is
+# already there: a bare `torch` requirement would pull a multi-GB CUDA build.
+if ! "$PYTHON" -c 'import sys, torch; sys.exit(tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) < (2, 4))' 2>/dev/null; then
+  "$PYTHON" -m pip install --quiet --retries 1 "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
+fi
 "$PYTHON" -m pip install --quiet -e ".[test]"
 
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
