@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
-from hypothesis.errors import HypothesisException
+from hypothesis.errors import HypothesisException, UnsatisfiedAssumption
 
 from .backends import Backend
 from .checks import CheckResult, case_strategy, run_check
@@ -49,6 +49,7 @@ class CellResult:
     worst_ratio: float | None = None
     seconds: float = 0.0
     first_failure_at: int | None = None
+    rejected: int = 0
     message: str = ""
     case: Case | None = None
     repro: str = ""
@@ -151,13 +152,17 @@ def run_cell(
     @given(case=strategy)
     def campaign(case: Case) -> None:
         seen["case"] = case
-        cell.examples += 1
         try:
             result = run_check(property_id, backend, case)
+        except UnsatisfiedAssumption:
+            cell.rejected += 1  # cannot be judged (e.g. the relu kink): not counted
+            raise
         except Exception:
+            cell.examples += 1
             if cell.first_failure_at is None:
                 cell.first_failure_at = cell.examples
             raise
+        cell.examples += 1
         if result.ratio is not None:
             cell.worst_ratio = (
                 result.ratio if cell.worst_ratio is None else max(cell.worst_ratio, result.ratio)

@@ -35,6 +35,7 @@ from .data import (
     make_state,
     param_specs,
 )
+from .kink import CaseRejected, choices, kink_deltas, kink_sites
 from .runner import ModuleRun, Snapshot
 from .strategies import (
     KINDS,
@@ -121,9 +122,22 @@ class Tracker:
             self.bitwise(f"{prefix}{k}", actual.get(k), expected.get(k))
 
     def budget(
-        self, name, actual, truth, naive, budget: B.ErrorBudget, dtype=None, module_dtype=None
+        self,
+        name,
+        actual,
+        truth,
+        naive,
+        budget: B.ErrorBudget,
+        dtype=None,
+        module_dtype=None,
+        naive_error: float | None = None,
+        note: str = "",
     ) -> None:
-        self._note(B.check_error_budget(name, actual, truth, naive, budget, dtype, module_dtype))
+        self._note(
+            B.check_error_budget(
+                name, actual, truth, naive, budget, dtype, module_dtype, naive_error, note
+            )
+        )
 
     def expect(self, condition: bool, message: str) -> None:
         if not condition:
@@ -200,44 +214,133 @@ def check_p1(backend: Backend, case: Case) -> CheckResult:
     return t.result
 
 
+def _truth_candidates(case: Case, truth: _AccuracyRun) -> tuple[list[_AccuracyRun], str]:
+    """The truths ``case`` may legally be judged against: ``[truth]``, or, for a relu MLP with
+    fc1 pre-activations within rounding distance of the kink, one truth per ``relu'`` choice on
+    them (see :mod:`.kink`); raises :class:`~.kink.CaseRejected` when there are too many to try.
+    Also returns the note a failure message gets."""
+    sites = kink_sites(case)
+    if not sites:
+        return [truth], ""
+    if len(sites) > B.KINK_MAX_ENUMERATED:
+        raise CaseRejected(
+            f"{len(sites)} relu pre-activations lie within rounding distance of 0 (more than "
+            f"KINK_MAX_ENUMERATED={B.KINK_MAX_ENUMERATED}): the example cannot be judged"
+        )
+    deltas = kink_deltas(case, sites)
+    candidates = []
+    for choice in choices(sites):
+        cand = _AccuracyRun(
+            list(truth.outputs), list(truth.xgrads), dict(truth.norm), dict(truth.gemm)
+        )
+        for site, slope, delta in zip(sites, choice, deltas):
+            w = slope - site.truth_slope
+            if not w:
+                continue
+            for (where, key), d in delta.items():
+                if where == "x":
+                    cand.xgrads[key] = cand.xgrads[key] + w * d
+                else:
+                    snap = cand.norm if key in cand.norm else cand.gemm
+                    if snap.get(key) is not None:
+                        snap[key] = snap[key] + w * d
+        candidates.append(cand)
+    where = ", ".join(
+        f"micro-batch {s.micro_batch} row {s.row} feature {s.feature}: h={s.h:.3g} "
+        f"(bound {s.bound:.3g})"
+        for s in sites
+    )
+    note = (
+        f" (relu kink: {len(sites)} fc1 pre-activation(s) within rounding distance of 0 [{where}]; "
+        f"judged against the best of {len(candidates)} truths, one per relu' choice there)"
+    )
+    return candidates, note
+
+
+def _naive_error(naive: torch.Tensor | None, truths: list[torch.Tensor | None]) -> float | None:
+    """The naive run's error against the candidate truth it matches best (``None``: only one
+    truth, let the budget measure it)."""
+    if naive is None or len(truths) < 2 or any(t is None for t in truths):
+        return None
+    n = naive.detach().double().cpu()
+    return min(float((n - t.detach().double().cpu()).abs().max()) for t in truths)
+
+
+def _best_of(
+    candidates: list[_AccuracyRun], compare: Callable[[Tracker, _AccuracyRun], None]
+) -> CheckResult:
+    """Run ``compare`` against each candidate truth: the result of the best one that passes, or
+    the violation of the one that came closest."""
+    if len(candidates) == 1:
+        t = Tracker()
+        compare(t, candidates[0])
+        return t.result
+    best: CheckResult | None = None
+    failures: list[AssertionError] = []
+    for cand in candidates:
+        t = Tracker()
+        try:
+            compare(t, cand)
+        except AssertionError as exc:
+            failures.append(exc)
+            continue
+        if best is None or (t.result.ratio or 0.0) < (best.ratio or 0.0):
+            best = t.result
+    if best is not None:
+        return best
+    raise min(failures, key=lambda e: getattr(e, "ratio", float("inf")))
+
+
 def check_p2(backend: Backend, case: Case) -> CheckResult:
     """P2: input gradients (:data:`~.budgets.DGRAD`) and norm-parameter gradients
-    (:data:`~.budgets.NORM_GRAD`) within budget."""
-    t = Tracker()
+    (:data:`~.budgets.NORM_GRAD`) within budget (of some legal truth at a relu kink)."""
     test, naive, truth = _accuracy(backend, case)
-    for i, (a, n, r) in enumerate(zip(test.xgrads, naive.xgrads, truth.xgrads)):
-        t.budget(f"inp.grad[micro-batch {i}]", a, r, n, B.DGRAD)
-    for key in sorted(truth.norm):
-        t.budget(key, test.norm.get(key), truth.norm[key], naive.norm.get(key), B.NORM_GRAD)
-    return t.result
+    candidates, note = _truth_candidates(case, truth)
+
+    def compare(t: Tracker, cand: _AccuracyRun) -> None:
+        for i, (a, n, r) in enumerate(zip(test.xgrads, naive.xgrads, cand.xgrads)):
+            ne = _naive_error(n, [c.xgrads[i] for c in candidates])
+            t.budget(f"inp.grad[micro-batch {i}]", a, r, n, B.DGRAD, naive_error=ne, note=note)
+        for key in sorted(cand.norm):
+            n = naive.norm.get(key)
+            ne = _naive_error(n, [c.norm[key] for c in candidates])
+            t.budget(
+                key, test.norm.get(key), cand.norm[key], n, B.NORM_GRAD, naive_error=ne, note=note
+            )
+
+    return _best_of(candidates, compare)
 
 
 def check_p3(backend: Backend, case: Case) -> CheckResult:
     """P3: GEMM weight/bias gradients (``main_grad`` when fused) within
     :data:`~.budgets.WGRAD` after every ``backward_dw()``; fused weights keep ``.grad is None``."""
-    t = Tracker()
     test, naive, truth = _accuracy(backend, case)
-    t.expect(
-        set(test.gemm) == set(truth.gemm),
-        f"gradient slots {sorted(test.gemm)} != {sorted(truth.gemm)}",
-    )
-    for key in sorted(truth.gemm):
-        a = test.gemm[key]
-        if key.endswith(".grad") and truth.gemm[key] is None:
-            t.expect(
-                a is None, f"{key}: expected None (fused weights keep .grad None), got a tensor"
+    if set(test.gemm) != set(truth.gemm):
+        raise PropertyViolation(f"gradient slots {sorted(test.gemm)} != {sorted(truth.gemm)}")
+    candidates, note = _truth_candidates(case, truth)
+
+    def compare(t: Tracker, cand: _AccuracyRun) -> None:
+        for key in sorted(cand.gemm):
+            a = test.gemm[key]
+            if key.endswith(".grad") and cand.gemm[key] is None:
+                t.expect(
+                    a is None, f"{key}: expected None (fused weights keep .grad None), got a tensor"
+                )
+                continue
+            n = naive.gemm.get(key)
+            t.budget(
+                key,
+                a,
+                cand.gemm[key],
+                n,
+                B.WGRAD,
+                _floor_dtype(key, case.config),
+                case.config.torch_dtype,
+                naive_error=_naive_error(n, [c.gemm[key] for c in candidates]),
+                note=note,
             )
-            continue
-        t.budget(
-            key,
-            a,
-            truth.gemm[key],
-            naive.gemm.get(key),
-            B.WGRAD,
-            _floor_dtype(key, case.config),
-            case.config.torch_dtype,
-        )
-    return t.result
+
+    return _best_of(candidates, compare)
 
 
 # =============================================================================================

@@ -194,8 +194,13 @@ def _replay(backend, properties: list[str], text: str) -> int:
     if why:
         print(f"{pid} n/a on {backend.name}: {why}")
         return 0
+    from .kink import CaseRejected
+
     try:
         result = run_case(backend, pid, case)
+    except CaseRejected as exc:
+        print(f"{pid} rejected on {backend.name}: {case.config.label()}: {exc}")
+        return 0
     except Exception as exc:
         dev = backend.deviation_for(pid, case, str(exc))
         print(

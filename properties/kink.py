@@ -1,0 +1,216 @@
+"""The relu kink: pre-activations too close to 0 for any low-precision run to know relu'.
+
+``relu'(h)`` jumps from 0 to 1 at ``h = 0``. When the float64 truth of an fc1 pre-activation of a
+``LayerNormMLP(activation="relu")`` lies within rounding distance of 0, an implementation in
+bf16/fp16/fp32 may compute it on either side (or exactly on 0) and so legally use either
+derivative there, and that one choice moves ``inp.grad``, the norm-parameter gradients and fc1's
+gradients by O(1). No budget built on rounding steps can absorb that, so the checks of P2 and P3
+compare against *every* truth the ambiguous elements allow instead:
+
+* :func:`kink_sites` finds the ambiguous elements: ``|h_true| <= bound`` with the rigorous bound
+  of :func:`~.budgets.kink_bound` (float64, from :mod:`splitgrad.reference.functional`).
+* Gradients are linear in each ``relu'`` value, so :func:`kink_deltas` computes, per site, what
+  switching its derivative from 0 to 1 adds to every compared tensor (again with the reference's
+  float64 formulas: the dgrad row through the norm backward, one row of fc1's weight gradient, one
+  entry of its bias gradient).
+* The checks accept the implementation if it is within budget of the truth for *some* choice of
+  ``relu'`` on the sites (``2**k`` candidates, ``k <= KINK_MAX_ENUMERATED``); with more sites the
+  example is rejected (:class:`CaseRejected`, a hypothesis rejection), so it is neither passed
+  nor counted.
+
+Everything else stays as strict as before: away from the sites the candidates are the truth
+itself, and one choice must hold for every compared tensor of the property at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+
+import torch
+from hypothesis.errors import UnsatisfiedAssumption
+
+from . import budgets as B
+from .data import make_micro_batches, make_state
+from .strategies import Case
+
+__all__ = [
+    "CaseRejected",
+    "KinkSite",
+    "has_relu_kink",
+    "kink_sites",
+    "site_at",
+    "kink_deltas",
+    "choices",
+]
+
+# A compared tensor: ("x", micro_batch_index) for inp.grad, or ("p", "fc1_weight.grad") etc.
+TensorKey = tuple[str, int | str]
+
+
+class CaseRejected(UnsatisfiedAssumption):
+    """This example cannot be judged (hypothesis rejects it: neither a pass nor a failure)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+@dataclasses.dataclass(frozen=True)
+class KinkSite:
+    """One fc1 pre-activation within rounding distance of the kink: micro-batch, row (of the
+    flattened input), fc1 output feature, its float64 truth, the bound, and ``d_act`` there (what
+    ``relu' = 1`` passes through)."""
+
+    micro_batch: int
+    row: int
+    feature: int
+    h: float
+    bound: float
+    d_act: float
+
+    @property
+    def truth_slope(self) -> int:
+        """relu' of the float64 truth (0 at exactly 0, as the reference)."""
+        return 1 if self.h > 0 else 0
+
+
+def has_relu_kink(case: Case) -> bool:
+    """Whether ``case`` runs a relu MLP in high precision (FP8 runs are judged otherwise)."""
+    c = case.config
+    return c.kind == "LayerNormMLP" and c.activation == "relu" and c.recipe is None
+
+
+@dataclasses.dataclass
+class _Forward:
+    """The float64 pieces of one micro-batch that the sites and deltas need."""
+
+    x: torch.Tensor  # (N, K)
+    ln_out: torch.Tensor
+    stats: tuple[torch.Tensor, ...]
+    h: torch.Tensor  # fc1 pre-activation (N, F)
+    d_act: torch.Tensor  # dy @ W2 (N, F)
+    bound: torch.Tensor
+
+
+def _forwards(case: Case) -> tuple[dict[str, torch.Tensor], list[_Forward]]:
+    from splitgrad.reference import functional as F
+
+    c = case.config
+    state = {k: v.detach().double().cpu() for k, v in make_state(c, case.seed).items()}
+    w1, w2 = state["fc1_weight"], state["fc2_weight"]
+    b1 = state.get("fc1_bias")
+    out = []
+    for d in make_micro_batches(case):
+        x = d.x.detach().double().cpu().reshape(-1, c.in_features)
+        dy = d.dy.detach().double().cpu().reshape(-1, c.output_features)
+        if c.normalization == "LayerNorm":
+            ln_out, mean, rstd = F.layer_norm_fwd(
+                x,
+                state["layer_norm_weight"],
+                state["layer_norm_bias"],
+                1e-5,
+                c.zero_centered_gamma,
+            )
+            stats: tuple[torch.Tensor, ...] = (mean, rstd)
+        else:
+            ln_out, rstd = F.rms_norm_fwd(
+                x, state["layer_norm_weight"], 1e-5, c.zero_centered_gamma
+            )
+            stats = (rstd,)
+        h = F.linear_fwd(ln_out, w1, b1)
+        bound = B.kink_bound(ln_out, w1, b1, c.torch_dtype)
+        out.append(_Forward(x, ln_out, stats, h, F.linear_dgrad(dy, w2), bound))
+    return state, out
+
+
+def kink_sites(case: Case) -> list[KinkSite]:
+    """The ambiguous pre-activations of ``case`` (empty unless :func:`has_relu_kink`)."""
+    if not has_relu_kink(case):
+        return []
+    _, fwds = _forwards(case)
+    sites = []
+    for i, f in enumerate(fwds):
+        for r, j in (f.h.abs() <= f.bound).nonzero().tolist():
+            sites.append(
+                KinkSite(i, r, j, float(f.h[r, j]), float(f.bound[r, j]), float(f.d_act[r, j]))
+            )
+    return sites
+
+
+def site_at(case: Case, micro_batch: int, row: int, feature: int) -> KinkSite:
+    """The pre-activation at ``(micro_batch, row, feature)`` as a :class:`KinkSite`, ambiguous or
+    not (tests flip any element with it)."""
+    _, fwds = _forwards(case)
+    f = fwds[micro_batch]
+    return KinkSite(
+        micro_batch,
+        row,
+        feature,
+        float(f.h[row, feature]),
+        float(f.bound[row, feature]),
+        float(f.d_act[row, feature]),
+    )
+
+
+def kink_deltas(case: Case, sites: list[KinkSite]) -> list[dict[TensorKey, torch.Tensor]]:
+    """For each site, what switching its ``relu'`` from 0 to 1 adds to each compared tensor
+    (float64; keys as :data:`TensorKey`, parameter keys as in the harness's snapshots)."""
+    from splitgrad.reference import functional as F
+
+    c = case.config
+    state, fwds = _forwards(case)
+    w1 = state["fc1_weight"]
+    fused = c.fuse_wgrad_accumulation
+    w1_key = "fc1_weight.main_grad" if fused else "fc1_weight.grad"
+    flags = [mb.is_first_microbatch for mb in case.micro_batches]
+    out = []
+    for s in sites:
+        f = fwds[s.micro_batch]
+        rows = f.x.shape[0]
+        # d_fc1 gains d_act at (row, feature): d_ln_out gains d_act * W1[feature] on that row.
+        d_ln = torch.zeros(rows, c.in_features, dtype=torch.float64)
+        d_ln[s.row] = s.d_act * w1[s.feature]
+        if c.normalization == "LayerNorm":
+            mean, rstd = f.stats
+            dx, dgamma, dbeta = F.layer_norm_bwd(
+                d_ln, f.x, state["layer_norm_weight"], mean, rstd, c.zero_centered_gamma
+            )
+        else:
+            (rstd,) = f.stats
+            dx, dgamma = F.rms_norm_bwd(
+                d_ln, f.x, state["layer_norm_weight"], rstd, c.zero_centered_gamma
+            )
+            dbeta = None
+        lead = case.micro_batches[s.micro_batch].lead_shape
+        delta: dict[TensorKey, torch.Tensor] = {
+            ("x", s.micro_batch): dx.reshape(*lead, c.in_features),
+            ("p", "layer_norm_weight.grad"): dgamma,
+        }
+        if dbeta is not None:
+            delta[("p", "layer_norm_bias.grad")] = dbeta
+        # A later micro-batch flagged is_first_microbatch overwrites main_grad (SPEC §3).
+        overwritten = fused and any(flags[s.micro_batch + 1 :])
+        dw1 = torch.zeros_like(w1)
+        if not overwritten:
+            dw1[s.feature] = s.d_act * f.ln_out[s.row]
+        delta[("p", w1_key)] = dw1
+        if c.bias:
+            db1 = torch.zeros(w1.shape[0], dtype=torch.float64)
+            db1[s.feature] = s.d_act
+            delta[("p", "fc1_bias.grad")] = db1
+        out.append(delta)
+    return out
+
+
+def choices(sites: list[KinkSite]) -> Iterator[tuple[int, ...]]:
+    """Every ``relu'`` assignment of the sites, the truth's own first."""
+    own = tuple(s.truth_slope for s in sites)
+    yield own
+    for c in itertools.product((0, 1), repeat=len(sites)):
+        if c != own:
+            yield c
