@@ -259,38 +259,8 @@ class LibraryBackend(Backend):
         module.register_wgrad_accumulation_and_reduce_hooks(fn)
 
 
-def _fp32_layernorm_dgrad(case: Case) -> bool:
-    return (
-        case.config.has_norm
-        and case.config.normalization == "LayerNorm"
-        and case.config.dtype == "float32"
-    )
-
-
 class ImplBackend(LibraryBackend):
     """``splitgrad.impl``."""
-
-    deviations = (
-        Deviation(
-            "P1",
-            "float32 LayerNorm output from torch's native_layer_norm (CPU) is several ulps off "
-            "where the reference's formula is within one (e.g. 7 ulps at in_features=3 with a "
-            "zero-centred gamma), beyond the float32 output budget; same cause as the P2 entry",
-            "found by splitgrad verify P1 --examples 100",
-            applies=_fp32_layernorm_dgrad,
-            matches="[output budget]",
-        ),
-        Deviation(
-            "P2",
-            "float32 LayerNorm input gradient from torch's native_layer_norm_backward (CPU) has up "
-            "to ~18x the reference's error against the float64 truth (e.g. 1.1e-5 vs 6.3e-7 at "
-            "|dx|~0.25, in_features=3), beyond the 8x float32 dgrad budget; to be decided by "
-            "impl's owner (compute dx with the reference's formula in fp32, or relax the budget)",
-            "found by splitgrad verify P2; pinned in tests/test_properties_pinned.py",
-            applies=_fp32_layernorm_dgrad,
-            matches="[dgrad budget]",
-        ),
-    )
 
     def __init__(self) -> None:
         super().__init__("impl", "splitgrad.impl")
