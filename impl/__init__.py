@@ -7,11 +7,13 @@ Same four modules, constructor signatures, parameter names and behaviour as
 * :mod:`.base` — validation, gradient routing, ``backward_dw(stream=None)``, hooks;
 * :mod:`.gemm` — the device dispatch (CUDA fast paths, portable path);
 * :mod:`.linear`, :mod:`.layernorm_linear`, :mod:`.layernorm_mlp`, :mod:`.grouped_linear`;
-* :mod:`.norm`, :mod:`.activation` — fused elementwise kernels.
+* :mod:`.norm`, :mod:`.activation` — fused elementwise kernels;
+* :mod:`.fp8` — FP8 quantizers and delayed-scaling state (bit-identical to the reference's);
+* :mod:`.fp8_gemm` — FP8 GEMMs (``torch._scaled_mm`` where the device runs it well, an exact
+  dequantize-then-GEMM path elsewhere) and what a queued FP8 wgrad entry holds.
 
 The FP8 recipes and ``fp8_autocast`` are re-exported from the reference (the one shared piece);
-FP8 numerics are not implemented yet and a forward under an enabled ``fp8_autocast`` raises
-``NotImplementedError``.
+under an enabled ``fp8_autocast`` every module runs its GEMMs in FP8 (SPEC §6).
 """
 
 from splitgrad.reference.fp8 import (

@@ -13,16 +13,31 @@ these hooks are the only signal a data-parallel wrapper gets).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable, Sequence
 
 import torch
-from splitgrad.reference.fp8 import fp8_active_recipe
+from splitgrad.reference.fp8 import Recipe, fp8_active_recipe
 
 from . import gemm
+from .fp8 import Float8Tensor
+from .fp8_gemm import fp8_wgrad_write, pack, unpack
 from .store import WeightGradStore, WgradEntry
 
-__all__ = ["SplitBackwardModule", "check_positive"]
+__all__ = ["SplitBackwardModule", "FP8WgradPart", "check_positive"]
+
+
+@dataclasses.dataclass
+class FP8WgradPart:
+    """One FP8 GEMM's share of a wgrad entry: ``weight`` gets ``q(dy)^T q(x)`` (None: frozen),
+    ``bias`` gets ``db`` (None: no bias or frozen), summed from the unquantized dy in backward."""
+
+    weight: torch.nn.Parameter | None
+    bias: torch.nn.Parameter | None
+    dy: Float8Tensor | None
+    x: Float8Tensor | None
+    db: torch.Tensor | None
 
 
 def check_positive(name: str, value: object) -> None:
@@ -33,6 +48,9 @@ def check_positive(name: str, value: object) -> None:
 
 class SplitBackwardModule(torch.nn.Module):
     """Base of the four impl modules."""
+
+    #: How FP8 GEMMs run: ``"auto"``, ``"scaled_mm"`` or ``"dequantize"`` (see :mod:`.fp8_gemm`).
+    fp8_gemm: str = "auto"
 
     def __init__(
         self,
@@ -63,6 +81,9 @@ class SplitBackwardModule(torch.nn.Module):
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
         # Userbuffers bulk overlap only matters across GPUs; in one process it changes nothing.
         self.ub_bulk_wgrad = bool(ub_bulk_wgrad)
+        # FP8 delayed-scaling state (amax history and scale) by tensor role, e.g. "input" or
+        # "fc1.grad_output" (same keys and layout as the reference's).
+        self.fp8_states: dict = {}
         self._wgrad_store = WeightGradStore()
         self._wgrad_hooks: list[Callable[[], None]] = []
 
@@ -83,8 +104,9 @@ class SplitBackwardModule(torch.nn.Module):
 
     # ---- validation (§5) ----------------------------------------------------------------
 
-    def _check_input(self, inp: object, in_features: int) -> torch.Tensor:
-        """Validate ``inp`` and return it flattened to (rows, in_features)."""
+    def _check_input(self, inp: object, in_features: int) -> tuple[torch.Tensor, Recipe | None]:
+        """Validate ``inp``; return it flattened to (rows, in_features) and the active FP8
+        recipe (``None`` outside an enabled ``fp8_autocast``)."""
         if not isinstance(inp, torch.Tensor):
             raise TypeError(f"inp must be a torch.Tensor, got {type(inp).__name__}")
         if inp.dim() < 1 or inp.shape[-1] != in_features:
@@ -99,14 +121,7 @@ class SplitBackwardModule(torch.nn.Module):
         device = next(self.parameters()).device
         if inp.device != device:
             raise ValueError(f"inp must be on the module's device {device}, got {inp.device}")
-        recipe = fp8_active_recipe()
-        if recipe is not None:
-            raise NotImplementedError(
-                f"FP8 ({type(recipe).__name__}) is not implemented yet in splitgrad.impl; "
-                "refusing to run the forward in high precision. Run outside "
-                "fp8_autocast(enabled=True)."
-            )
-        return inp.reshape(-1, in_features)
+        return inp.reshape(-1, in_features), fp8_active_recipe()
 
     def _check_main_grads(self, named_weights: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
         """Fused accumulation needs a usable ``main_grad`` on each weight; raise before writing.
@@ -166,14 +181,49 @@ class SplitBackwardModule(torch.nn.Module):
         else:
             gemm.wgrad_accumulate_(param.grad, dy, x)
 
-    @staticmethod
-    def _write_bias_grad(param: torch.nn.Parameter, dy: torch.Tensor) -> None:
+    @classmethod
+    def _write_bias_grad(cls, param: torch.nn.Parameter, dy: torch.Tensor) -> None:
         """Write ``sum over rows of dy`` to ``param.grad`` (biases never use ``main_grad``)."""
-        db = dy.sum(dim=0)
+        cls._write_bias_value(param, dy.sum(dim=0))
+
+    @staticmethod
+    def _write_bias_value(param: torch.nn.Parameter, db: torch.Tensor) -> None:
+        """Set or accumulate an already reduced bias gradient into ``param.grad``."""
         if param.grad is None:
             param.grad = db
         else:
             param.grad.add_(db)
+
+    def _submit_fp8_wgrad(
+        self,
+        parts: Sequence[FP8WgradPart],
+        named_weights: Sequence[tuple[str, torch.nn.Parameter]],
+        overwrite: bool,
+    ) -> None:
+        """Queue (or run) one entry that writes every part's weight and bias gradient, in order.
+
+        The entry holds each part's two column-wise FP8 copies with their ``scale_inv`` and its
+        reduced bias gradient; the closure captures layouts and parameters, no tensor."""
+        quantized = []
+        for part in parts:
+            keep = part.weight is not None
+            quantized += [part.dy if keep else None, part.x if keep else None]
+        tensors, layouts = pack(*quantized)
+        dbs = tuple(part.db if part.bias is not None else None for part in parts)
+        targets = [(part.weight, part.bias) for part in parts]
+
+        def wgrad_closure(*saved):
+            self._check_main_grads(named_weights)
+            operands = unpack(saved[: len(tensors)], layouts)
+            for i, (weight, bias) in enumerate(targets):
+                if weight is not None:
+                    dy_q, x_q = operands[2 * i], operands[2 * i + 1]
+                    fp8_wgrad_write(self, weight, dy_q, x_q, overwrite)
+                if bias is not None:
+                    self._write_bias_value(bias, saved[len(tensors) + i])
+
+        params = tuple(p for pair in targets for p in pair if p is not None)
+        self._submit_wgrad(WgradEntry(wgrad_closure, tensors + dbs, params))
 
     # ---- the queue (§4) -----------------------------------------------------------------
 

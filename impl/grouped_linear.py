@@ -25,7 +25,9 @@ from collections.abc import Sequence
 import torch
 
 from . import gemm
-from .base import SplitBackwardModule, check_positive
+from .base import FP8WgradPart, SplitBackwardModule, check_positive
+from .fp8 import check_fp8_gemm_shape, update_delayed_scaling
+from .fp8_gemm import FP8GemmOperands
 from .store import WgradEntry
 
 __all__ = ["GroupedLinear"]
@@ -112,6 +114,54 @@ class _GroupedLinearFunction(torch.autograd.Function):
         return (dx, None, None, None, None, *([None] * len(need)))
 
 
+class _GroupedLinearFP8Function(torch.autograd.Function):
+    """The same layer under an FP8 recipe: every group quantizes its own rows and weight (own
+    scales and ``gemm{i}.*`` amax histories, empty groups included), one FP8 GEMM per group
+    written into its row block; one entry covers all groups."""
+
+    @staticmethod
+    def forward(ctx, x, m_splits, module, overwrite, recipe, *params):
+        n = module.num_gemms
+        weights, biases = params[:n], (params[n:] or (None,) * n)
+        need_x = ctx.needs_input_grad[0]
+        need_w = ctx.needs_input_grad[5 : 5 + n]
+        gemms = [FP8GemmOperands(module, recipe, f"gemm{i}") for i in range(n)]
+        y = x.new_empty(x.shape[0], module.out_features)
+        for i, (x_g, y_g) in enumerate(zip(x.split(m_splits), y.split(m_splits))):
+            out = gemms[i].fprop(x_g, weights[i], biases[i], keep_x=need_w[i], keep_w=need_x)
+            y_g.copy_(out)
+        update_delayed_scaling(module, recipe, ("input", "weight"))
+        ctx.module, ctx.m_splits, ctx.overwrite, ctx.fp8 = module, m_splits, overwrite, gemms
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        module: GroupedLinear = ctx.module
+        n, m_splits = module.num_gemms, ctx.m_splits
+        gemms, ctx.fp8 = ctx.fp8, None
+        need_x = ctx.needs_input_grad[0]
+        need = ctx.needs_input_grad[5:]
+        need_w, need_b = need[:n], (need[n:] or (False,) * n)
+        weight_params = [getattr(module, f"weight{i}") for i in range(n)]
+        named_weights = [(f"weight{i}", weight_params[i]) for i in range(n) if need_w[i]]
+        module._check_main_grads(named_weights)
+        dx = dy.new_empty(dy.shape[0], module.in_features) if need_x else None
+        dx_parts = dx.split(m_splits) if need_x else (None,) * n
+        parts = []
+        for i, dy_g in enumerate(dy.split(m_splits)):
+            dx_g = gemms[i].dgrad(dy_g, need_dx=need_x, keep_dy=need_w[i])
+            if need_x:
+                dx_parts[i].copy_(dx_g)
+            dy_q, x_q = gemms[i].take_wgrad_operands()
+            bias = getattr(module, f"bias{i}") if need_b[i] else None
+            db = dy_g.sum(dim=0) if need_b[i] else None
+            parts.append(FP8WgradPart(weight_params[i] if need_w[i] else None, bias, dy_q, x_q, db))
+        update_delayed_scaling(module, gemms[0].recipe, ("grad_output",))
+        if any(need_w) or any(need_b):
+            module._submit_fp8_wgrad(parts, named_weights, ctx.overwrite)
+        return (dx, None, None, None, None, *([None] * len(need)))
+
+
 class GroupedLinear(SplitBackwardModule):
     """``num_gemms`` independent Linears applied to consecutive row blocks of one input.
 
@@ -179,10 +229,15 @@ class GroupedLinear(SplitBackwardModule):
     def forward(
         self, inp: torch.Tensor, m_splits: Sequence[int], is_first_microbatch: bool | None = None
     ) -> torch.Tensor:
-        x = self._check_input(inp, self.in_features)
+        x, recipe = self._check_input(inp, self.in_features)
         splits = self._check_m_splits(m_splits, self.num_gemms, x.shape[0])
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
         params = [getattr(self, n) for n in self.gemm_weight_names() + self.gemm_bias_names()]
+        if recipe is not None:
+            for i, rows in enumerate(splits):
+                check_fp8_gemm_shape(recipe, f"gemm{i}", rows, self.in_features, self.out_features)
+            y = _GroupedLinearFP8Function.apply(x, splits, self, overwrite, recipe, *params)
+            return y.reshape(*inp.shape[:-1], self.out_features)
         y = _GroupedLinearFunction.apply(
             x, splits, self, overwrite, self._use_grouped(x), *params
         )

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from . import gemm
-from .base import SplitBackwardModule, check_positive
+from .base import FP8WgradPart, SplitBackwardModule, check_positive
+from .fp8 import check_fp8_gemm_shape, update_delayed_scaling
+from .fp8_gemm import FP8GemmOperands
 from .norm import check_normalization, create_norm_parameters, norm_bwd, norm_fwd
 from .store import WgradEntry
 
@@ -47,6 +49,50 @@ class _LayerNormLinearFunction(torch.autograd.Function):
             params = tuple(p for p, n in ((w, need_w), (b, need_b)) if n)
             module._submit_wgrad(WgradEntry(wgrad_closure, saved, params))
         return dx, d_lnw, d_lnb, None, None, None, None
+
+
+class _LayerNormLinearFP8Function(torch.autograd.Function):
+    """The same layer under an FP8 recipe: the norm in high precision, its output quantized as
+    the GEMM input (only its column-wise FP8 copy is kept for wgrad)."""
+
+    @staticmethod
+    def forward(ctx, x, ln_weight, ln_bias, weight, bias, module, overwrite, recipe):
+        need_norm = any(ctx.needs_input_grad[:3])
+        ln_out, stats = norm_fwd(module, x, ln_weight, ln_bias)
+        fp8 = FP8GemmOperands(module, recipe)
+        y = fp8.fprop(ln_out, weight, bias, keep_x=ctx.needs_input_grad[3], keep_w=need_norm)
+        update_delayed_scaling(module, recipe, ("input", "weight"))
+        ctx.module, ctx.overwrite, ctx.fp8 = module, overwrite, fp8
+        ctx.save_for_backward(x, ln_weight, ln_bias, *stats)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        module: LayerNormLinear = ctx.module
+        fp8, ctx.fp8 = ctx.fp8, None
+        x, ln_weight, ln_bias, *stats = ctx.saved_tensors
+        need_x, need_lnw, need_lnb, need_w, need_b = ctx.needs_input_grad[:5]
+        need_norm = need_x or need_lnw or need_lnb
+        named_weights = [("weight", module.weight)] if need_w else []
+        module._check_main_grads(named_weights)
+        d_ln_out = fp8.dgrad(dy, need_dx=need_norm, keep_dy=need_w)
+        update_delayed_scaling(module, fp8.recipe, ("grad_output",))
+        dx = d_lnw = d_lnb = None
+        if need_norm:
+            dx, d_lnw, d_lnb = norm_bwd(
+                module, d_ln_out, x, ln_weight, ln_bias, stats, (need_x, need_lnw, need_lnb)
+            )
+        if need_w or need_b:
+            dy_q, x_q = fp8.take_wgrad_operands()
+            part = FP8WgradPart(
+                module.weight if need_w else None,
+                module.bias if need_b else None,
+                dy_q,
+                x_q,
+                dy.sum(dim=0) if need_b else None,
+            )
+            module._submit_fp8_wgrad([part], named_weights, ctx.overwrite)
+        return dx, d_lnw, d_lnb, None, None, None, None, None
 
 
 class LayerNormLinear(SplitBackwardModule):
@@ -104,15 +150,12 @@ class LayerNormLinear(SplitBackwardModule):
         return ["bias"] if self.use_bias else []
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        x = self._check_input(inp, self.in_features)
+        x, recipe = self._check_input(inp, self.in_features)
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
-        y = _LayerNormLinearFunction.apply(
-            x,
-            self.layer_norm_weight,
-            self.layer_norm_bias,
-            self.weight,
-            self.bias,
-            self,
-            overwrite,
-        )
+        args = (x, self.layer_norm_weight, self.layer_norm_bias, self.weight, self.bias, self)
+        if recipe is not None:
+            check_fp8_gemm_shape(recipe, "", x.shape[0], self.in_features, self.out_features)
+            y = _LayerNormLinearFP8Function.apply(*args, overwrite, recipe)
+        else:
+            y = _LayerNormLinearFunction.apply(*args, overwrite)
         return y.reshape(*inp.shape[:-1], self.out_features)

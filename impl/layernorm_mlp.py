@@ -17,7 +17,9 @@ import torch
 
 from . import gemm
 from .activation import ACTIVATIONS, GATED, act_bwd, act_fwd
-from .base import SplitBackwardModule, check_positive
+from .base import FP8WgradPart, SplitBackwardModule, check_positive
+from .fp8 import check_fp8_gemm_shape, update_delayed_scaling
+from .fp8_gemm import FP8GemmOperands
 from .norm import check_normalization, create_norm_parameters, norm_bwd, norm_fwd
 from .store import WgradEntry
 
@@ -98,6 +100,88 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         return dx, d_lnw, d_lnb, None, None, None, None, None, None
 
 
+class _LayerNormMLPFP8Function(torch.autograd.Function):
+    """The same layer under an FP8 recipe: fc1 and fc2 are FP8 GEMMs (states ``fc1.*``,
+    ``fc2.*``); norm and activation run in high precision between them. The entry holds fc2's
+    and fc1's column-wise FP8 operands and the two bias gradients."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        x,
+        ln_weight,
+        ln_bias,
+        fc1_weight,
+        fc1_bias,
+        fc2_weight,
+        fc2_bias,
+        module,
+        overwrite,
+        recipe,
+    ):
+        needs = ctx.needs_input_grad
+        need_norm = any(needs[:3])
+        need_d_fc1 = need_norm or needs[3] or needs[4]
+        ln_out, stats = norm_fwd(module, x, ln_weight, ln_bias)
+        fc1 = FP8GemmOperands(module, recipe, "fc1")
+        fc2 = FP8GemmOperands(module, recipe, "fc2")
+        fc1_out = fc1.fprop(ln_out, fc1_weight, fc1_bias, keep_x=needs[3], keep_w=need_norm)
+        del ln_out
+        act_out = act_fwd(fc1_out, module.activation)
+        y = fc2.fprop(act_out, fc2_weight, fc2_bias, keep_x=needs[5], keep_w=need_d_fc1)
+        update_delayed_scaling(module, recipe, ("input", "weight"))
+        ctx.module, ctx.overwrite, ctx.fp8 = module, overwrite, (fc1, fc2)
+        ctx.save_for_backward(x, ln_weight, ln_bias, fc1_out, *stats)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        module: LayerNormMLP = ctx.module
+        (fc1, fc2), ctx.fp8 = ctx.fp8, None
+        x, ln_weight, ln_bias, fc1_out, *stats = ctx.saved_tensors
+        need_x, need_lnw, need_lnb, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:7]
+        named_weights = [("fc2_weight", module.fc2_weight)] if need_w2 else []
+        if need_w1:
+            named_weights.append(("fc1_weight", module.fc1_weight))
+        module._check_main_grads(named_weights)
+        need_norm = need_x or need_lnw or need_lnb
+        need_d_fc1 = need_norm or need_w1 or need_b1
+        d_act = fc2.dgrad(dy, need_dx=need_d_fc1, keep_dy=need_w2)
+        d_fc1_out = d_ln_out = None
+        if need_d_fc1:
+            d_fc1_out, _ = act_bwd(d_act, fc1_out, module.activation, want_out=False)
+            del d_act
+            d_ln_out = fc1.dgrad(d_fc1_out, need_dx=need_norm, keep_dy=need_w1)
+        update_delayed_scaling(module, fc2.recipe, ("grad_output",))
+        dx = d_lnw = d_lnb = None
+        if need_norm:
+            dx, d_lnw, d_lnb = norm_bwd(
+                module, d_ln_out, x, ln_weight, ln_bias, stats, (need_x, need_lnw, need_lnb)
+            )
+            del d_ln_out
+        if named_weights or need_b1 or need_b2:
+            dy2, act_q = fc2.take_wgrad_operands()
+            dy1, ln_q = fc1.take_wgrad_operands()
+            parts = [
+                FP8WgradPart(
+                    module.fc2_weight if need_w2 else None,
+                    module.fc2_bias if need_b2 else None,
+                    dy2,
+                    act_q,
+                    dy.sum(dim=0) if need_b2 else None,
+                ),
+                FP8WgradPart(
+                    module.fc1_weight if need_w1 else None,
+                    module.fc1_bias if need_b1 else None,
+                    dy1,
+                    ln_q,
+                    d_fc1_out.sum(dim=0) if need_b1 else None,
+                ),
+            ]
+            module._submit_fp8_wgrad(parts, named_weights, ctx.overwrite)
+        return dx, d_lnw, d_lnb, *([None] * 7)
+
+
 class LayerNormMLP(SplitBackwardModule):
     """``y = fc2(act(fc1(norm(x))))``.
 
@@ -168,9 +252,9 @@ class LayerNormMLP(SplitBackwardModule):
         return ["fc1_bias", "fc2_bias"] if self.use_bias else []
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        x = self._check_input(inp, self.hidden_size)
+        x, recipe = self._check_input(inp, self.hidden_size)
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
-        y = _LayerNormMLPFunction.apply(
+        args = (
             x,
             self.layer_norm_weight,
             self.layer_norm_bias,
@@ -181,4 +265,11 @@ class LayerNormMLP(SplitBackwardModule):
             self,
             overwrite,
         )
+        if recipe is not None:
+            rows, fc1_rows = x.shape[0], self.fc1_weight.shape[0]
+            check_fp8_gemm_shape(recipe, "fc1", rows, self.hidden_size, fc1_rows)
+            check_fp8_gemm_shape(recipe, "fc2", rows, self.ffn_hidden_size, self.hidden_size)
+            y = _LayerNormMLPFP8Function.apply(*args, recipe)
+        else:
+            y = _LayerNormMLPFunction.apply(*args)
         return y.reshape(*inp.shape[:-1], self.hidden_size)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from . import gemm
-from .base import SplitBackwardModule, check_positive
+from .base import FP8WgradPart, SplitBackwardModule, check_positive
+from .fp8 import check_fp8_gemm_shape, update_delayed_scaling
+from .fp8_gemm import FP8GemmOperands
 from .store import WgradEntry
 
 __all__ = ["Linear"]
@@ -40,6 +42,40 @@ class _LinearFunction(torch.autograd.Function):
             params = tuple(p for p, n in ((w, need_w), (b, need_b)) if n)
             module._submit_wgrad(WgradEntry(wgrad_closure, saved, params))
         return dx, None, None, None, None
+
+
+class _LinearFP8Function(torch.autograd.Function):
+    """The same layer under an FP8 recipe (SPEC §6): three FP8 GEMMs, see :mod:`.fp8_gemm`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, module, overwrite, recipe):
+        need_x, need_w = ctx.needs_input_grad[:2]
+        fp8 = FP8GemmOperands(module, recipe)
+        y = fp8.fprop(x, weight, bias, keep_x=need_w, keep_w=need_x)
+        update_delayed_scaling(module, recipe, ("input", "weight"))
+        ctx.module, ctx.overwrite, ctx.fp8 = module, overwrite, fp8
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        module: Linear = ctx.module
+        fp8, ctx.fp8 = ctx.fp8, None
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        named_weights = [("weight", module.weight)] if need_w else []
+        module._check_main_grads(named_weights)
+        dx = fp8.dgrad(dy, need_dx=need_x, keep_dy=need_w)
+        update_delayed_scaling(module, fp8.recipe, ("grad_output",))
+        if need_w or need_b:
+            dy_q, x_q = fp8.take_wgrad_operands()
+            part = FP8WgradPart(
+                module.weight if need_w else None,
+                module.bias if need_b else None,
+                dy_q,
+                x_q,
+                dy.sum(dim=0) if need_b else None,
+            )
+            module._submit_fp8_wgrad([part], named_weights, ctx.overwrite)
+        return dx, None, None, None, None, None
 
 
 class Linear(SplitBackwardModule):
@@ -90,7 +126,11 @@ class Linear(SplitBackwardModule):
         return ["bias"] if self.use_bias else []
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        x = self._check_input(inp, self.in_features)
+        x, recipe = self._check_input(inp, self.in_features)
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
-        y = _LinearFunction.apply(x, self.weight, self.bias, self, overwrite)
+        if recipe is not None:
+            check_fp8_gemm_shape(recipe, "", x.shape[0], self.in_features, self.out_features)
+            y = _LinearFP8Function.apply(x, self.weight, self.bias, self, overwrite, recipe)
+        else:
+            y = _LinearFunction.apply(x, self.weight, self.bias, self, overwrite)
         return y.reshape(*inp.shape[:-1], self.out_features)
