@@ -66,8 +66,10 @@ MUTANTS = (
         (
             (
                 "base.py",
-                "        db = dy.sum(dim=0)\n",
-                "        return\n        db = dy.sum(dim=0)\n",
+                '        """Set or accumulate an already reduced bias gradient into '
+                '``param.grad``."""\n',
+                '        """Set or accumulate an already reduced bias gradient into '
+                '``param.grad``."""\n        return\n',
             ),
         ),
     ),
@@ -189,6 +191,50 @@ MUTANTS = (
 )
 
 
+# FP8 mutants (SPEC §6): run with ``--recipe all`` added to verify's arguments.
+FP8_MUTANTS = (
+    Mutant(
+        "fp8-wgrad-rowwise",
+        "wgrad multiplies the row-wise FP8 copies of dy and x instead of the column-wise ones "
+        "(quantized along the wrong dimension for that GEMM; only block recipes have two copies)",
+        (
+            (
+                "fp8_gemm.py",
+                '        self._x_wgrad = self._other_axis(x, x_row, "input") if keep_x else None\n',
+                "        self._x_wgrad = x_row if keep_x else None\n",
+            ),
+            (
+                "fp8_gemm.py",
+                '        self._dy_wgrad = self._other_axis(dy, dy_row, "grad_output") '
+                "if keep_dy else None\n",
+                "        self._dy_wgrad = dy_row if keep_dy else None\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "fp8-entry-live-scale",
+        "a queued FP8 wgrad entry dequantizes dy with the module's live delayed-scaling scale "
+        "(moved by later steps) instead of the scale_inv it was quantized with",
+        (
+            (
+                "base.py",
+                "                    dy_q, x_q = operands[2 * i], operands[2 * i + 1]\n",
+                "                    dy_q, x_q = operands[2 * i], operands[2 * i + 1]\n"
+                "                    live = [st for k, st in sorted(self.fp8_states.items())\n"
+                '                            if k.endswith("grad_output")]\n'
+                "                    if live and dy_q.block == (0, 0):\n"
+                "                        dy_q = dataclasses.replace(\n"
+                "                            dy_q,\n"
+                "                            scale_inv=torch.reciprocal(\n"
+                "                                live[i % len(live)].scale),\n"
+                "                        )\n",
+            ),
+        ),
+    ),
+)
+ALL_MUTANTS = MUTANTS + FP8_MUTANTS
+
+
 @dataclasses.dataclass
 class MutantResult:
     name: str
@@ -232,6 +278,9 @@ def run_mutant(mutant: Mutant, profile: str, full: bool, workdir: Path) -> Mutan
         "--json",
         str(out),
     ]
+    if mutant in FP8_MUTANTS:
+        # FP8 cells only: every recipe family, the properties an FP8 mutant can break.
+        cmd += ["--recipe", "all", "--property", "P1,P2,P3,P4,P5,P6,P12,P13"]
     if not full:
         cmd.append("--fail-fast")
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, timeout=1800)
@@ -286,11 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--json", type=Path, help="write the results as JSON")
     args = parser.parse_args(argv)
-    names = {m.name for m in MUTANTS}
+    names = {m.name for m in ALL_MUTANTS}
     for n in args.only or []:
         if n not in names:
             parser.error(f"unknown mutant {n!r}; expected one of {', '.join(sorted(names))}")
-    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    chosen = [m for m in ALL_MUTANTS if not args.only or m.name in args.only]
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="splitgrad-mutants-") as tmp:
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:

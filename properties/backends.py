@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .strategies import GATED, Case, ModuleConfig
+from .strategies import GATED, Case, ModuleConfig, make_recipe
 
 __all__ = [
     "Deviation",
@@ -156,6 +157,25 @@ class Backend(abc.ABC):
     def register_hook(self, module: Any, fn: Callable[[], None]) -> None:
         """``register_wgrad_accumulation_and_reduce_hooks(fn)``."""
 
+    # ---- FP8 (SPEC §6) ------------------------------------------------------------------
+
+    def fp8_autocast(self, config: ModuleConfig) -> contextlib.AbstractContextManager:
+        """The context a forward of ``config`` runs in: ``fp8_autocast(enabled=True,
+        fp8_recipe=...)`` when ``config.recipe`` is set, nothing otherwise."""
+        if config.recipe is None:
+            return contextlib.nullcontext()
+        raise BackendUnavailable(f"{self.name} has no FP8 support")
+
+    def fp8_state(self, module: Any) -> dict[str, torch.Tensor]:
+        """Clones of the module's delayed-scaling state, ``"fp8_states[fc1.input].scale"`` etc.
+        (empty when the module keeps none)."""
+        return {}
+
+    def fp8_quantizer(self) -> Any:
+        """A namespace with the backend's FP8 ``quantize(x, recipe, role, axis, state=None)``
+        (P13); raises :class:`BackendUnavailable` saying why there is none."""
+        raise BackendUnavailable(f"{self.name} exposes no FP8 quantizer")
+
     def p12_bitwise(self, config: ModuleConfig) -> bool:
         """Whether ``GroupedLinear`` and ``Linear`` run the same GEMM kernel for ``config``
         (P12 is then bitwise, otherwise within :data:`~.budgets.GROUPED_GEMM`)."""
@@ -257,6 +277,71 @@ class LibraryBackend(Backend):
 
     def register_hook(self, module: Any, fn: Callable[[], None]) -> None:
         module.register_wgrad_accumulation_and_reduce_hooks(fn)
+
+    # ---- FP8 -----------------------------------------------------------------------------
+
+    #: Where :meth:`fp8_quantizer` looks, relative to the library (first hit wins).
+    quantizer_modules: tuple[str, ...] = ("fp8", "fp8_quant")
+
+    def fp8_autocast(self, config: ModuleConfig) -> contextlib.AbstractContextManager:
+        if config.recipe is None:
+            return contextlib.nullcontext()
+        return self.lib.fp8_autocast(enabled=True, fp8_recipe=make_recipe(config.recipe))
+
+    def fp8_state(self, module: Any) -> dict[str, torch.Tensor]:
+        out = {}
+        for key, state in sorted(getattr(module, "fp8_states", {}).items()):
+            out[f"fp8_states[{key}].amax_history"] = state.amax_history.detach().clone()
+            out[f"fp8_states[{key}].scale"] = state.scale.detach().clone()
+        return out
+
+    def fp8_quantizer(self) -> Any:
+        name = getattr(self.lib, "__name__", self.name)
+        for sub in self.quantizer_modules:
+            try:
+                mod = importlib.import_module(f"{name}.{sub}")
+            except ImportError:
+                continue
+            if callable(getattr(mod, "quantize", None)):
+                return mod
+        where = " or ".join(f"{name}.{sub}.quantize" for sub in self.quantizer_modules)
+        raise BackendUnavailable(f"{name} has no FP8 quantizer ({where})")
+
+    def fp8_unavailable_reason(self) -> str | None:
+        """``None`` when the library runs a forward and backward under ``fp8_autocast``; else
+        why not (e.g. impl still raising ``NotImplementedError``). Probed once."""
+        if not hasattr(self, "_fp8_why"):
+            self._fp8_why = self._probe_fp8()
+        return self._fp8_why
+
+    def _probe_fp8(self) -> str | None:
+        lib = self.lib
+        if not hasattr(lib, "fp8_autocast"):
+            return f"{getattr(lib, '__name__', self.name)} does not export fp8_autocast"
+        module = lib.Linear(32, 32)
+        x = torch.randn(32, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        try:
+            with lib.fp8_autocast(enabled=True, fp8_recipe=make_recipe("delayed-max-hybrid")):
+                y = module(x)
+            y.sum().backward()
+        except NotImplementedError as exc:
+            return (
+                f"{getattr(lib, '__name__', self.name)} raises NotImplementedError under "
+                f"fp8_autocast ({str(exc).splitlines()[0][:160]})"
+            )
+        return None
+
+    def unsupported_reason(self, property_id: str, config: ModuleConfig) -> str | None:
+        if config.recipe is not None:
+            why = self.fp8_unavailable_reason()
+            if why is None and property_id == "P13":
+                try:
+                    self.fp8_quantizer()
+                except BackendUnavailable as exc:
+                    why = str(exc)
+            if why:
+                return why
+        return super().unsupported_reason(property_id, config)
 
 
 class ImplBackend(LibraryBackend):
@@ -461,6 +546,8 @@ class TorchSplitBackend(Backend):
         return None
 
     def unsupported_reason(self, property_id: str, config: ModuleConfig) -> str | None:
+        if config.recipe is not None or property_id == "P13":
+            return "torch.nn modules have no FP8 recipes"
         if config.fuse_wgrad_accumulation or property_id == "P8":
             return "torch.nn has no fused wgrad accumulation into main_grad"
         if property_id == "P9":
@@ -606,6 +693,11 @@ class TransformerEngineBackend(LibraryBackend):
     def unsupported_reason(self, property_id: str, config: ModuleConfig) -> str | None:
         if config.device != "cuda":
             return "TransformerEngine modules run on CUDA only"
+        if config.recipe is not None or property_id == "P13":
+            return (
+                "FP8 on TransformerEngine needs its own recipe classes "
+                "(transformer_engine.common.recipe); the harness does not map them yet"
+            )
         return super().unsupported_reason(property_id, config)
 
     def build(self, config: ModuleConfig, *, delay: bool, ub_bulk_wgrad: bool = False) -> Any:

@@ -1,10 +1,11 @@
 """Run a property over hypothesis-drawn cases and summarise it as one table cell.
 
-A *cell* is (property, module kind, dtype). :func:`run_cell` drives ``hypothesis`` with the
-chosen profile, counts examples, keeps the worst error/budget ratio, and on failure keeps the
-shrunk case (hypothesis replays the minimal failing example last, so the last case seen is the
-shrunk one), the message, and a command line that replays it. pytest and ``splitgrad verify``
-both use it, so a red CI row and a red ``verify`` row say the same thing.
+A *cell* is (property, module kind, dtype, FP8 recipe family). :func:`run_cell` drives
+``hypothesis`` with the chosen profile, counts examples (rejected ones apart), keeps the worst
+error/budget ratio, and on failure keeps the shrunk case (hypothesis replays the minimal failing
+example last, so the last case seen is the shrunk one), the message, and a command line that
+replays it. pytest and ``splitgrad verify`` both use it, so a red CI row and a red ``verify`` row
+say the same thing.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class CellResult:
     property_id: str
     kind: str
     dtype: str
+    recipe: str = "none"
     status: str = PASS
     examples: int = 0
     worst_ratio: float | None = None
@@ -119,21 +121,29 @@ def run_cell(
     examples: int | None = None,
     profile: str = "ci",
     dtypes: tuple[str, ...] | None = None,
+    recipes: tuple[str | None, ...] = (None,),
+    recipe_label: str | None = None,
 ) -> CellResult:
     """Check ``property_id`` for module ``kind`` in ``dtype`` (or any of ``dtypes``) on
-    ``backend`` over hypothesis-drawn cases."""
-    cell = CellResult(property_id, kind, dtype)
+    ``backend`` over hypothesis-drawn cases, with the FP8 recipe drawn from ``recipes``
+    (``None``: high precision; ``recipe_label`` names the family in the table)."""
     from .checks import applicable
     from .strategies import ModuleConfig
 
+    fp8 = tuple(r for r in recipes if r is not None)
+    label = recipe_label or (",".join(fp8) if fp8 else "none")
+    cell = CellResult(property_id, kind, dtype, label)
     probe = ModuleConfig(
         kind=kind,
         in_features=2,
         out_features=2,
         dtype=dtype if dtype in ("float32", "bfloat16", "float16", "float64") else "float32",
         device=device,
+        recipe=fp8[0] if fp8 else None,
     )
     why = None if applicable(property_id, kind) else f"{property_id} does not apply to {kind}"
+    if property_id == "P13" and not fp8:
+        why = why or "P13 checks FP8 quantizers: it needs an FP8 recipe (--recipe)"
     why = why or backend.unsupported_reason(property_id, probe)
     if why:
         cell.status, cell.message = NA, why
@@ -144,6 +154,7 @@ def run_cell(
         dtypes or (dtype,),
         (device,),
         fused=None if backend.supports_fused else False,
+        recipes=recipes,
     )
     seen: dict[str, Any] = {"case": None}
     start = time.perf_counter()

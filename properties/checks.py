@@ -40,10 +40,12 @@ from .runner import ModuleRun, Snapshot
 from .strategies import (
     KINDS,
     LOW_PRECISION_DTYPES,
+    RECIPES,
     Case,
     MicroBatch,
     ModuleConfig,
     cases,
+    make_recipe,
     micro_batches,
     module_configs,
     schedules,
@@ -69,6 +71,7 @@ __all__ = [
     "check_p10",
     "check_p11",
     "check_p12",
+    "check_p13",
     "MISUSES",
 ]
 
@@ -85,6 +88,7 @@ PROPERTIES = {
     "P10": "bad input and misuse raise the errors of SPEC §4/§5 and change nothing",
     "P11": "after backward_dw() the entry's tensors are freed",
     "P12": "GroupedLinear == a list of Linears on torch.split(x, m_splits)",
+    "P13": "FP8 quantizers == the reference's bit for bit; amax histories delayed == not",
 }
 
 
@@ -139,6 +143,24 @@ class Tracker:
             )
         )
 
+    def fp8_budget(
+        self,
+        name,
+        actual,
+        truth,
+        naive,
+        budget: B.Fp8Budget,
+        dtype=None,
+        module_dtype=None,
+        recipe="",
+        fp8_eps: float = 2.0**-3,
+    ) -> None:
+        self._note(
+            B.check_fp8_budget(
+                name, actual, truth, naive, budget, dtype, module_dtype, recipe, fp8_eps
+            )
+        )
+
     def expect(self, condition: bool, message: str) -> None:
         if not condition:
             raise PropertyViolation(message)
@@ -182,23 +204,99 @@ def _accuracy_run(
 
 def _accuracy(backend: Backend, case: Case) -> tuple[_AccuracyRun, _AccuracyRun, _AccuracyRun]:
     """(under test, naive reference, float64 truth) for ``case``."""
+    test, naive, truth, _ = _accuracy_runs(backend, case)
+    return test, naive, truth
+
+
+def _accuracy_runs(
+    backend: Backend, case: Case
+) -> tuple[_AccuracyRun, _AccuracyRun, _AccuracyRun, _AccuracyRun | None]:
+    """(under test, naive reference, float64 truth, FP8 truth) for ``case``.
+
+    The naive run is the reference in the case's dtype (under the case's recipe); the truth is
+    its float64 twin *without* FP8; the FP8 truth (``None`` without a recipe) is the float64
+    twin under the same recipe: the same quantizations followed by exact GEMMs."""
     from splitgrad.reference import upcast
 
     data = make_micro_batches(case)
     test = _accuracy_run(ModuleRun(backend, case, delay=case.delay), case, data)
     naive_run = ModuleRun(_reference(), case, delay=False, hooks=0)
-    truth_run = ModuleRun(
-        _reference(),
-        case,
-        delay=False,
-        hooks=0,
-        module=upcast(naive_run.module),
-        config=dataclasses.replace(case.config, dtype="float64"),
-        main_grads=False,
-    )
-    truth = _accuracy_run(truth_run, case, data, torch.float64)
+
+    def float64_run(recipe: str | None) -> _AccuracyRun:
+        run = ModuleRun(
+            _reference(),
+            case,
+            delay=False,
+            hooks=0,
+            module=upcast(naive_run.module),
+            config=dataclasses.replace(case.config, dtype="float64", recipe=recipe),
+            main_grads=False,
+        )
+        return _accuracy_run(run, case, data, torch.float64)
+
+    truth = float64_run(None)
+    truth_fp8 = float64_run(case.config.recipe) if case.config.recipe is not None else None
     naive = _accuracy_run(naive_run, case, data)
-    return test, naive, truth
+    return test, naive, truth, truth_fp8
+
+
+def _fp8_exact_operands(config: ModuleConfig, name: str) -> bool:
+    """Whether every FP8-quantized operand on the way to tensor ``name`` is a module input,
+    parameter or output gradient (none is computed by the module: no norm or activation output),
+    so that impl, the naive reference and the FP8 truth quantize bit-identical values."""
+    if config.kind in ("Linear", "GroupedLinear"):
+        return True
+    if config.kind == "LayerNormLinear":
+        # dgrad q(dy) q(W) feeds the norm backward; the bias gradient is summed from dy.
+        return name.startswith(("inp.grad", "layer_norm_", "bias."))
+    return name.startswith("fc2_bias.")
+
+
+def _judge(
+    t: Tracker,
+    case: Case,
+    name: str,
+    actual: torch.Tensor | None,
+    naive: torch.Tensor | None,
+    truth: torch.Tensor | None,
+    truth_fp8: torch.Tensor | None,
+    budget: B.ErrorBudget,
+    dtype: torch.dtype | None = None,
+    module_dtype: torch.dtype | None = None,
+    naive_error: float | None = None,
+    note: str = "",
+) -> None:
+    """One P1–P3 comparison. High precision: ``budget`` against the float64 truth. FP8:
+    ``budget`` against the FP8 truth when every quantized operand is an input (the quantized
+    values are then the same on all sides and only the GEMMs' rounding differs), otherwise the
+    two-gate :data:`~.budgets.FP8` budget against the high-precision truth (see budgets.py)."""
+    if case.config.recipe is None:
+        t.budget(name, actual, truth, naive, budget, dtype, module_dtype, naive_error, note)
+    elif _fp8_exact_operands(case.config, name):
+        t.budget(
+            name,
+            actual,
+            truth_fp8,
+            naive,
+            budget,
+            dtype,
+            module_dtype,
+            note=f" (FP8 {case.config.recipe}: against the same recipe in float64)",
+        )
+    else:
+        # Outputs only meet E4M3; gradients meet E5M2 under HYBRID.
+        coarse = case.config.recipe.endswith("hybrid") and not name.startswith("output")
+        t.fp8_budget(
+            name,
+            actual,
+            truth,
+            naive,
+            B.FP8,
+            dtype,
+            module_dtype,
+            case.config.recipe,
+            2.0**-2 if coarse else 2.0**-3,
+        )
 
 
 def _floor_dtype(run_key: str, config: ModuleConfig) -> torch.dtype:
@@ -208,9 +306,10 @@ def _floor_dtype(run_key: str, config: ModuleConfig) -> torch.dtype:
 def check_p1(backend: Backend, case: Case) -> CheckResult:
     """P1: every micro-batch's output within :data:`~.budgets.OUTPUT` of the float64 truth."""
     t = Tracker()
-    test, naive, truth = _accuracy(backend, case)
+    test, naive, truth, truth8 = _accuracy_runs(backend, case)
     for i, (a, n, r) in enumerate(zip(test.outputs, naive.outputs, truth.outputs)):
-        t.budget(f"output[micro-batch {i}]", a, r, n, B.OUTPUT)  # output dtype == module dtype
+        r8 = truth8.outputs[i] if truth8 is not None else None
+        _judge(t, case, f"output[micro-batch {i}]", a, n, r, r8, B.OUTPUT)
     return t.result
 
 
@@ -294,18 +393,30 @@ def _best_of(
 def check_p2(backend: Backend, case: Case) -> CheckResult:
     """P2: input gradients (:data:`~.budgets.DGRAD`) and norm-parameter gradients
     (:data:`~.budgets.NORM_GRAD`) within budget (of some legal truth at a relu kink)."""
-    test, naive, truth = _accuracy(backend, case)
+    test, naive, truth, truth8 = _accuracy_runs(backend, case)
     candidates, note = _truth_candidates(case, truth)
 
     def compare(t: Tracker, cand: _AccuracyRun) -> None:
         for i, (a, n, r) in enumerate(zip(test.xgrads, naive.xgrads, cand.xgrads)):
             ne = _naive_error(n, [c.xgrads[i] for c in candidates])
-            t.budget(f"inp.grad[micro-batch {i}]", a, r, n, B.DGRAD, naive_error=ne, note=note)
+            r8 = truth8.xgrads[i] if truth8 is not None else None
+            name = f"inp.grad[micro-batch {i}]"
+            _judge(t, case, name, a, n, r, r8, B.DGRAD, naive_error=ne, note=note)
         for key in sorted(cand.norm):
             n = naive.norm.get(key)
             ne = _naive_error(n, [c.norm[key] for c in candidates])
-            t.budget(
-                key, test.norm.get(key), cand.norm[key], n, B.NORM_GRAD, naive_error=ne, note=note
+            r8 = truth8.norm.get(key) if truth8 is not None else None
+            _judge(
+                t,
+                case,
+                key,
+                test.norm.get(key),
+                n,
+                cand.norm[key],
+                r8,
+                B.NORM_GRAD,
+                naive_error=ne,
+                note=note,
             )
 
     return _best_of(candidates, compare)
@@ -314,7 +425,7 @@ def check_p2(backend: Backend, case: Case) -> CheckResult:
 def check_p3(backend: Backend, case: Case) -> CheckResult:
     """P3: GEMM weight/bias gradients (``main_grad`` when fused) within
     :data:`~.budgets.WGRAD` after every ``backward_dw()``; fused weights keep ``.grad is None``."""
-    test, naive, truth = _accuracy(backend, case)
+    test, naive, truth, truth8 = _accuracy_runs(backend, case)
     if set(test.gemm) != set(truth.gemm):
         raise PropertyViolation(f"gradient slots {sorted(test.gemm)} != {sorted(truth.gemm)}")
     candidates, note = _truth_candidates(case, truth)
@@ -328,11 +439,14 @@ def check_p3(backend: Backend, case: Case) -> CheckResult:
                 )
                 continue
             n = naive.gemm.get(key)
-            t.budget(
+            _judge(
+                t,
+                case,
                 key,
                 a,
-                cand.gemm[key],
                 n,
+                cand.gemm[key],
+                truth8.gemm.get(key) if truth8 is not None else None,
                 B.WGRAD,
                 _floor_dtype(key, case.config),
                 case.config.torch_dtype,
@@ -352,7 +466,9 @@ def check_p4(backend: Backend, case: Case) -> CheckResult:
     """P4: the same micro-batches through a delayed and a non-delayed module (random ``.grad``
     and ``main_grad`` prefills), all ``backward_dw()`` at the end: outputs, input grads, every
     parameter gradient and ``main_grad`` bitwise equal; hooks fire once per entry, after the
-    gradients are written; ``grad_added_to_main_grad`` set in both."""
+    gradients are written; ``grad_added_to_main_grad`` set in both. Under FP8 the queued entries
+    run after later scale updates, and the amax histories and scales are compared after every
+    micro-batch and after draining."""
     t = Tracker()
     data = make_micro_batches(case)
     eager = ModuleRun(backend, case, delay=False, prefill_grads=True)
@@ -362,10 +478,12 @@ def check_p4(backend: Backend, case: Case) -> CheckResult:
         xl, yl = late.fb(d)
         t.bitwise(f"output[micro-batch {i}]", yl, ye)
         t.bitwise(f"inp.grad[micro-batch {i}]", xl.grad, xe.grad)
+        t.bitwise_all(f"after micro-batch {i}: ", late.fp8_snapshot(), eager.fp8_snapshot())
     t.equal("pending_wgrad_count after the backwards", late.pending(), len(data))
     late.drain()
     t.equal("pending_wgrad_count after draining", late.pending(), 0)
     t.bitwise_all("", late.all_snapshot(), eager.all_snapshot())
+    t.bitwise_all("after draining: ", late.fp8_snapshot(), eager.fp8_snapshot())
     t.equal(
         "hook calls (delayed vs non-delayed)",
         [c.hook for c in late.hook_calls],
@@ -415,14 +533,19 @@ def check_p5(backend: Backend, case: Case) -> CheckResult:
             f"after backward() of micro-batch {i}: ", late.norm_snapshot(), eager.norm_snapshot()
         )
         t.bitwise_all(
+            f"after backward() of micro-batch {i}: ", late.fp8_snapshot(), eager.fp8_snapshot()
+        )
+        t.bitwise_all(
             f"untouched until backward_dw(), after backward() {i}: ", late.gemm_snapshot(), before
         )
         t.equal(f"grad_added_to_main_grad after backward() {i}", late.added_flags(), flags_before)
         t.equal(f"hook calls after backward() {i}", len(late.hook_calls), 0)
         t.equal(f"pending_wgrad_count after backward() {i}", late.pending(), i + 1)
     norm_before_dw = late.norm_snapshot()
+    fp8_before_dw = late.fp8_snapshot()
     for j in range(len(data)):
         late.dw()
+        t.bitwise_all(f"untouched by backward_dw() {j}: ", late.fp8_snapshot(), fp8_before_dw)
         t.equal(f"pending_wgrad_count after backward_dw() {j}", late.pending(), len(data) - j - 1)
         calls = late.hook_calls[2 * j :]
         t.equal(f"hooks fired by backward_dw() {j}", [c.hook for c in calls], [0, 1])
@@ -489,6 +612,10 @@ class InterleavingModel:
     def check(self) -> None:
         n, op = len(self.steps), self.steps[-1] if self.steps else "start"
         self.t.equal(f"step {n} ({op}): pending_wgrad_count", self.late.pending(), len(self.queue))
+        # FP8: the delayed module's amax histories move exactly as the eager twin's.
+        self.t.bitwise_all(
+            f"step {n} ({op}): ", self.late.fp8_snapshot(), self.eager.fp8_snapshot()
+        )
         self.t.bitwise_all(
             f"step {n} ({op}): ", self.late.gemm_snapshot(), self.lagged.gemm_snapshot()
         )
@@ -556,6 +683,7 @@ def check_p7(backend: Backend, case: Case) -> CheckResult:
         late.drain()
         # Gradients first: a wrong gradient matters more than a wrong entry count.
         t.bitwise_all("tied, after draining: ", late.all_snapshot(), eager.all_snapshot())
+        t.bitwise_all("tied, after draining: ", late.fp8_snapshot(), eager.fp8_snapshot())
         t.equal("pending_wgrad_count after one backward through two uses", queued, entries)
         t.equal("hook calls", len(late.hook_calls), 2 * entries)
         return t.result
@@ -582,6 +710,7 @@ def check_p7(backend: Backend, case: Case) -> CheckResult:
         for key in (k for k in after if k.split(".")[0] == name):
             t.bitwise(f"frozen {key}", after[key], before[key])
     t.bitwise_all("frozen case, after draining: ", after, eager.all_snapshot())
+    t.bitwise_all("frozen case, after draining: ", late.fp8_snapshot(), eager.fp8_snapshot())
     return t.result
 
 
@@ -610,6 +739,7 @@ def check_p8(backend: Backend, case: Case) -> CheckResult:
         twin.fb(d, first=None)
     run.drain()
     got, want = run.all_snapshot(), twin.all_snapshot()
+    t.bitwise_all("is_first_microbatch vs none: ", run.fp8_snapshot(), twin.fp8_snapshot())
     flags = [d.spec.is_first_microbatch for d in data]
     for key in sorted(set(got) | set(want)):
         if key.endswith(".main_grad"):
@@ -714,6 +844,7 @@ def check_p9(backend: Backend, case: Case) -> CheckResult:
         t.bitwise(f"ub_bulk_wgrad output[{i}]", yb, yp)
         t.bitwise(f"ub_bulk_wgrad inp.grad[{i}]", xb.grad, xp.grad)
     t.bitwise_all("ub_bulk_wgrad: ", bulk.all_snapshot(), plain.all_snapshot())
+    t.bitwise_all("ub_bulk_wgrad: ", bulk.fp8_snapshot(), plain.fp8_snapshot())
     return t.result
 
 
@@ -751,6 +882,7 @@ def _expect_raises(
 
 def _state_snapshot(run: ModuleRun) -> dict[str, Any]:
     snap: dict[str, Any] = dict(run.all_snapshot())
+    snap.update(run.fp8_snapshot())
     for name, p in run.params.items():
         snap[f"{name} (value)"] = p.detach().clone()
     return snap
@@ -772,6 +904,8 @@ def misuses(config: ModuleConfig, delay: bool) -> list[str]:
         out += ["main_grad_missing", "main_grad_shape", "main_grad_dtype", "main_grad_device"]
         if delay:
             out.append("wgrad_fails")
+    if config.alignment > 1:
+        out += ["fp8_tokens", "fp8_features"]
     return out
 
 
@@ -791,7 +925,26 @@ MISUSES = (
     "main_grad_dtype",
     "main_grad_device",
     "wgrad_fails",
+    "fp8_tokens",
+    "fp8_features",
 )
+
+# How a message may name the dimension a block recipe cannot quantize.
+_TOKEN_WORDS = ("tokens", "rows")
+_FEATURE_WORDS = ("in_features", "out_features", "hidden_size", "ffn_hidden_size")
+
+
+def _expect_fp8_shape_error(
+    t: Tracker, what: str, fn: Callable[[], Any], config: ModuleConfig, size: int, words
+) -> None:
+    """``fn`` raises ``ValueError`` naming the recipe, the dimension, its size and the multiple
+    it needs (SPEC §5 / reference/base.py)."""
+    recipe = type(make_recipe(config.recipe)).__name__
+    exc = _expect_raises(t, what, fn, (ValueError,), recipe, str(size), str(config.alignment))
+    t.expect(
+        any(w in str(exc) for w in words),
+        f"{what}: ValueError message {str(exc)!r} names none of the dimensions {words}",
+    )
 
 
 class _HookError(Exception):
@@ -860,6 +1013,42 @@ def check_p10(backend: Backend, case: Case) -> CheckResult:
             (ValueError,),
             str(ms[-1]) if misuse != "m_splits_negative" else "-1",
         )
+    elif misuse == "fp8_tokens":
+        # One more half-block of rows (in the first group for GroupedLinear).
+        extra = config.alignment // 2
+        if config.kind == "GroupedLinear":
+            ms = [splits[0] + extra, *splits[1:]]
+            bad = torch.zeros(sum(ms), config.in_features, dtype=dt, requires_grad=True)
+            size = ms[0]
+        else:
+            bad = torch.zeros(d.spec.rows + extra, config.in_features, dtype=dt)
+            bad.requires_grad_(True)
+            ms, size = None, d.spec.rows + extra
+        _expect_fp8_shape_error(
+            t,
+            f"{size} tokens under {config.recipe}",
+            lambda: call(bad, ms),
+            config,
+            size,
+            _TOKEN_WORDS,
+        )
+    elif misuse == "fp8_features":
+        # A module whose in_features is half a block off; its forward must refuse, untouched.
+        size = config.in_features + config.alignment // 2
+        odd = ModuleRun(
+            backend, case, delay=run.delay, config=dataclasses.replace(config, in_features=size)
+        )
+        x = torch.zeros(*d.spec.lead_shape, size, dtype=dt, requires_grad=True)
+        odd_before = _state_snapshot(odd)
+        _expect_fp8_shape_error(
+            t,
+            f"in_features={size} under {config.recipe}",
+            lambda: odd.forward(x, splits, None),
+            config,
+            size,
+            _FEATURE_WORDS,
+        )
+        _unchanged(t, "the module that refused", odd, odd_before, 0)
     elif misuse == "dw_empty":
         if run.delay:
             _expect_raises(
@@ -936,11 +1125,17 @@ def check_p10(backend: Backend, case: Case) -> CheckResult:
             t.bitwise_all("retried entry: ", run.all_snapshot(), eager.all_snapshot())
             return t.result
         _set_main_grad(p, broken)
-
-        def fb() -> None:
-            run.backward_outputs([call(inp)], [d.dy])
-
-        _expect_raises(t, f"backward with {misuse} on {name}", fb, (RuntimeError,), name)
+        y = call(inp)
+        # The forward itself succeeded: under delayed scaling it moved the input and weight
+        # histories; the failing backward must move nothing more (not even grad_output's).
+        before.update(run.fp8_snapshot())
+        _expect_raises(
+            t,
+            f"backward with {misuse} on {name}",
+            lambda: run.backward_outputs([y], [d.dy]),
+            (RuntimeError,),
+            name,
+        )
         _set_main_grad(p, good)
     else:
         raise ValueError(f"unknown P10 misuse {case.variant!r}; expected one of {MISUSES}")
@@ -953,6 +1148,8 @@ def check_p10(backend: Backend, case: Case) -> CheckResult:
         fresh.dw()
     if misuse == "dw_no_delay":
         fresh.fb(d)
+    if misuse.startswith("main_grad"):
+        fresh.forward(d.fresh_input(), splits, None)  # the same forwards moved its histories
     run.fb(d)
     fresh.fb(d)
     run.drain()
@@ -1104,6 +1301,12 @@ def check_p12(backend: Backend, case: Case) -> CheckResult:
                 t.bitwise(f"{gkey} grouped vs linear {i}", got.get(gkey), value)
             else:
                 t.expect(gkey in got, f"{gkey} missing from the grouped module's gradients")
+    # FP8: group i quantizes with its own scales and history, exactly as Linear i does.
+    got_fp8 = grouped.fp8_snapshot()
+    for i, lin in enumerate(linears):
+        for key, value in lin.fp8_snapshot().items():
+            gkey = key.replace("fp8_states[", f"fp8_states[gemm{i}.", 1)
+            t.bitwise(f"{gkey} grouped vs linear {i}", got_fp8.get(gkey), value)
     if not bitwise:
         # Within budget: the float64 truth is the reference GroupedLinear in float64.
         _p12_budget(t, backend, case, got, linears)
@@ -1113,7 +1316,9 @@ def check_p12(backend: Backend, case: Case) -> CheckResult:
 def _p12_budget(
     t: Tracker, backend: Backend, case: Case, got: Snapshot, linears: list[ModuleRun]
 ) -> None:
-    _, _, truth = _accuracy(_reference(), case)
+    _, _, truth, truth8 = _accuracy_runs(_reference(), case)
+    # Under FP8 every quantized operand is an input: the truth is the same recipe in float64.
+    truth = truth8 if truth8 is not None else truth
     for i, lin in enumerate(linears):
         for key, value in lin.gemm_snapshot().items():
             name, slot = key.split(".", 1)
@@ -1128,6 +1333,21 @@ def _p12_budget(
                 dt,
                 case.config.torch_dtype,
             )
+
+
+# =============================================================================================
+# P13: FP8 quantizers and amax histories (properties/p13.py)
+# =============================================================================================
+
+# Value patterns P13's quantizer operands are drawn with (see properties/p13.py).
+P13_VALUES = ("randn", "specials", "outliers")
+
+
+def check_p13(backend: Backend, case: Case) -> CheckResult:
+    """P13: :func:`splitgrad.properties.p13.check_p13`."""
+    from .p13 import check_p13 as run
+
+    return run(backend, case)
 
 
 # =============================================================================================
@@ -1147,19 +1367,22 @@ CHECKS: dict[str, Callable[[Backend, Case], CheckResult]] = {
     "P10": check_p10,
     "P11": check_p11,
     "P12": check_p12,
+    "P13": lambda backend, case: check_p13(backend, case),
 }
 
 
 @st.composite
-def _p6_cases(draw, kinds, dtypes, devices):
-    case = draw(cases(kinds, dtypes, devices, n_micro_batches=(1, 4)))
+def _p6_cases(draw, kinds, dtypes, devices, recipes):
+    case = draw(cases(kinds, dtypes, devices, n_micro_batches=(1, 4), recipes=recipes))
     return dataclasses.replace(case, schedule=draw(schedules(len(case.micro_batches))), delay=True)
 
 
 @st.composite
-def _p7_cases(draw, kinds, dtypes, devices):
+def _p7_cases(draw, kinds, dtypes, devices, recipes):
     variant = draw(st.sampled_from(["tied", "tied-chain", "frozen"]))
-    config = draw(module_configs(kinds, dtypes, devices, square=variant == "tied-chain"))
+    config = draw(
+        module_configs(kinds, dtypes, devices, square=variant == "tied-chain", recipes=recipes)
+    )
     count = 2 if variant.startswith("tied") else draw(st.integers(1, 2))
     mbs = draw(micro_batches(config, count))
     if variant == "tied-chain" and config.kind == "GroupedLinear":
@@ -1175,8 +1398,10 @@ def _p7_cases(draw, kinds, dtypes, devices):
 
 
 @st.composite
-def _p10_cases(draw, kinds, dtypes, devices):
-    case = draw(cases(kinds, dtypes, devices, n_micro_batches=(1, 1), first_flags=False))
+def _p10_cases(draw, kinds, dtypes, devices, recipes):
+    case = draw(
+        cases(kinds, dtypes, devices, n_micro_batches=(1, 1), first_flags=False, recipes=recipes)
+    )
     variant = draw(st.sampled_from(misuses(case.config, case.delay)))
     if variant.startswith("main_grad") or variant == "wgrad_fails":
         weights = [s.name for s in param_specs(case.config) if s.role == GEMM_WEIGHT]
@@ -1185,9 +1410,16 @@ def _p10_cases(draw, kinds, dtypes, devices):
 
 
 @st.composite
-def _p5_cases(draw, kinds, dtypes, devices):
-    case = draw(cases(kinds, dtypes, devices))
+def _p5_cases(draw, kinds, dtypes, devices, recipes):
+    case = draw(cases(kinds, dtypes, devices, recipes=recipes))
     return dataclasses.replace(case, variant=draw(st.sampled_from(["", "prefill"])), delay=True)
+
+
+@st.composite
+def _p13_cases(draw, kinds, dtypes, devices, recipes):
+    fp8 = tuple(r for r in recipes if r is not None) or tuple(RECIPES)
+    case = draw(cases(kinds, dtypes, devices, n_micro_batches=(2, 3), recipes=fp8))
+    return dataclasses.replace(case, variant=draw(st.sampled_from(P13_VALUES)))
 
 
 def case_strategy(
@@ -1196,11 +1428,16 @@ def case_strategy(
     dtypes: tuple[str, ...] = ("float32", "bfloat16"),
     devices: tuple[str, ...] = ("cpu",),
     fused: bool | None = None,
+    recipes: tuple[str | None, ...] = (None,),
 ) -> st.SearchStrategy[Case]:
     """The cases ``property_id`` is checked on. P1–P3 only draw dtypes below float64 (there is no
-    wider truth); P12 only ``GroupedLinear``; P8 draws fused and plain. ``fused=False`` keeps
-    ``fuse_wgrad_accumulation`` off (backends without ``main_grad``)."""
-    strategy = _case_strategy(property_id, tuple(kinds), tuple(dtypes), tuple(devices))
+    wider truth); P12 only ``GroupedLinear``; P8 draws fused and plain; P13 only FP8 recipes
+    (all of them when ``recipes`` has none). ``fused=False`` keeps ``fuse_wgrad_accumulation``
+    off (backends without ``main_grad``); ``recipes`` are FP8 recipe names (``None``: high
+    precision)."""
+    strategy = _case_strategy(
+        property_id, tuple(kinds), tuple(dtypes), tuple(devices), tuple(recipes)
+    )
     if fused is None:
         return strategy
     return strategy.map(lambda c: _with_fused(c, fused))
@@ -1219,25 +1456,27 @@ def _with_fused(case: Case, fused: bool) -> Case:
     )
 
 
-def _case_strategy(property_id, kinds, dtypes, devices) -> st.SearchStrategy[Case]:
+def _case_strategy(property_id, kinds, dtypes, devices, recipes) -> st.SearchStrategy[Case]:
     if property_id in ("P1", "P2", "P3"):
         dtypes = tuple(d for d in dtypes if d in LOW_PRECISION_DTYPES) or ("float32",)
-        return cases(kinds, dtypes, devices)
+        return cases(kinds, dtypes, devices, recipes=recipes)
     if property_id == "P5":
-        return _p5_cases(kinds, dtypes, devices)
+        return _p5_cases(kinds, dtypes, devices, recipes)
     if property_id == "P6":
-        return _p6_cases(kinds, dtypes, devices)
+        return _p6_cases(kinds, dtypes, devices, recipes)
     if property_id == "P7":
-        return _p7_cases(kinds, dtypes, devices)
+        return _p7_cases(kinds, dtypes, devices, recipes)
     if property_id == "P9":
         kinds = tuple(k for k in kinds if k != "GroupedLinear") or ("Linear",)
-        return cases(kinds, dtypes, devices, n_micro_batches=(1, 2))
+        return cases(kinds, dtypes, devices, n_micro_batches=(1, 2), recipes=recipes)
     if property_id == "P10":
-        return _p10_cases(kinds, dtypes, devices)
+        return _p10_cases(kinds, dtypes, devices, recipes)
     if property_id == "P12":
-        return cases(("GroupedLinear",), dtypes, devices)
+        return cases(("GroupedLinear",), dtypes, devices, recipes=recipes)
+    if property_id == "P13":
+        return _p13_cases(kinds, dtypes, devices, recipes)
     if property_id in CHECKS:
-        return cases(kinds, dtypes, devices)
+        return cases(kinds, dtypes, devices, recipes=recipes)
     raise ValueError(f"unknown property {property_id!r}; expected one of {', '.join(CHECKS)}")
 
 

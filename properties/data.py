@@ -108,6 +108,11 @@ def make_micro_batch(config: ModuleConfig, mb: MicroBatch, seed: int, index: int
     dt, dev = config.torch_dtype, config.device
     x = torch.randn((*mb.lead_shape, config.in_features), generator=g, dtype=torch.float64)
     dy = torch.randn((*mb.lead_shape, config.output_features), generator=g, dtype=torch.float64)
+    if config.recipe is not None:
+        # FP8: each micro-batch at its own magnitude (x and dy scaled by 2**-2 .. 2**3), so that
+        # delayed scaling meets values beyond the last step's amax (saturation) and below it.
+        s = torch.randint(-2, 4, (2,), generator=generator(seed, 5_000 + index))
+        x, dy = x * 2.0 ** float(s[0]), dy * 2.0 ** float(s[1])
     return MicroBatchData(x.to(dtype=dt, device=dev), dy.to(dtype=dt, device=dev), mb)
 
 

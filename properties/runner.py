@@ -95,7 +95,9 @@ class ModuleRun:
     # ---- running ---------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, m_splits, is_first_microbatch) -> torch.Tensor:
-        return self.backend.forward(self.module, x, m_splits, is_first_microbatch)
+        """One forward, inside ``fp8_autocast(enabled=True, fp8_recipe=...)`` under FP8."""
+        with self.backend.fp8_autocast(self.config):
+            return self.backend.forward(self.module, x, m_splits, is_first_microbatch)
 
     def fb(
         self, data: MicroBatchData, *, first: bool | None = ...
@@ -168,6 +170,10 @@ class ModuleRun:
 
     def all_snapshot(self) -> Snapshot:
         return self.snapshot(list(self.params))
+
+    def fp8_snapshot(self) -> Snapshot:
+        """Clones of the delayed-scaling amax histories and scales (empty without them)."""
+        return dict(self.backend.fp8_state(self.module))
 
     def added_flags(self) -> dict[str, bool]:
         return {

@@ -5,6 +5,11 @@ The machine drives :class:`~.checks.InterleavingModel` — a delayed module next
 lagged non-delayed twin — and after every step checks the pending count, input and norm
 gradients against the eager twin, and every GEMM gradient and ``main_grad`` against the lagged
 twin, bitwise. Micro-batch shapes are drawn per step, so shrinking finds the shortest schedule.
+
+Under FP8 (``recipes``) every forward runs inside ``fp8_autocast(enabled=True,
+fp8_recipe=...)``; the machine then also compares the delayed module's amax histories and scales
+with the eager twin's after every step, so a dozen steps move them through several updates (and,
+with the harness's 4-step histories, past their length).
 """
 
 from __future__ import annotations
@@ -27,15 +32,20 @@ def make_p6_machine(
     kinds: Sequence[str] = KINDS,
     dtypes: Sequence[str] = ("float32", "bfloat16"),
     devices: Sequence[str] = ("cpu",),
+    recipes: Sequence[str | None] = (None,),
 ) -> type[RuleBasedStateMachine]:
     """A state-machine class checking P6 on ``backend`` (run it with
-    ``run_state_machine_as_test`` or expose ``.TestCase`` to pytest)."""
+    ``run_state_machine_as_test`` or expose ``.TestCase`` to pytest); ``recipes`` are the FP8
+    recipe names the module is drawn with (``None``: high precision)."""
     fused = None if backend.supports_fused else False
+    configs = module_configs(kinds, dtypes, devices, fused=fused, recipes=recipes)
 
     class P6Machine(RuleBasedStateMachine):
         model: InterleavingModel | None = None
+        #: Most non-zero entries any amax history reached, over every run (tests read it).
+        history_steps_seen = 0
 
-        @initialize(config=module_configs(kinds, dtypes, devices, fused=fused), seed=seeds())
+        @initialize(config=configs, seed=seeds())
         def build(self, config, seed: int) -> None:
             self.case = Case(config, (), seed)
             self.model = InterleavingModel(backend, self.case)
@@ -47,6 +57,11 @@ def make_p6_machine(
             mb = type(mb)(mb.lead_shape, mb.m_splits, first)
             self.model.fb(make_micro_batch(self.case.config, mb, self.case.seed, self.count))
             self.count += 1
+            for key, value in self.model.eager.fp8_snapshot().items():
+                if key.endswith(".amax_history"):
+                    steps = int(value.count_nonzero())
+                    cls = type(self)
+                    cls.history_steps_seen = max(cls.history_steps_seen, steps)
 
         @precondition(lambda self: self.model is not None and bool(self.model.queue))
         @rule()

@@ -9,8 +9,13 @@ One tunable limit, :data:`MAX_WORK` (env ``SPLITGRAD_MAX_WORK``), caps the multi
 example over all its GEMMs and micro-batches; rows are drawn under the cap by construction (no
 ``assume``).
 
-FP8 is a later issue: :class:`ModuleConfig` carries ``recipe`` (always ``None`` for now) so a
-recipe dimension can be drawn here without changing any property signature.
+FP8 (SPEC §6): :class:`ModuleConfig` carries ``recipe``, a name from :data:`RECIPES` (``None``:
+high precision). Block recipes need aligned shapes, drawn so by construction: every feature size
+and every token count (each ``GroupedLinear`` group's included) is a multiple of
+:func:`recipe_alignment` (32 for ``mxfp8``, 128 for ``block``; empty groups are multiples too).
+Such shapes are bigger than the high-precision ones, so under the same :data:`MAX_WORK` they get
+one aligned unit of tokens per micro-batch (two for a ``GroupedLinear``, so that two groups can
+be non-empty), at most three groups, and sizes of one or two alignment units.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ from hypothesis import strategies as st
 __all__ = [
     "KINDS",
     "DTYPES",
+    "RECIPES",
+    "RECIPE_FAMILIES",
+    "make_recipe",
+    "recipe_alignment",
     "LOW_PRECISION_DTYPES",
     "MAX_WORK",
     "ModuleConfig",
@@ -50,6 +59,58 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "relu", "swiglu", "geglu")
 GATED = ("swiglu", "geglu")
 NORM_KINDS = ("LayerNormLinear", "LayerNormMLP")
+
+# FP8 recipes by name (JSON-friendly, so a shrunk case replays). Delayed scaling keeps a short
+# history (4 steps) so that a few micro-batches already roll it over and "max" differs from
+# "most_recent".
+_HISTORY = 4
+RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "delayed-max-hybrid": ("DelayedScaling", {"amax_compute_algo": "max"}),
+    "delayed-max-e4m3": ("DelayedScaling", {"amax_compute_algo": "max", "fp8_format": "E4M3"}),
+    "delayed-recent-hybrid": ("DelayedScaling", {"amax_compute_algo": "most_recent"}),
+    "delayed-recent-e4m3": (
+        "DelayedScaling",
+        {"amax_compute_algo": "most_recent", "fp8_format": "E4M3"},
+    ),
+    "current-hybrid": ("Float8CurrentScaling", {}),
+    "current-e4m3": ("Float8CurrentScaling", {"fp8_format": "E4M3"}),
+    "mxfp8": ("MXFP8BlockScaling", {}),
+    "block": ("Float8BlockScaling", {}),
+}
+# What ``splitgrad verify --recipe`` and the tests select by.
+RECIPE_FAMILIES: dict[str, tuple[str, ...]] = {
+    "delayed": tuple(n for n in RECIPES if n.startswith("delayed")),
+    "current": tuple(n for n in RECIPES if n.startswith("current")),
+    "mxfp8": ("mxfp8",),
+    "block": ("block",),
+}
+_ALIGNMENT = {"MXFP8BlockScaling": 32, "Float8BlockScaling": 128}
+
+
+def make_recipe(name: str) -> Any:
+    """The recipe object called ``name`` (classes from ``splitgrad.reference.fp8``, which impl
+    re-exports); raises ``ValueError`` naming unknown recipes."""
+    from splitgrad.reference import fp8
+
+    try:
+        cls, kw = RECIPES[name]
+    except KeyError:
+        raise ValueError(f"unknown FP8 recipe {name!r}; expected one of {list(RECIPES)}") from None
+    kw = dict(kw)
+    if "fp8_format" in kw:
+        kw["fp8_format"] = fp8.Format[kw["fp8_format"]]
+    if cls == "DelayedScaling":
+        kw["amax_history_len"] = _HISTORY
+    return getattr(fp8, cls)(**kw)
+
+
+def recipe_alignment(name: str | None) -> int:
+    """The multiple every feature size and token count needs under recipe ``name`` (1: any)."""
+    if name is None:
+        return 1
+    if name not in RECIPES:
+        raise ValueError(f"unknown FP8 recipe {name!r}; expected one of {list(RECIPES)}")
+    return _ALIGNMENT.get(RECIPES[name][0], 1)
 
 
 def _max_work() -> int:
@@ -98,10 +159,7 @@ class ModuleConfig:
         if self.kind not in KINDS:
             raise ValueError(f"unknown module kind {self.kind!r}; expected one of {KINDS}")
         torch_dtype(self.dtype)
-        if self.recipe is not None:
-            raise ValueError(
-                f"FP8 recipes are not supported by the harness yet, got {self.recipe!r}"
-            )
+        recipe_alignment(self.recipe)  # validates the name
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -144,7 +202,14 @@ class ModuleConfig:
             parts.append("fused")
         if not self.bias:
             parts.append("nobias")
+        if self.recipe is not None:
+            parts.append(f"fp8:{self.recipe}")
         return " ".join(parts)
+
+    @property
+    def alignment(self) -> int:
+        """Multiple every size and token count needs under the recipe (1 without FP8)."""
+        return recipe_alignment(self.recipe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,14 +288,15 @@ def seeds() -> st.SearchStrategy[int]:
 
 
 @st.composite
-def m_splits(draw: st.DrawFn, num_gemms: int, max_rows: int) -> tuple[int, ...]:
-    """``num_gemms`` non-negative ints summing to at most ``max_rows``; empty groups are common
-    (each group is zero with probability about one half)."""
-    budget = max_rows
+def m_splits(draw: st.DrawFn, num_gemms: int, max_rows: int, multiple: int = 1) -> tuple[int, ...]:
+    """``num_gemms`` non-negative multiples of ``multiple`` summing to at most ``max_rows``
+    (rounded up to two multiples under FP8); empty groups are common (each group is zero with
+    probability about one half)."""
+    budget = max_rows // multiple if multiple == 1 else max(2, max_rows // multiple)
     out = []
     for _ in range(num_gemms):
         n = draw(st.one_of(st.just(0), st.integers(0, max(0, min(budget, 6)))))
-        out.append(n)
+        out.append(n * multiple)
         budget -= n
     return tuple(out)
 
@@ -244,19 +310,30 @@ def module_configs(
     fused: bool | None = None,
     bias: bool | None = None,
     square: bool = False,
+    recipes: Sequence[str | None] = (None,),
 ) -> ModuleConfig:
     """A module configuration. ``fused``/``bias`` pin a flag when not ``None``; ``square`` makes
-    the output width equal the input width (so the module can be chained on itself)."""
+    the output width equal the input width (so the module can be chained on itself);
+    ``recipes`` are the FP8 recipe names to draw from (``None``: high precision)."""
     kind = draw(st.sampled_from(list(kinds)))
-    # A norm over 1 or 2 features outputs beta (or +-gamma + beta) whatever x is: dx is an exact
-    # cancellation whose size only eps sets, so no rounding can be judged against it.
-    in_features = draw(sizes().map(lambda k: k + 2) if kind in NORM_KINDS else sizes())
-    out_features = in_features if square and kind != "LayerNormMLP" else draw(sizes())
+    recipe = draw(st.sampled_from(list(recipes)))
+    align = recipe_alignment(recipe)
+    if align > 1:
+        # Block recipes: one or two alignment units (128-wide blocks: one, to keep work down).
+        units = st.integers(1, 2) if align < 128 else st.just(1)
+        in_features = align * draw(units)
+        out_features = in_features if square and kind != "LayerNormMLP" else align * draw(units)
+    else:
+        # A norm over 1 or 2 features outputs beta (or +-gamma + beta) whatever x is: dx is an
+        # exact cancellation whose size only eps sets, so no rounding can be judged against it.
+        in_features = draw(sizes().map(lambda k: k + 2) if kind in NORM_KINDS else sizes())
+        out_features = in_features if square and kind != "LayerNormMLP" else draw(sizes())
+    groups = [1, 2, 3] if recipe is not None else [1, 2, 3, 5]
     return ModuleConfig(
         kind=kind,
         in_features=in_features,
         out_features=out_features,
-        num_gemms=draw(st.sampled_from([1, 2, 3, 5])) if kind == "GroupedLinear" else 1,
+        num_gemms=draw(st.sampled_from(groups)) if kind == "GroupedLinear" else 1,
         bias=draw(st.booleans()) if bias is None else bias,
         fuse_wgrad_accumulation=draw(st.booleans()) if fused is None else fused,
         normalization=draw(st.sampled_from(NORMALIZATIONS)),
@@ -266,6 +343,7 @@ def module_configs(
         else False,
         dtype=draw(st.sampled_from(list(dtypes))),
         device=draw(st.sampled_from(list(devices))),
+        recipe=recipe,
     )
 
 
@@ -281,16 +359,21 @@ def micro_batches(
     first_flags: bool = True,
 ) -> tuple[MicroBatch, ...]:
     """``count`` micro-batches for ``config`` under :data:`MAX_WORK`. Non-grouped inputs get 1–3
-    leading dimensions; ``GroupedLinear`` gets 2-D inputs with drawn ``m_splits``."""
+    leading dimensions; ``GroupedLinear`` gets 2-D inputs with drawn ``m_splits``. Under a block
+    recipe every token count is a multiple of its alignment (at least one unit)."""
     limit = _max_rows(config, count)
+    align = config.alignment
     out = []
     for _ in range(count):
         first = draw(st.sampled_from([None, True, False])) if first_flags else None
         if config.kind == "GroupedLinear":
-            splits = draw(m_splits(config.num_gemms, limit))
+            splits = draw(m_splits(config.num_gemms, limit, align))
             out.append(MicroBatch((sum(splits),), splits, first))
             continue
-        rows = draw(st.integers(1, min(limit, 12)))
+        if align > 1:
+            rows = align * draw(st.integers(1, max(1, min(limit // align, 2))))
+        else:
+            rows = draw(st.integers(1, min(limit, 12)))
         shape: tuple[int, ...] = (rows,)
         if rows > 1 and draw(st.booleans()):
             # Split rows into (batch, seq) to exercise the flattening of leading dimensions.
@@ -335,9 +418,15 @@ def cases(
     bias: bool | None = None,
     square: bool = False,
     first_flags: bool = True,
+    recipes: Sequence[str | None] = (None,),
 ) -> Case:
-    """A :class:`Case` with a drawn config, micro-batches, seed and ``delay`` flag."""
-    config = draw(module_configs(kinds, dtypes, devices, fused=fused, bias=bias, square=square))
+    """A :class:`Case` with a drawn config (and FP8 recipe among ``recipes``), micro-batches,
+    seed and ``delay`` flag."""
+    config = draw(
+        module_configs(
+            kinds, dtypes, devices, fused=fused, bias=bias, square=square, recipes=recipes
+        )
+    )
     count = draw(st.integers(*n_micro_batches))
     mbs = draw(micro_batches(config, count, first_flags=first_flags))
     return Case(config=config, micro_batches=mbs, seed=draw(seeds()), delay=draw(st.booleans()))

@@ -2,13 +2,20 @@
 
     splitgrad verify [--backend impl|reference|torch-split|transformer_engine]
                      [--module KIND ...] [--dtype DTYPE ...] [--device cpu|cuda]
+                     [--recipe none|delayed|current|mxfp8|block|all ...]
                      [--property P4 ...] [--examples N] [--profile dev|ci|nightly|gpu]
                      [--json PATH] [--junit PATH] [--case JSON]
 
-Each row is property x module x dtype: examples run, worst error/budget ratio, result. A failure
-prints the shrunk case and one command line that replays it, and the exit status is 1. Known
-deviations that a backend declares are printed as ``deviates`` with their description (they do
-not fail the run; they are never shown as a pass). Bad options exit with status 2 and a message.
+Each row is property x module x dtype (x FP8 recipe family when FP8 is on): examples run, worst
+error/budget ratio, result. A failure prints the shrunk case and one command line that replays
+it, and the exit status is 1. Known deviations that a backend declares are printed as
+``deviates`` with their description (they do not fail the run; they are never shown as a pass).
+Bad options exit with status 2 and a message.
+
+Without ``--recipe`` the run is the high-precision campaign plus a small FP8 slice (bf16, the
+recipe drawn from all of them per example, :data:`FP8_SLICE_EXAMPLES` examples per cell);
+``--recipe none`` leaves FP8 out, ``--recipe delayed,mxfp8`` runs full cells per family
+(``all``: every family).
 """
 
 from __future__ import annotations
@@ -24,13 +31,19 @@ from xml.etree import ElementTree as ET
 
 from .campaign import DEVIATION, ERROR, FAIL, NA, PASS, CellResult, run_case, run_cell
 from .checks import PROPERTIES, applicable
-from .strategies import DTYPES, KINDS, LOW_PRECISION_DTYPES, Case
+from .strategies import DTYPES, KINDS, LOW_PRECISION_DTYPES, RECIPE_FAMILIES, RECIPES, Case
 
-__all__ = ["main", "build_parser", "DEFAULT_EXAMPLES"]
+__all__ = ["main", "build_parser", "DEFAULT_EXAMPLES", "FP8_SLICE_EXAMPLES", "RECIPE_CHOICES"]
 
 # About two minutes for the default campaign on 2 CPU cores (see README).
 DEFAULT_EXAMPLES = 60
 _PROFILES = ("dev", "ci", "nightly", "gpu")
+RECIPE_CHOICES = ("none", *RECIPE_FAMILIES, "all")
+# The FP8 slice of the default run: few examples, bf16, every recipe drawn in one cell, the
+# properties FP8 changes most (accuracy, delayed == non-delayed, bad shapes, grouped, quantizers).
+FP8_SLICE_EXAMPLES = 10
+FP8_SLICE_PROPERTIES = ("P1", "P2", "P3", "P4", "P6", "P10", "P12", "P13")
+FP8_SLICE_DTYPES = ("bfloat16",)
 
 
 class _UsageError(Exception):
@@ -82,7 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", default=None, choices=("cpu", "cuda"), help="default: cpu (cuda for TE)"
     )
     p.add_argument(
-        "--property", action="append", metavar="PID", help="property id(s) P1..P12 (default: all)"
+        "--recipe",
+        action="append",
+        metavar="FAMILY",
+        help=f"FP8 recipe famil(ies) among {', '.join(RECIPE_CHOICES)}, repeatable or "
+        "comma-separated (default: high precision plus a small FP8 slice; none: no FP8)",
+    )
+    p.add_argument(
+        "--property", action="append", metavar="PID", help="property id(s) P1..P13 (default: all)"
     )
     p.add_argument(
         "--examples",
@@ -114,19 +134,22 @@ def _progress(done: int, total: int, label: str, enabled: bool) -> None:
 
 
 def format_table(cells: list[CellResult]) -> str:
-    """The property x module x dtype table."""
-    header = ("property", "module", "dtype", "examples", "worst/budget", "result")
+    """The property x module x dtype table, with a recipe column when some cell runs FP8."""
+    fp8 = any(c.recipe != "none" for c in cells)
+    header = ("property", "module", "dtype", *(("recipe",) if fp8 else ()))
+    header += ("examples", "worst/budget", "result")
+    left = {0, 1, 2, len(header) - 1} | ({3} if fp8 else set())
     rows = [header]
     for c in cells:
-        result = c.status
         rows.append(
             (
                 c.property_id,
                 c.kind,
                 c.dtype,
+                *((c.recipe,) if fp8 else ()),
                 str(c.examples) if c.status != NA else "-",
                 c.ratio_text,
-                result,
+                c.status,
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -134,8 +157,7 @@ def format_table(cells: list[CellResult]) -> str:
     for n, r in enumerate(rows):
         lines.append(
             "  ".join(
-                v.ljust(w) if i in (0, 1, 2, 5) else v.rjust(w)
-                for i, (v, w) in enumerate(zip(r, widths))
+                v.ljust(w) if i in left else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))
             ).rstrip()
         )
         if n == 0:
@@ -158,7 +180,7 @@ def _write_junit(path: Path, backend: str, cells: list[CellResult], elapsed: flo
             suite,
             "testcase",
             classname=f"splitgrad.verify.{c.property_id}",
-            name=f"{c.kind}[{c.dtype}]",
+            name=f"{c.kind}[{c.dtype}]" + (f"[{c.recipe}]" if c.recipe != "none" else ""),
             time=f"{c.seconds:.3f}",
         )
         if c.status == FAIL:
@@ -251,6 +273,11 @@ def _main(argv: list[str]) -> int:
     kinds = _split_list(args.module, KINDS, "module") or list(KINDS)
     dtypes = _split_list(args.dtype, DTYPES, "dtype") or ["float32", "bfloat16"]
     properties = _split_list(args.property, list(PROPERTIES), "property") or list(PROPERTIES)
+    families = _split_list(args.recipe, RECIPE_CHOICES, "recipe")
+    if "all" in families:
+        families = [f for f in families if f != "all"] + [
+            f for f in RECIPE_FAMILIES if f not in families
+        ]
     if args.examples is not None and args.examples < 1:
         raise _UsageError(f"--examples must be at least 1, got {args.examples}")
     from .profiles import load_profile
@@ -265,31 +292,64 @@ def _main(argv: list[str]) -> int:
     if args.case:
         return _replay(backend, properties, args.case)
 
-    plan = []
-    for pid in properties:
-        for kind in kinds:
-            if not applicable(pid, kind):
-                continue
-            for dtype in dtypes:
-                plan.append((pid, kind, dtype))
+    # (property, kind, dtype, recipe label, recipes drawn, examples per cell)
+    plan: list[tuple[str, str, str, str, tuple, int | None]] = []
+    slices: list[tuple[str, tuple, tuple[str, ...], tuple[str, ...], int | None]] = []
+    if not families or "none" in families:
+        slices.append(("none", (None,), tuple(properties), tuple(dtypes), examples))
+    for family in families:
+        if family != "none":
+            slices.append(
+                (family, RECIPE_FAMILIES[family], tuple(properties), tuple(dtypes), examples)
+            )
+    if not families:
+        # The default run's small FP8 slice (explicit --property/--dtype narrow it further).
+        slice_props = tuple(p for p in properties if p in FP8_SLICE_PROPERTIES)
+        slice_dtypes = tuple(d for d in dtypes if d in FP8_SLICE_DTYPES) or FP8_SLICE_DTYPES
+        n = min(examples, FP8_SLICE_EXAMPLES) if examples is not None else None
+        slices.append(("all", tuple(RECIPES), slice_props, slice_dtypes, n))
+    for label, recipes, props, cell_dtypes, n in slices:
+        for pid in props:
+            if pid == "P13" and label == "none" and len(properties) > 1:
+                continue  # P13 needs FP8: only listed when asked for alone
+            for kind in kinds:
+                if not applicable(pid, kind):
+                    continue
+                for dtype in cell_dtypes:
+                    plan.append((pid, kind, dtype, label, recipes, n))
     show = not args.quiet and sys.stderr.isatty()
+    fp8_cells = sum(1 for p in plan if p[3] != "none")
     print(
         f"splitgrad verify: backend {backend.name}, device {device}, profile {profile}, "
         f"{examples or 'profile default'} examples per cell, {len(plan)} cells"
+        + (f" ({fp8_cells} under FP8)" if fp8_cells else "")
     )
     for note in backend.notes:
         print(f"  note: {note}")
     cells: list[CellResult] = []
     start = time.perf_counter()
-    for i, (pid, kind, dtype) in enumerate(plan):
-        _progress(i, len(plan), f"{pid} {kind} {dtype}", show)
+    for i, (pid, kind, dtype, label, recipes, n) in enumerate(plan):
+        _progress(i, len(plan), f"{pid} {kind} {dtype} {label}", show)
         if pid in ("P1", "P2", "P3") and dtype not in LOW_PRECISION_DTYPES:
             cell = CellResult(
-                pid, kind, dtype, status=NA, message="no wider dtype to measure error against"
+                pid,
+                kind,
+                dtype,
+                label,
+                status=NA,
+                message="no wider dtype to measure error against",
             )
         else:
             cell = run_cell(
-                backend, pid, kind, dtype, device=device, examples=examples, profile=profile
+                backend,
+                pid,
+                kind,
+                dtype,
+                device=device,
+                examples=n,
+                profile=profile,
+                recipes=recipes,
+                recipe_label=label,
             )
         cells.append(cell)
         if args.fail_fast and cell.status in (FAIL, ERROR):
@@ -302,8 +362,9 @@ def _main(argv: list[str]) -> int:
     for c in failed:
         mbs = c.case.micro_batches if c.case is not None else ()
         print(
-            f"\n{c.status} {c.property_id} {c.kind} {c.dtype} "
-            f"after {c.first_failure_at} example(s):"
+            f"\n{c.status} {c.property_id} {c.kind} {c.dtype}"
+            + (f" {c.recipe}" if c.recipe != "none" else "")
+            + f" after {c.first_failure_at} example(s):"
         )
         print("  " + c.message.replace("\n", "\n  "))
         if c.case is not None:
@@ -319,7 +380,9 @@ def _main(argv: list[str]) -> int:
         print("\nknown deviations from SPEC.md (declared by the backend, shown, not excused):")
         for c in deviating:
             print(
-                f"  {c.property_id} {c.kind} {c.dtype}: {c.deviation}\n"
+                f"  {c.property_id} {c.kind} {c.dtype}"
+                + (f" {c.recipe}" if c.recipe != "none" else "")
+                + f": {c.deviation}\n"
                 f"    observed: {c.message.splitlines()[0][:300]}"
             )
             print(f"    reproduce: {c.repro}")
@@ -332,6 +395,15 @@ def _main(argv: list[str]) -> int:
                 "\nnote: declared deviation not observed in this run: "
                 f"{dev.property_id}: {dev.summary}"
             )
+    rejected = sum(c.rejected for c in cells)
+    if rejected:
+        print(
+            f"\nnote: {rejected} drawn example(s) could not be judged and were not counted "
+            "(relu pre-activations within rounding distance of 0; see properties/kink.py)"
+        )
+    fp8_na = sorted({c.message for c in cells if c.status == NA and c.recipe != "none"})
+    for why in fp8_na:
+        print(f"\nnote: FP8 cells n/a: {why}")
     n_pass = sum(c.status == PASS for c in cells)
     print(
         f"\n{n_pass} passed, {len(failed)} failed, {len(deviating)} known deviations, "

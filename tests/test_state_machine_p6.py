@@ -67,3 +67,36 @@ def test_p6_machine_catches_lifo() -> None:
                 phases=[Phase.generate],
             ),
         )
+
+
+def _fp8_machine(backend_name: str, recipes: tuple[str, ...]):
+    backend = get_backend(backend_name)
+    why = backend.unavailable_reason() or backend.fp8_unavailable_reason()
+    if why:
+        pytest.skip(why)
+    machine = make_p6_machine(backend, dtypes=("float32", "bfloat16"), recipes=recipes)
+    # Aligned FP8 shapes cost more per step: fewer runs, as many steps.
+    return machine, settings(settings.default, stateful_step_count=12, max_examples=8)
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "impl"])
+def test_p6_state_machine_fp8_delayed_histories_move(backend_name: str) -> None:
+    """Every forward runs inside fp8_autocast(DelayedScaling): the delayed module's amax
+    histories and scales equal the eager twin's after every step, and they do move (some
+    history holds several steps)."""
+    from splitgrad.properties.strategies import RECIPE_FAMILIES
+
+    machine, cfg = _fp8_machine(backend_name, RECIPE_FAMILIES["delayed"])
+    _run(machine, cfg)
+    assert machine.history_steps_seen >= 2
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "impl"])
+def test_p6_state_machine_fp8_block_recipes(backend_name: str) -> None:
+    from splitgrad.properties.strategies import RECIPE_FAMILIES
+
+    machine, cfg = _fp8_machine(
+        backend_name,
+        RECIPE_FAMILIES["mxfp8"] + RECIPE_FAMILIES["block"] + RECIPE_FAMILIES["current"],
+    )
+    _run(machine, cfg)

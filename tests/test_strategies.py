@@ -86,3 +86,65 @@ def test_bad_values_are_rejected_with_their_name() -> None:
     assert dataclasses.replace(
         S.ModuleConfig("Linear", 2, 2), dtype="bfloat16"
     ).torch_dtype.is_floating_point
+
+
+# ---- FP8 ----------------------------------------------------------------------------------
+
+_FP8_PROPERTIES = [p for p in PROPERTIES if p not in ("P9",)]
+
+
+@given(
+    case=st.one_of(
+        *[case_strategy(p, dtypes=S.DTYPES, recipes=tuple(S.RECIPES)) for p in _FP8_PROPERTIES]
+    )
+)
+def test_fp8_shapes_are_aligned_by_construction(case: S.Case) -> None:
+    """Every feature size and token count (each group's too) is a multiple of the recipe's
+    alignment; groups and token units stay few."""
+    c = case.config
+    assert c.recipe in S.RECIPES
+    align = S.recipe_alignment(c.recipe)
+    assert c.in_features % align == 0 and c.out_features % align == 0
+    for mb in case.micro_batches:
+        counts = mb.m_splits if c.kind == "GroupedLinear" else (mb.rows,)
+        assert all(n % align == 0 for n in counts), (c.recipe, counts)
+        if align > 1:
+            assert mb.rows <= 2 * align or c.kind == "GroupedLinear"
+    if c.kind == "GroupedLinear":
+        assert c.num_gemms <= 3
+    assert S.Case.from_json(case.to_json()) == case
+
+
+def test_fp8_strategies_reach_every_recipe_and_two_busy_groups() -> None:
+    from hypothesis import Phase
+
+    def find(strategy, condition):
+        # No shrinking: only whether such a case is drawn at all matters here.
+        cfg = settings(max_examples=2000, database=None, phases=[Phase.generate])
+        return _find(strategy, condition, settings=cfg)
+
+    everything = S.cases(recipes=tuple(S.RECIPES))
+    for name in S.RECIPES:
+        assert find(everything, lambda c, name=name: c.config.recipe == name)
+    grouped = case_strategy("P12", recipes=("mxfp8",))
+    assert find(
+        grouped, lambda c: any(sum(n > 0 for n in mb.m_splits) >= 2 for mb in c.micro_batches)
+    )
+    assert find(grouped, lambda c: any(0 in mb.m_splits for mb in c.micro_batches))
+    assert find(case_strategy("P13"), lambda c: c.variant == "specials")
+    p10 = case_strategy("P10", recipes=("block",))
+    assert find(p10, lambda c: c.variant == "fp8_tokens")
+    assert find(p10, lambda c: c.variant == "fp8_features")
+
+
+def test_recipe_names_are_checked() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="'fp4'"):
+        S.ModuleConfig("Linear", 2, 2, recipe="fp4")
+    with pytest.raises(ValueError, match="'fp4'"):
+        S.make_recipe("fp4")
+    assert type(S.make_recipe("delayed-recent-e4m3")).__name__ == "DelayedScaling"
+    assert S.make_recipe("delayed-recent-e4m3").amax_compute_algo == "most_recent"
+    assert S.recipe_alignment("mxfp8") == 32 and S.recipe_alignment("block") == 128
+    assert S.recipe_alignment("current-hybrid") == 1 and S.recipe_alignment(None) == 1

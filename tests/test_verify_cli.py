@@ -28,6 +28,7 @@ def test_unknown_option_is_a_message_not_a_traceback(capsys) -> None:
         (["--dtype", "int8"], "unknown dtype 'int8'"),
         (["--property", "P99"], "unknown property 'P99'"),
         (["--examples", "0"], "--examples must be at least 1"),
+        (["--recipe", "fp4"], "unknown recipe 'fp4'"),
         (["--backend", "reference", "--case", "{}"], "--case needs exactly one --property"),
         (["--backend", "reference", "--property", "P4", "--case", "nope"], "not a splitgrad case"),
     ],
@@ -63,6 +64,8 @@ def test_campaign_prints_table_and_writes_json_and_junit(tmp_path: Path, capsys)
         "P12",
         "--examples",
         "3",
+        "--recipe",
+        "none",
         "--json",
         str(js),
         "--junit",
@@ -71,6 +74,7 @@ def test_campaign_prints_table_and_writes_json_and_junit(tmp_path: Path, capsys)
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "property" in out and "worst/budget" in out and "0 (bitwise)" in out
+    assert "recipe" not in out.split("\n\n")[0]  # no FP8 cell: no recipe column
     assert "5 passed, 0 failed" in out
     data = json.loads(js.read_text())
     assert {(c["property_id"], c["kind"]) for c in data["cells"]} == {
@@ -140,3 +144,48 @@ def test_replay_of_a_passing_case(capsys) -> None:
     case = example_case("GroupedLinear", num_gemms=3)
     assert main(["--backend", "reference", "--property", "P12", "--case", case.to_json()]) == 0
     assert "P12 pass" in capsys.readouterr().out
+
+
+def test_recipe_option_adds_fp8_cells_with_a_recipe_column(tmp_path: Path, capsys) -> None:
+    js = tmp_path / "fp8.json"
+    argv = ["--backend", "reference", "--module", "Linear", "--dtype", "bfloat16"]
+    argv += ["--property", "P1,P13", "--examples", "2", "--recipe", "delayed,mxfp8"]
+    assert main([*argv, "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("property"))
+    assert header.split()[:4] == ["property", "module", "dtype", "recipe"]
+    cells = json.loads(js.read_text())["cells"]
+    assert {(c["property_id"], c["recipe"]) for c in cells} == {
+        ("P1", "delayed"),
+        ("P1", "mxfp8"),
+        ("P13", "delayed"),
+        ("P13", "mxfp8"),
+    }
+    assert all(c["status"] == "pass" for c in cells)
+
+
+def test_default_run_has_a_small_fp8_slice(capsys) -> None:
+    from splitgrad.properties.verify import FP8_SLICE_EXAMPLES
+
+    argv = ["--backend", "reference", "--module", "Linear", "--dtype", "float32,bfloat16"]
+    assert main([*argv, "--property", "P4", "--examples", "40"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    table = [r for r in rows if r[:1] == ["P4"]]
+    assert [r[2:4] for r in table] == [
+        ["float32", "none"],
+        ["bfloat16", "none"],
+        ["bfloat16", "all"],
+    ]
+    assert table[-1][4] == str(FP8_SLICE_EXAMPLES)
+
+
+def test_fp8_case_replays(capsys) -> None:
+    import dataclasses
+
+    from splitgrad.properties.checks import example_case
+
+    case = example_case("GroupedLinear", num_gemms=2, in_features=32, out_features=32)
+    config = dataclasses.replace(case.config, recipe="delayed-max-e4m3")
+    case = dataclasses.replace(case, config=config)
+    assert main(["--backend", "reference", "--property", "P12", "--case", case.to_json()]) == 0
+    assert "P12 pass" in capsys.readouterr().out and "fp8:delayed-max-e4m3" in case.config.label()
