@@ -16,6 +16,10 @@ noisy neighbour hurts all of them alike:
 * ``recompute`` LayerNormMLP recomputed / saved activation: backward time, memory kept from
   forward to backward
 * ``fused``   peak memory of fused (fp32 ``main_grad``) / plain accumulation (prefilled ``.grad``)
+* ``fp8``     per FP8 recipe, on a bf16 ``Linear`` (hidden -> ffn) with ``delay_wgrad_compute``:
+  the time of ``backward_dw()`` (the wgrad GEMM) into ``.grad`` and into fp32 ``main_grad``, and
+  the bytes one queued entry holds, each against the same module without FP8 (``--no-fp8``
+  skips it)
 
 Timings are forward-excluded: each repetition runs the forward untimed, then times the backward.
 Memory is counted by a dispatch mode that tracks every storage an operator allocates until it is
@@ -391,6 +395,98 @@ def _recompute_vs_saved(module, x, dy, reps) -> dict:
     }
 
 
+# ---- FP8: wgrad time and queued-entry memory per recipe ------------------------------------
+
+
+def fp8_recipes() -> dict[str, object]:
+    """The recipes the FP8 section measures (the reference's dataclasses, re-exported by impl)."""
+    return {
+        "delayed": impl.DelayedScaling(),
+        "current": impl.Float8CurrentScaling(),
+        "mxfp8": impl.MXFP8BlockScaling(),
+        "block": impl.Float8BlockScaling(),
+    }
+
+
+def _entry_bytes(module) -> int:
+    """Bytes of the distinct storages the module's queued entries hold."""
+    seen: dict[int, int] = {}
+    for entry in module._wgrad_store:
+        for t in entry.saved:
+            if t is not None:
+                storage = t.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _fp8_variant(s: Shapes, recipe, fused: bool, reps: int) -> tuple[float, int]:
+    """(median backward_dw ms, bytes one queued entry holds) for one recipe (None: bf16)."""
+    torch.manual_seed(0)
+    module = impl.Linear(
+        s.hidden,
+        s.ffn,
+        params_dtype=torch.bfloat16,
+        delay_wgrad_compute=True,
+        fuse_wgrad_accumulation=fused,
+    )
+    _prefill(module, fused)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(s.tokens, s.hidden, generator=gen).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(s.tokens, s.ffn, generator=gen).to(torch.bfloat16)
+    samples, held = [], 0
+    for rep in range(reps + 1):  # the first repetition warms up and is dropped
+        with impl.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+            y = module(x)
+        y.backward(dy)
+        del y
+        x.grad = None
+        held = _entry_bytes(module)
+        elapsed = _timed(module.backward_dw)
+        if rep:
+            samples.append(elapsed)
+    return _median_ms(samples), held
+
+
+def run_fp8(s: Shapes, reps: int) -> list[dict]:
+    """The FP8 section: one row per recipe plus the bf16 baseline (``recipe`` = ``"bf16"``)."""
+    rows = []
+    variants = {"bf16": None, **fp8_recipes()}
+    for name, recipe in variants.items():
+        plain_ms, held = _fp8_variant(s, recipe, fused=False, reps=reps)
+        fused_ms, _ = _fp8_variant(s, recipe, fused=True, reps=reps)
+        rows.append({"recipe": name, "wgrad_ms": plain_ms, "wgrad_fused_ms": fused_ms,
+                     "entry_mb": held / 2**20})
+    base = rows[0]
+    for r in rows:
+        r["wgrad_vs_bf16"] = r["wgrad_ms"] / base["wgrad_ms"]
+        r["wgrad_fused_vs_bf16"] = r["wgrad_fused_ms"] / base["wgrad_fused_ms"]
+        r["entry_vs_bf16"] = r["entry_mb"] / base["entry_mb"]
+    return rows
+
+
+def _print_fp8_table(rows: list[dict], s: Shapes) -> None:
+    print(
+        f"\nFP8 — bf16 Linear {s.hidden}->{s.ffn}, {s.tokens} tokens, delay_wgrad_compute; "
+        "backward_dw() time and what one queued entry holds, vs the same module without FP8"
+    )
+    header = (
+        f"{'recipe':<10}{'wgrad ms':>10}{'vs bf16':>9}{'fused ms':>10}{'vs bf16':>9}"
+        f"{'entry MB':>10}{'vs bf16':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['recipe']:<10}{r['wgrad_ms']:10.1f} {_fmt(r['wgrad_vs_bf16']):>8}"
+            f"{r['wgrad_fused_ms']:10.1f} {_fmt(r['wgrad_fused_vs_bf16']):>8}"
+            f"{r['entry_mb']:10.2f} {_fmt(r['entry_vs_bf16']):>8}"
+        )
+    print(
+        "wgrad = backward_dw() into .grad (bf16); fused = into fp32 main_grad; entry = bytes of "
+        "the tensors one queued entry holds (FP8: column-wise q(dy), q(x), scale_inv, db)"
+    )
+
+
 # ---- driver ------------------------------------------------------------------------------
 
 
@@ -475,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--modules", default="Linear,LayerNormLinear,LayerNormMLP,GroupedLinear"
     )
+    parser.add_argument("--no-fp8", action="store_true", help="skip the FP8 section")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     if args.quick:
@@ -491,11 +588,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown module(s) in --modules: {sorted(unknown)}")
     rows = run(shapes, dtypes, kinds, reps)
     _print_table(rows, shapes, reps)
+    # FP8 on CPU runs its GEMMs in fp32 after a scalar FP8 conversion: few reps keep the
+    # default run near three minutes.
+    fp8_rows = [] if args.no_fp8 else run_fp8(shapes, min(reps, 3))
+    if fp8_rows:
+        _print_fp8_table(fp8_rows, shapes)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
                 {"machine": _machine(), "shapes": dataclasses.asdict(shapes), "reps": reps,
-                 "targets": TARGETS, "rows": rows},
+                 "targets": TARGETS, "rows": rows, "fp8": fp8_rows},
                 f,
                 indent=2,
             )

@@ -27,10 +27,23 @@ def test_peak_memory_counter_counts_allocations_not_views():
 @pytest.mark.slow
 def test_bench_quick_runs_and_writes_json(tmp_path, capsys):
     path = tmp_path / "bench.json"
-    assert bench.main(["--quick", "--modules", "Linear,GroupedLinear", "--json", str(path)]) == 0
+    args = ["--quick", "--modules", "Linear,GroupedLinear", "--json", str(path)]
+    assert bench.main(args) == 0
     out = capsys.readouterr().out
     assert "split" in out and "GroupedLinear" in out
-    rows = json.loads(path.read_text())["rows"]
+    result = json.loads(path.read_text())
+    assert [r["recipe"] for r in result["fp8"]] == ["bf16", *bench.fp8_recipes()]
+    rows = result["rows"]
     assert {r["module"] for r in rows} == {"Linear", "GroupedLinear"}
     for r in rows:
         assert r["split"] > 0 and r["nn"] > 0 and r["peak_impl_mb"] >= 0
+
+
+def test_fp8_section_reports_every_recipe_and_halves_entry_memory():
+    rows = bench.run_fp8(bench.Shapes(128, 128, 256, 1), reps=1)
+    assert [r["recipe"] for r in rows] == ["bf16", *bench.fp8_recipes()]
+    for r in rows:
+        assert r["wgrad_ms"] > 0 and r["wgrad_fused_ms"] > 0
+    # An FP8 entry holds 1-byte copies of dy and x (plus scales and db); bf16 holds 2 bytes.
+    for r in rows[1:]:
+        assert 0.5 <= r["entry_vs_bf16"] < 0.6, r
