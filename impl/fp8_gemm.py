@@ -15,7 +15,7 @@ quantizes dy once for dgrad and keeps its column-wise copy for wgrad. Per-tensor
 only the two column-wise FP8 copies, their ``scale_inv`` and the bias gradient (summed from the
 unquantized dy during backward, an (M,) vector), i.e. half the bytes of a bf16 entry.
 
-Two ways to run a GEMM, chosen per module by ``module.fp8_gemm``:
+Two ways to run a GEMM; ``module.fp8_gemm`` picks one:
 
 * ``"scaled_mm"``: ``torch._scaled_mm`` (per-tensor scales) or ``torch.nn.functional.scaled_mm``
   (``BlockWise1x32`` for MXFP8, ``BlockWise1x128``/``BlockWise128x128`` for Float8BlockScaling),
@@ -28,10 +28,13 @@ Two ways to run a GEMM, chosen per module by ``module.fp8_gemm``:
   ``alpha`` (CPU) — the same mathematics as ``_scaled_mm``. Block recipes: each operand
   dequantized (``data * scale_inv``, exact for MXFP8's powers of two, one fp32 rounding for
   Float8BlockScaling, as in the reference), then one GEMM.
-* ``"auto"`` (default): ``"scaled_mm"`` on CUDA where the probe passes and every dimension is a
-  multiple of 16; ``"dequantize"`` elsewhere. On CPU torch 2.13's ``_scaled_mm`` runs but is a
-  naive kernel: 30 ms at 128^3 and 265 ms at 256^3 against 0.4 ms for dequantize + fp32 GEMM
-  (measured), so CPU never takes it unless forced (the tests force it as the CUDA path's twin).
+* ``"auto"`` (default): ``"scaled_mm"`` on CUDA where the probe passes and every dimension is
+  a multiple of 16 (512 for Float8BlockScaling); ``"dequantize"`` elsewhere. On CPU torch
+  2.13's ``_scaled_mm`` runs but is a naive kernel: 30 ms at 128^3 and 265 ms at 256^3 against
+  0.4 ms for dequantize + fp32 GEMM (measured), so CPU never takes it unless forced (the tests
+  force it as the CUDA path's twin). CPU FP8 is for correctness and for the memory of queued
+  entries, not speed: converting FP8 bytes is a scalar loop in torch 2.13 (~4.5 ns per value,
+  as slow as a lookup table or bit tricks, measured) and the fp32 GEMM has no AMX.
 
 Output rounding: fp32 accumulation, scaled, bias added in the compute dtype, then one rounding
 to ``params_dtype`` (the reference rounds the product, then adds the bias in ``params_dtype``).
@@ -65,6 +68,11 @@ __all__ = [
 ]
 
 FP8_GEMM_PATHS = ("auto", "scaled_mm", "dequantize")
+# Alignment torch's FP8 GEMMs get from this module: 16 for per-tensor and MXFP8 (cuBLAS); 512
+# for the 128-blocks, so that every scale tensor has a multiple of 4 blocks per dimension (what
+# cuBLAS's block-scaled kernels are documented to want; unverified here, see the probe).
+_ALIGN = 16
+_BLOCK_ALIGN = 512
 _SCALED_OUT = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -135,25 +143,29 @@ def _scaled_mm(a: Float8Tensor, a_t: bool, b: Float8Tensor, b_t: bool, out_dtype
 
 
 def _scale_for(q: Float8Tensor, transposed: bool) -> torch.Tensor:
-    """The scale_inv blocks of ``op(q)`` laid out per row of the logical operand."""
+    """The scale_inv blocks of ``op(q)``, one row per row of the logical operand (contiguous)."""
     s = q.scale_inv.t() if transposed else q.scale_inv
     return s.contiguous()
 
 
 def _blockwise_scaled_mm(a, a_t, b, b_t, A, B, kind, out_dtype, bias):
+    """Block-scaled FP8 GEMM. Not run in this repository's CI (no GPU; the CPU build refuses
+    these scalings): the layouts follow torch's blockwise tests — A's scales (M, K/blk) stored
+    M-major, B's given as the transpose of B^T's contiguous (N, K/blk) scales — and any mistake
+    here makes the probe (:func:`scaled_mm_works`) fail and the module keep the dequantize path."""
     F = torch.nn.functional
     st = F.ScalingType
-    sa = _scale_for(a, a_t)  # (M, K / block) for A (M, K)
-    sb = _scale_for(b, not b_t)  # B^T (N, K): per row of B^T
+    sa = _scale_for(a, a_t)
+    sb_t = _scale_for(b, not b_t)
     if kind == "mx":
+        sa = sa.to(torch.float8_e8m0fnu)
+        sb = sb_t.to(torch.float8_e8m0fnu).t()
         recipe_a = recipe_b = st.BlockWise1x32
-        sa, sb = sa.to(torch.float8_e8m0fnu), sb.to(torch.float8_e8m0fnu)
     else:
-        # A weight keeps 128x128 blocks (one scale per block); activations/gradients 1x128.
+        # Weights keep 128x128 blocks (one scale per block); activations/gradients 1x128 tiles.
         recipe_a = st.BlockWise128x128 if a.block == (128, 128) else st.BlockWise1x128
         recipe_b = st.BlockWise128x128 if b.block == (128, 128) else st.BlockWise1x128
-        # cuBLAS reads these scales outer-dimension-major.
-        sa, sb = sa.t().contiguous().t(), sb.t().contiguous().t()
+        sa, sb = sa.t().contiguous().t(), sb_t.t()
     return F.scaled_mm(A, B, sa, recipe_a, sb, recipe_b, bias=bias, output_dtype=out_dtype)
 
 
@@ -170,7 +182,7 @@ def scaled_mm_works(device: torch.device, kind: str) -> bool:
         MXFP8BlockScaling,
     )
 
-    size = {"tensor": 32, "mx": 64, "block": 256}[kind]
+    size = {"tensor": 32, "mx": 128, "block": _BLOCK_ALIGN}[kind]
     recipe = {
         "tensor": Float8CurrentScaling(fp8_format=Format.HYBRID),
         "mx": MXFP8BlockScaling(),
@@ -208,13 +220,14 @@ def _use_scaled_mm(path: str, a: Float8Tensor, b: Float8Tensor, out_dtype: torch
     device = a.data.device
     if path == "dequantize" or out_dtype not in _SCALED_OUT:
         return False
-    if path == "auto":
-        if device.type != "cuda":
+    kind = _kind(a)
+    if path == "auto" and device.type != "cuda":
+        return False
+    if device.type == "cuda":
+        align = _BLOCK_ALIGN if kind == "block" else _ALIGN
+        if any(d % align for d in (*a.shape, *b.shape)):
             return False
-        # cuBLAS FP8 GEMMs need 16-aligned M, N, K.
-        if any(d % 16 for d in (*a.shape, *b.shape)):
-            return False
-    return scaled_mm_works(device, _kind(a))
+    return scaled_mm_works(device, kind)
 
 
 def wants_transposed_storage(path: str, device: torch.device, kind: str) -> bool:
