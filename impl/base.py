@@ -211,16 +211,17 @@ class SplitBackwardModule(torch.nn.Module):
         tensors, layouts = pack(*quantized)
         dbs = tuple(part.db if part.bias is not None else None for part in parts)
         targets = [(part.weight, part.bias) for part in parts]
+        n = len(tensors)
 
         def wgrad_closure(*saved):
             self._check_main_grads(named_weights)
-            operands = unpack(saved[: len(tensors)], layouts)
+            operands = unpack(saved[:n], layouts)
             for i, (weight, bias) in enumerate(targets):
                 if weight is not None:
                     dy_q, x_q = operands[2 * i], operands[2 * i + 1]
                     fp8_wgrad_write(self, weight, dy_q, x_q, overwrite)
                 if bias is not None:
-                    self._write_bias_value(bias, saved[len(tensors) + i])
+                    self._write_bias_value(bias, saved[n + i])
 
         params = tuple(p for pair in targets for p in pair if p is not None)
         self._submit_wgrad(WgradEntry(wgrad_closure, tensors + dbs, params))
