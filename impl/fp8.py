@@ -15,15 +15,18 @@ bytes and the ``scale_inv`` tensors are identical. What differs is how the work 
   1x128-tile operand is a second quantization along the other axis.
 
 Rounding points (same as the reference): the source is cast to fp32 first (float64 rounds
-there). Per-tensor: ``data = cast(x * scale)``, ``scale_inv = 1 / scale`` (fp32); current scaling
-takes ``scale = fp8_max / amax`` (1 when amax is 0 or not finite), delayed scaling the state's
-scale from the previous update. MXFP8: per 32 values along the reduction axis
-``scale_inv = 2**clamp(e - 9, -127, 127)`` with ``e`` the ``frexp`` exponent of the block amax
-(so ``floor(log2(amax)) - 8``; 1 for an all-zero or NaN block), ``data = cast(x / scale_inv)``.
-Float8BlockScaling: per 1x128 tile (activations, gradients) or 128x128 block (weights)
-``scale = 448 / amax`` (1 when amax is not > 0), ``data = cast(x * scale)``,
-``scale_inv = 1 / scale``. ``cast`` clamps to ``[-fp8_max, fp8_max]`` (saturation; NaN stays
-NaN) and rounds to nearest even. Block recipes always use E4M3.
+there). Every ``fp8_max / amax`` scale is capped at FLT_MAX (:func:`scale_for`). Per-tensor:
+``data = cast(x * scale)``, ``scale_inv = 1 / scale`` (fp32); current scaling takes
+``scale = min(fp8_max / amax, FLT_MAX)`` (1 when amax is 0 or not finite), delayed scaling the
+state's scale from the previous update. MXFP8: per 32 values along the reduction axis
+``scale_inv = 2**clamp(e - 1 - emax, -127, 127)`` with ``e`` the ``frexp`` exponent of the block
+amax and ``emax`` 8 (E4M3) or 15 (E5M2) (so ``floor(log2(amax)) - emax``; 1 for an all-zero
+block, NaN for a block holding inf or NaN), ``data = cast(x / scale_inv)``. Float8BlockScaling:
+per 1x128 tile (activations, gradients) or 128x128 block (weights)
+``scale = min(fp8_max / amax, FLT_MAX)`` (1 when amax is 0 or not finite),
+``data = cast(x * scale)``, ``scale_inv = 1 / scale``. ``cast`` clamps to
+``[-fp8_max, fp8_max]`` (saturation; NaN stays NaN) and rounds to nearest even. Gradients are
+E5M2 under ``Format.HYBRID`` for every recipe.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ __all__ = [
 
 FP8_DTYPES = {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2}
 FP8_MAX = {"E4M3": 448.0, "E5M2": 57344.0}
+_EMAX = {"E4M3": 8, "E5M2": 15}  # exponent of each format's largest finite value
+_FLT_MAX = torch.finfo(torch.float32).max
 ROLES = ("input", "weight", "grad_output")
 MX_BLOCK = 32
 TILE = 128
@@ -63,14 +68,19 @@ PER_TENSOR = (0, 0)
 
 
 def fp8_format(recipe: Recipe, role: str) -> str:
-    """``"E5M2"`` for gradients under ``Format.HYBRID`` per-tensor recipes, else ``"E4M3"``."""
-    if (
-        is_per_tensor(recipe)
-        and getattr(recipe, "fp8_format", Format.E4M3) == Format.HYBRID
-        and role == "grad_output"
-    ):
+    """``"E5M2"`` for gradients under ``Format.HYBRID`` (every recipe), else ``"E4M3"``."""
+    if getattr(recipe, "fp8_format", Format.E4M3) == Format.HYBRID and role == "grad_output":
         return "E5M2"
     return "E4M3"
+
+
+def scale_for(amax: torch.Tensor, fmt: str, margin: int = 0) -> torch.Tensor:
+    """fp32 ``min(fp8_max / amax / 2**margin, FLT_MAX)`` where amax is finite and > 0, else 1.
+
+    The cap keeps a tiny amax (< ~1e-36) from giving an infinite scale, which would turn the
+    tensor's zeros into ``0 * inf = NaN``."""
+    fresh = torch.clamp(FP8_MAX[fmt] / amax / (2.0**margin), max=_FLT_MAX)
+    return torch.where(torch.isfinite(amax) & (amax > 0), fresh, torch.ones_like(amax))
 
 
 def is_per_tensor(recipe: Recipe) -> bool:
@@ -155,10 +165,8 @@ class DelayedScalingState:
         """Recompute the scale from the history, then move the history one step."""
         hist = self.amax_history
         amax = hist.max() if recipe.amax_compute_algo == "max" else hist[0]
-        fresh = torch.tensor(FP8_MAX[fmt], dtype=torch.float32, device=hist.device) / amax
-        fresh = fresh / (2.0**recipe.margin)
         usable = torch.isfinite(amax) & (amax > 0)
-        self.scale.copy_(torch.where(usable, fresh, self.scale))
+        self.scale.copy_(torch.where(usable, scale_for(amax, fmt, recipe.margin), self.scale))
         hist.copy_(hist.roll(1))
         hist[0] = 0
 
@@ -204,29 +212,29 @@ def _per_tensor(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> Float8Tensor:
     return Float8Tensor(data, torch.reciprocal(scale), fmt)
 
 
-def _mxfp8(x: torch.Tensor, axis: int) -> Float8Tensor:
+def _mxfp8(x: torch.Tensor, axis: int, fmt: str) -> Float8Tensor:
     br, bc = (1, MX_BLOCK) if axis == 1 else (MX_BLOCK, 1)
     x32 = _as_fp32(x)
     amax = _blockwise_amax(x32, br, bc)
-    # E8M0: the power of two 8 binades below the block amax's binade (frexp gives e with
-    # amax = m * 2**e, m in [0.5, 1); e = 0 for 0, inf and NaN).
+    # E8M0: the power of two emax binades below the block amax's binade (frexp gives e with
+    # amax = m * 2**e, m in [0.5, 1)); a block holding inf/NaN gets E8M0's NaN (OCP MX).
     exponent = torch.frexp(amax).exponent
-    shared = torch.clamp(exponent - 9, -127, 127)
+    shared = torch.clamp(exponent - 1 - _EMAX[fmt], -127, 127)
     scale_inv = torch.where(
         amax > 0, torch.ldexp(torch.ones_like(amax), shared), torch.ones_like(amax)
     )
+    scale_inv = torch.where(torch.isfinite(amax), scale_inv, torch.full_like(amax, torch.nan))
     r, c = x32.shape
     quotient = torch.div(x32.view(r // br, br, c // bc, bc), scale_inv.view(r // br, 1, c // bc, 1))
-    data = _cast_(quotient.view(r, c), "E4M3")
-    return Float8Tensor(data, scale_inv, "E4M3", (br, bc))
+    data = _cast_(quotient.view(r, c), fmt)
+    return Float8Tensor(data, scale_inv, fmt, (br, bc))
 
 
-def _block_fp32(x: torch.Tensor, br: int, bc: int) -> Float8Tensor:
+def _block_fp32(x: torch.Tensor, br: int, bc: int, fmt: str) -> Float8Tensor:
     x32 = _as_fp32(x)
-    amax = _blockwise_amax(x32, br, bc)
-    scale = torch.where(amax > 0, FP8_MAX["E4M3"] / amax, torch.ones_like(amax))
-    data = _cast_(_scaled_fp32(x, x32, scale, br, bc), "E4M3")
-    return Float8Tensor(data, torch.reciprocal(scale), "E4M3", (br, bc))
+    scale = scale_for(_blockwise_amax(x32, br, bc), fmt)
+    data = _cast_(_scaled_fp32(x, x32, scale, br, bc), fmt)
+    return Float8Tensor(data, torch.reciprocal(scale), fmt, (br, bc))
 
 
 def quantize(
@@ -262,15 +270,13 @@ def quantize(
             amax = _amax(x)
         else:
             amax = torch.zeros((), dtype=torch.float32, device=x.device)
-        usable = torch.isfinite(amax) & (amax > 0)
-        scale = torch.where(usable, FP8_MAX[fmt] / amax, torch.ones_like(amax))
-        return _per_tensor(x, scale, fmt)
+        return _per_tensor(x, scale_for(amax, fmt), fmt)
     if isinstance(recipe, MXFP8BlockScaling):
-        return _mxfp8(x, axis)
+        return _mxfp8(x, axis, fmt)
     if isinstance(recipe, Float8BlockScaling):
         if role == "weight":
-            return _block_fp32(x, TILE, TILE)
-        return _block_fp32(x, 1, TILE) if axis == 1 else _block_fp32(x, TILE, 1)
+            return _block_fp32(x, TILE, TILE, fmt)
+        return _block_fp32(x, 1, TILE, fmt) if axis == 1 else _block_fp32(x, TILE, 1, fmt)
     raise TypeError(f"unknown FP8 recipe {recipe!r}")
 
 

@@ -7,7 +7,12 @@ Formats
   to nearest, ties to even (torch's cast), so subnormals and signed zeros behave as IEEE.
 
 Which tensor gets which format (``Format.HYBRID``): activations and weights E4M3, gradients
-E5M2. ``Format.E4M3``: E4M3 everywhere. The block recipes always use E4M3.
+E5M2. ``Format.E4M3``: E4M3 everywhere. This holds for every recipe (the block recipes default
+to ``Format.E4M3``).
+
+Every fp32 ``scale = fp8_max / amax`` below is capped at the largest finite fp32 value
+(``FLT_MAX``), so a tensor or block whose amax is tiny (below ~1e-36) still quantizes its zeros
+to zeros rather than to ``0 * inf = NaN``.
 
 Quantizing a 2-D tensor ``x`` (N, K) always starts by casting it to float32 (exact for
 bf16/fp16/fp32; float64 input rounds here). Then, by recipe:
@@ -15,19 +20,21 @@ bf16/fp16/fp32; float64 input rounds here). Then, by recipe:
 * per-tensor (``DelayedScaling``, ``Float8CurrentScaling``): one fp32 ``scale``;
   ``data = cast(x * scale)`` (the product is rounded to fp32), ``scale_inv = 1 / scale`` (rounded
   to fp32). The row-wise and column-wise copies are the same tensor.
-  Current scaling: ``scale = fp8_max / amax(x)`` in fp32; ``scale = 1`` when amax is 0 or not
-  finite. Delayed scaling: the scale comes from the module's amax history
+  Current scaling: ``scale = min(fp8_max / amax(x), FLT_MAX)`` in fp32; ``scale = 1`` when
+  amax is 0 or not finite. Delayed scaling: the scale comes from the module's amax history
   (:class:`DelayedScalingState`).
 * ``MXFP8BlockScaling``: blocks of 32 consecutive values along the GEMM's reduction axis
   (``axis=1``: along rows, "row-wise"; ``axis=0``: along columns, "column-wise"). Each block's
-  ``scale_inv = 2 ** (floor(log2(amax_block)) - 8)`` (E8M0, a power of two; 8 is E4M3's largest
-  exponent), clamped to ``[2**-127, 2**127]``, and 1 for an all-zero block;
-  ``data = cast(x / scale_inv)`` (exact division by a power of two, then saturation: a block's
-  largest values can exceed 448 and saturate).
+  ``scale_inv = 2 ** (floor(log2(amax_block)) - emax)`` (E8M0, a power of two; ``emax`` is the
+  element format's largest exponent: 8 for E4M3, 15 for E5M2), clamped to
+  ``[2**-127, 2**127]``; 1 for an all-zero block; NaN for a block holding inf or NaN (E8M0's NaN,
+  as the OCP MX specification: the whole block dequantizes to NaN).
+  ``data = cast(x / scale_inv)`` (exact division by a power of two, then saturation: as in the
+  OCP specification a block's largest values can exceed fp8_max and saturate).
 * ``Float8BlockScaling``: activations and gradients use 1x128 tiles along the reduction axis,
   weights 128x128 blocks (the same blocks serve both GEMM directions). Each tile/block has an
-  fp32 ``scale = 448 / amax`` (1 when amax is 0), ``data = cast(x * scale)``,
-  ``scale_inv = 1 / scale``.
+  fp32 ``scale = min(fp8_max / amax, FLT_MAX)`` (1 when amax is 0 or not finite),
+  ``data = cast(x * scale)``, ``scale_inv = 1 / scale``.
 
 Dequantization: ``data.to(float32) * scale_inv`` (broadcast over the block), rounded to fp32, or
 computed in float64 for the upcast truth. FP8 GEMMs in the reference run on dequantized operands.
@@ -62,8 +69,18 @@ __all__ = [
 
 FP8_DTYPES = {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2}
 _FP8_MAX = {"E4M3": 448.0, "E5M2": 57344.0}
+_FP8_EMAX = {"E4M3": 8, "E5M2": 15}  # exponent of the largest finite value
+FLT_MAX = torch.finfo(torch.float32).max
 MX_BLOCK = 32
 TILE = 128
+
+
+def scale_from_amax(amax: torch.Tensor, fmt: str, margin: int = 0) -> torch.Tensor:
+    """``min(fp8_max / amax / 2**margin, FLT_MAX)`` in fp32 where amax is finite and > 0, else
+    1 (element-wise over a tensor of amaxes)."""
+    usable = torch.isfinite(amax) & (amax > 0)
+    scale = torch.clamp(fp8_max(fmt) / amax / (2.0**margin), max=FLT_MAX)
+    return torch.where(usable, scale, torch.ones_like(amax))
 
 
 def fp8_max(fmt: str) -> float:
@@ -117,9 +134,9 @@ class DelayedScalingState:
     forward for input and weight roles and at the end of its backward (the dgrad part) for the
     grad_output role — computes ``amax`` = max of the history (``"max"``) or
     ``amax_history[0]`` (``"most_recent"``); if it is finite and > 0,
-    ``scale = fp8_max / amax / 2**margin`` (fp32), else the scale is kept; then the history rolls
-    by one (slot 0 becomes 0). Quantization always uses the scale computed at the previous update
-    (1 at the start).
+    ``scale = min(fp8_max / amax / 2**margin, FLT_MAX)`` (fp32), else the scale is kept; then
+    the history rolls by one (slot 0 becomes 0). Quantization always uses the scale computed at
+    the previous update (1 at the start).
     """
 
     def __init__(self, history_len: int, device: torch.device) -> None:
@@ -135,8 +152,7 @@ class DelayedScalingState:
         else:
             amax = self.amax_history[0]
         if torch.isfinite(amax) and amax > 0:
-            scale = torch.tensor(fp8_max(fmt), dtype=torch.float32) / amax
-            self.scale = scale / (2.0**recipe.margin)
+            self.scale = scale_from_amax(amax, fmt, recipe.margin)
         self.amax_history = torch.roll(self.amax_history, 1)
         self.amax_history[0] = 0
 
@@ -171,23 +187,23 @@ def _blocks(x32: torch.Tensor, br: int, bc: int) -> torch.Tensor:
     return x32.abs().reshape(r // br, br, c // bc, bc).amax(dim=(1, 3))
 
 
-def _mx(x32: torch.Tensor, axis: int) -> QuantizedTensor:
+def _mx(x32: torch.Tensor, axis: int, fmt: str) -> QuantizedTensor:
     br, bc = (1, MX_BLOCK) if axis == 1 else (MX_BLOCK, 1)
     amax = _blocks(x32, br, bc)
     _, exponent = torch.frexp(amax)  # amax = m * 2**exponent, m in [0.5, 1)
-    shared = torch.clamp(exponent - 1 - 8, -127, 127).to(torch.float32)
+    shared = torch.clamp(exponent - 1 - _FP8_EMAX[fmt], -127, 127).to(torch.float32)
     scale_inv = torch.where(amax > 0, torch.exp2(shared), torch.ones_like(amax))
-    q = QuantizedTensor(torch.empty(0), scale_inv, "E4M3", (br, bc))
-    q.data = cast_to_fp8(x32 / q.expanded_scale_inv(), "E4M3")
+    scale_inv = torch.where(torch.isfinite(amax), scale_inv, torch.full_like(amax, torch.nan))
+    q = QuantizedTensor(torch.empty(0), scale_inv, fmt, (br, bc))
+    q.data = cast_to_fp8(x32 / q.expanded_scale_inv(), fmt)
     return q
 
 
-def _block_fp32(x32: torch.Tensor, br: int, bc: int) -> QuantizedTensor:
-    amax = _blocks(x32, br, bc)
-    scale = torch.where(amax > 0, fp8_max("E4M3") / amax, torch.ones_like(amax))
-    q = QuantizedTensor(torch.empty(0), torch.reciprocal(scale), "E4M3", (br, bc))
+def _block_fp32(x32: torch.Tensor, br: int, bc: int, fmt: str) -> QuantizedTensor:
+    scale = scale_from_amax(_blocks(x32, br, bc), fmt)
+    q = QuantizedTensor(torch.empty(0), torch.reciprocal(scale), fmt, (br, bc))
     expanded = scale.repeat_interleave(br, dim=0).repeat_interleave(bc, dim=1)
-    q.data = cast_to_fp8(x32 * expanded, "E4M3")
+    q.data = cast_to_fp8(x32 * expanded, fmt)
     return q
 
 
@@ -209,13 +225,11 @@ def quantize(
         return _per_tensor(x32, state.scale.clone(), fmt)
     if isinstance(recipe, Float8CurrentScaling):
         amax = x32.abs().max() if x32.numel() else torch.zeros((), device=x.device)
-        ok = torch.isfinite(amax) & (amax > 0)
-        scale = torch.where(ok, fp8_max(fmt) / amax, torch.ones_like(amax))
-        return _per_tensor(x32, scale, fmt)
+        return _per_tensor(x32, scale_from_amax(amax, fmt), fmt)
     if isinstance(recipe, MXFP8BlockScaling):
-        return _mx(x32, axis)
+        return _mx(x32, axis, fmt)
     if isinstance(recipe, Float8BlockScaling):
         if role == "weight":
-            return _block_fp32(x32, TILE, TILE)
-        return _block_fp32(x32, 1, TILE) if axis == 1 else _block_fp32(x32, TILE, 1)
+            return _block_fp32(x32, TILE, TILE, fmt)
+        return _block_fp32(x32, 1, TILE, fmt) if axis == 1 else _block_fp32(x32, TILE, 1, fmt)
     raise TypeError(f"unknown FP8 recipe {recipe!r}")

@@ -148,16 +148,30 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
     seed=st.integers(0, 2**31 - 1),
 )
 @example(  # an all-zero MXFP8 tensor: every scale_inv is 1
-    recipe=ref.MXFP8BlockScaling(), role="input", axis=0, dtype=torch.float32, row_blocks=2,
-    col_blocks=1, scale=0.0, specials=[], seed=0,
+    recipe=ref.MXFP8BlockScaling(),
+    role="input",
+    axis=0,
+    dtype=torch.float32,
+    row_blocks=2,
+    col_blocks=1,
+    scale=0.0,
+    specials=[],
+    seed=0,
 )
 @example(  # a NaN in a delayed-scaling tensor poisons the history (scale kept)
-    recipe=ref.DelayedScaling(amax_history_len=2), role="grad_output", axis=1,
-    dtype=torch.bfloat16, row_blocks=1, col_blocks=2, scale=1.0, specials=[(math.nan, 0.3)],
+    recipe=ref.DelayedScaling(amax_history_len=2),
+    role="grad_output",
+    axis=1,
+    dtype=torch.bfloat16,
+    row_blocks=1,
+    col_blocks=2,
+    scale=1.0,
+    specials=[(math.nan, 0.3)],
     seed=1,
 )
-def test_p13_quantizers_bitwise(recipe, role, axis, dtype, row_blocks, col_blocks, scale,
-                                specials, seed):
+def test_p13_quantizers_bitwise(
+    recipe, role, axis, dtype, row_blocks, col_blocks, scale, specials, seed
+):
     mr, mc = _multiples(recipe, role, axis)
     # Per-tensor recipes take any shape; draw small odd ones.
     rows = row_blocks * (mr if mr > 1 else 5)
@@ -211,8 +225,9 @@ def test_p13_catches_a_one_bit_difference(monkeypatch):
 
     monkeypatch.setattr(ifp8, "_cast_", truncating)
     with pytest.raises(AssertionError, match="data"):
-        _compare_quantizers(torch.linspace(-3, 3, 64).reshape(2, 32), ref.MXFP8BlockScaling(),
-                            "input", 1)
+        _compare_quantizers(
+            torch.linspace(-3, 3, 64).reshape(2, 32), ref.MXFP8BlockScaling(), "input", 1
+        )
 
 
 def test_quantize_rejects_misaligned_block_shapes():
@@ -325,8 +340,9 @@ def test_budget_catches_a_wrong_scale(monkeypatch):
     original = fp8_gemm.fp8_wgrad_write
 
     def unscaled(module, param, dy_q, x_q, overwrite):
-        x_q = ifp8.Float8Tensor(x_q.data, torch.ones_like(x_q.scale_inv), x_q.fmt, x_q.block,
-                                x_q.transposed)
+        x_q = ifp8.Float8Tensor(
+            x_q.data, torch.ones_like(x_q.scale_inv), x_q.fmt, x_q.block, x_q.transposed
+        )
         original(module, param, dy_q, x_q, overwrite)
 
     monkeypatch.setattr("splitgrad.impl.base.fp8_wgrad_write", unscaled)
@@ -405,8 +421,7 @@ def test_amax_histories_match_reference(kind, dtype, normalization):
         s = imp.fp8_states[key]
         if key in internal:
             rtol = INTERNAL_ROLE_RTOL[dtype]
-            torch.testing.assert_close(s.amax_history, rs.amax_history, rtol=rtol, atol=0,
-                                       msg=key)
+            torch.testing.assert_close(s.amax_history, rs.amax_history, rtol=rtol, atol=0, msg=key)
             torch.testing.assert_close(s.scale, rs.scale, rtol=rtol, atol=0, msg=key)
         else:
             _assert_bitwise(s.amax_history, rs.amax_history, f"{key}.amax_history")
@@ -419,16 +434,32 @@ def test_amax_histories_match_reference(kind, dtype, normalization):
 @pytest.mark.parametrize(
     "recipe, make, rows, pattern",
     [
-        (ref.MXFP8BlockScaling(), lambda: impl.Linear(48, 32), 32,
-         r"MXFP8BlockScaling cannot quantize in_features=48: it must be a multiple of 32"),
-        (ref.MXFP8BlockScaling(), lambda: impl.Linear(32, 40), 32,
-         r"out_features=40: it must be a multiple of 32"),
+        (
+            ref.MXFP8BlockScaling(),
+            lambda: impl.Linear(48, 32),
+            32,
+            r"MXFP8BlockScaling cannot quantize in_features=48: it must be a multiple of 32",
+        ),
+        (
+            ref.MXFP8BlockScaling(),
+            lambda: impl.Linear(32, 40),
+            32,
+            r"out_features=40: it must be a multiple of 32",
+        ),
         (ref.MXFP8BlockScaling(), lambda: impl.Linear(32, 32), 20, r"tokens=20: .* of 32"),
-        (ref.Float8BlockScaling(), lambda: impl.Linear(128, 64), 128,
-         r"Float8BlockScaling cannot quantize out_features=64: it must be a multiple of 128"),
+        (
+            ref.Float8BlockScaling(),
+            lambda: impl.Linear(128, 64),
+            128,
+            r"Float8BlockScaling cannot quantize out_features=64: it must be a multiple of 128",
+        ),
         (ref.MXFP8BlockScaling(), lambda: impl.LayerNormMLP(32, 48), 32, r"fc1.out_features=48"),
-        (ref.MXFP8BlockScaling(), lambda: impl.GroupedLinear(2, 32, 32), 48,
-         r"gemm0.tokens=16: .* of 32"),
+        (
+            ref.MXFP8BlockScaling(),
+            lambda: impl.GroupedLinear(2, 32, 32),
+            48,
+            r"gemm0.tokens=16: .* of 32",
+        ),
     ],
 )
 def test_unquantizable_shapes_raise_and_change_nothing(recipe, make, rows, pattern):
@@ -553,8 +584,12 @@ def test_cuda_fp8_matches_reference_and_split_is_bitwise(recipe_id, kind):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2 * n, n, generator=g).to(device=dev, dtype=torch.bfloat16)
     out = {}
-    for name, m, fp8 in (("impl", imp, True), ("ref", rf, True), ("high", high, False),
-                         ("delayed", delayed, True)):
+    for name, m, fp8 in (
+        ("impl", imp, True),
+        ("ref", rf, True),
+        ("high", high, False),
+        ("delayed", delayed, True),
+    ):
         xx = x.clone().requires_grad_()
         with ref.fp8_autocast(enabled=fp8, fp8_recipe=recipe):
             y = m(xx, [n, 0, n]) if kind == "GroupedLinear" else m(xx)
@@ -565,8 +600,9 @@ def test_cuda_fp8_matches_reference_and_split_is_bitwise(recipe_id, kind):
     for key, value in out["impl"].items():
         torch.testing.assert_close(out["delayed"][key], value, rtol=0, atol=0, msg=key)
         if value is not None and "bias" not in key:
-            _assert_fp8_close(key, value.cpu(), out["ref"][key].cpu(), out["high"][key].cpu(),
-                              torch.bfloat16)
+            _assert_fp8_close(
+                key, value.cpu(), out["ref"][key].cpu(), out["high"][key].cpu(), torch.bfloat16
+            )
 
 
 # ---- frozen parameters, no bias, freeing -----------------------------------------------------
@@ -633,3 +669,20 @@ def test_fp8_entry_tensors_are_freed_after_backward_dw():
     del entry, operands
     module.backward_dw()
     assert not [r for r in refs if not r.expired()]
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        ref.MXFP8BlockScaling(fp8_format=ref.Format.HYBRID),
+        ref.Float8BlockScaling(fp8_format=ref.Format.HYBRID),
+    ],
+    ids=["mxfp8-hybrid", "block-hybrid"],
+)
+@pytest.mark.parametrize(
+    "case", ["negative-zeros", "zeros", "nan", "inf", "saturating", "subnormal-amax"]
+)
+def test_p13_block_recipes_under_hybrid(recipe, case):
+    """Block recipes honour Format.HYBRID (E5M2 gradients) identically on both sides."""
+    assert ifp8.fp8_format(recipe, "grad_output") == "E5M2"
+    test_p13_pinned_edge_cases(recipe, case)

@@ -305,3 +305,58 @@ def test_fp8_token_count_must_align_per_group():
     with pytest.raises(ValueError, match=r"gemm0.tokens=16.*32"):
         with ref.fp8_autocast(enabled=True, fp8_recipe=ref.MXFP8BlockScaling()):
             module(x, [16, 32])
+
+
+@pytest.mark.parametrize(
+    "recipe, role",
+    [
+        (ref.Float8CurrentScaling(), "input"),
+        (ref.Float8CurrentScaling(), "grad_output"),
+        (ref.Float8BlockScaling(), "input"),
+        (ref.Float8BlockScaling(), "weight"),
+    ],
+)
+def test_tiny_amax_keeps_zeros_zero(recipe, role):
+    """448 / 1e-38 overflows fp32; the scale is capped at FLT_MAX so 0 stays 0, not 0*inf=NaN."""
+    x = torch.zeros(128, 128)
+    x[0, 0] = 1e-38
+    q = quantize(x, recipe, role, axis=1)
+    assert torch.isfinite(q.data.float()).all()
+    assert q.data.float().count_nonzero() == 1
+    assert torch.isfinite(q.scale_inv).all() and (q.scale_inv > 0).all()
+
+
+def test_delayed_scaling_tiny_amax_scale_is_finite():
+    recipe = ref.DelayedScaling(amax_history_len=2)
+    state = DelayedScalingState(2, torch.device("cpu"))
+    quantize(torch.tensor([[1e-38, 0.0]]), recipe, "input", axis=1, state=state)
+    state.update(recipe, "E4M3")
+    assert state.scale.item() == torch.finfo(torch.float32).max
+    q = quantize(torch.tensor([[1e-38, 0.0]]), recipe, "input", axis=1, state=state)
+    assert q.data.float()[0, 1].item() == 0.0
+    assert 0 < q.data.float()[0, 0].item() < 448
+
+
+def test_mxfp8_block_with_inf_or_nan_is_nan():
+    """OCP MX: a block holding inf or NaN gets E8M0's NaN scale; other blocks are untouched."""
+    x = torch.ones(1, 96)
+    x[0, 3] = float("inf")
+    x[0, 40] = float("nan")
+    q = quantize(x, ref.MXFP8BlockScaling(), "input", axis=1)
+    assert torch.isnan(q.scale_inv[0, :2]).all()
+    assert torch.isnan(q.dequantize()[0, :64]).all()
+    torch.testing.assert_close(q.dequantize()[0, 64:], x[0, 64:], rtol=0, atol=0)
+
+
+def test_block_recipes_honour_hybrid():
+    """Gradients are E5M2 under Format.HYBRID for the block recipes too; MXFP8's E8M0 exponent
+    then sits 15 binades below the block amax (E5M2's largest exponent)."""
+    x = torch.full((1, 128), 1.0)
+    mx = quantize(x, ref.MXFP8BlockScaling(fp8_format=ref.Format.HYBRID), "grad_output", axis=1)
+    assert mx.fmt == "E5M2" and mx.data.dtype == torch.float8_e5m2
+    torch.testing.assert_close(mx.scale_inv, torch.full((1, 4), 2.0**-15), rtol=0, atol=0)
+    blk = quantize(x, ref.Float8BlockScaling(fp8_format=ref.Format.HYBRID), "grad_output", axis=1)
+    assert blk.fmt == "E5M2"
+    torch.testing.assert_close(blk.scale_inv, torch.full((1, 1), 1 / 57344), rtol=0, atol=0)
+    fwd = quantize(x, ref.MXFP8BlockScaling(fp8_format=ref.Format.HYBRID), "input", axis=1)
+    assert fwd.fmt == "E4M3"
