@@ -296,7 +296,9 @@ def run_mutant(mutant: Mutant, profile: str, full: bool, workdir: Path) -> Mutan
                 result.examples_in_cell = c["first_failure_at"]
                 result.examples_total = total + (c["first_failure_at"] or 0)
                 result.detail = c["message"].splitlines()[0][:200] if c["message"] else ""
-            result.caught_by.append(f"{c['property_id']} {c['kind']} {c['dtype']}")
+            recipe = c.get("recipe", "none")
+            where = f"{c['property_id']} {c['kind']} {c['dtype']}"
+            result.caught_by.append(where + (f" fp8:{recipe}" if recipe != "none" else ""))
         if result.examples_in_cell is None:
             total += c["examples"]
     if result.caught_by:

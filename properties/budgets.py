@@ -46,6 +46,9 @@ __all__ = [
     "Fp8Budget",
     "FP8",
     "check_fp8_budget",
+    "WGRAD_OPERAND_STEPS",
+    "DGRAD_OPERAND_STEPS",
+    "DGRAD_OPERAND_SIGMAS",
     "KINK_ROUNDING_STEPS",
     "KINK_MAX_ENUMERATED",
     "kink_bound",
@@ -162,6 +165,38 @@ GROUPED_GEMM = ErrorBudget(
 )
 
 BUDGETS = {b.kind: b for b in (OUTPUT, DGRAD, WGRAD, NORM_GRAD, GROUPED_GEMM)}
+
+# Fused weight gradients (main_grad) whose GEMM operands the module computes (LayerNormLinear:
+# ln_out; LayerNormMLP: ln_out, the activation output, d_fc1) get a per-element allowance on top
+# of WGRAD: each such operand is rounded to the module dtype on both sides, and an
+# implementation that computes it a step differently (impl's fc1 rounds its fused bias add once
+# where the reference rounds twice, so its activation can land on the other neighbour) changes
+# dW_ij = sum_n dy_ni a_nj by up to eps(dtype) * sum_n |dy_ni| |a_nj| per computed operand.
+# WGRAD's floor covers that in .grad (steps of the module dtype) but not in main_grad, whose
+# floor is fp32 steps (found by splitgrad verify: fc2_weight.main_grad of a one-token swiglu MLP
+# 1.15x its budget, impl's act one bf16 step from the reference's). Per element, so an element
+# with small operands keeps a tight budget, and Linear/GroupedLinear (operands are the inputs:
+# bit-identical) get none (a main_grad accumulated in bf16 fails there at once). Cost in
+# sensitivity (tests/test_budgets_meta.py): a systematic error in fc2's main_grad contribution
+# is still caught from 2% (gelu) and 5-8% (swiglu; 3-5% without the allowance).
+WGRAD_OPERAND_STEPS = 1.0
+# The same for LayerNormMLP's input and norm gradients under a smooth activation: dgrad runs
+# through act'(h) (and act(a) for gated ones) at the saved pre-activation h. A correct run may
+# hold h a rounding away from the reference's: impl's fc1 rounds GEMM + bias once, the reference
+# rounds the GEMM and then the sum, so |h_impl - h_ref| <= eps * (1.5 |h| + 0.5 |b1|) (half a
+# step of the GEMM result, one of h), taken DGRAD_OPERAND_STEPS times. What that moves each
+# d_fc1 element by is measured with finite differences of the reference's own activation
+# backward (every sign); the moves go through the exact Jacobian of W1 and the norm backward
+# (the projection's cancellations included) into dx and the norm gradients. Their signs are
+# independent rounding accidents, so they add as a root sum of squares, times
+# DGRAD_OPERAND_SIGMAS. Measured on 6-feature MLPs: ~1 bf16 step of max|dx| for gelu, 4-7 for
+# swiglu/geglu (whose second half depends on act(a) itself); a systematic error in dx is still
+# caught from 2-3% (gelu) and 5% (gated) on (tests/test_budgets_meta.py). Found by splitgrad
+# verify: impl's dx 1.09x / 1.11x the dgrad budget on swiglu/geglu MLPs in bf16/fp16, about once
+# in 700-2000 examples. ln_out itself is an fp32 result rounded once on both sides and differs
+# only when it straddles a rounding boundary within fp32 noise, which nothing here models.
+DGRAD_OPERAND_STEPS = 1.0
+DGRAD_OPERAND_SIGMAS = 2.0
 
 # ---- FP8 (SPEC §6) ------------------------------------------------------------------------
 #
@@ -356,6 +391,7 @@ def check_error_budget(
     module_dtype: torch.dtype | None = None,
     naive_error: float | None = None,
     note: str = "",
+    element_floor: torch.Tensor | None = None,
 ) -> float:
     """Tier 2: ``actual`` against the float64 ``truth``, relative to ``naive``'s own error.
 
@@ -363,8 +399,9 @@ def check_error_budget(
     float32 for ``main_grad`` of a bf16 module); ``module_dtype`` the dtype the module computes
     in, which picks the multiplier (default: ``dtype``). ``naive_error`` replaces
     ``max|naive - truth|`` when the caller measured the naive run against its own candidate truth
-    (the relu kink); ``note`` is appended to a failure message. Returns worst error / budget
-    (<= 1) or raises.
+    (the relu kink); ``note`` is appended to a failure message; ``element_floor`` (truth's
+    shape) is added to the budget element by element (:data:`WGRAD_OPERAND_STEPS`). Returns
+    worst error / budget (<= 1) or raises.
     """
     if not check_same_presence(name, actual, truth):
         return 0.0
@@ -389,18 +426,21 @@ def check_error_budget(
     magnitude = float(t.abs().max())
     floor = floor_steps * rounding_step(dtype, magnitude)
     allowed = multiplier * naive_err + floor
-    flat = int(err.flatten().argmax())
+    extra = torch.zeros_like(t) if element_floor is None else element_floor.double().cpu()
+    ratios = err / (allowed + extra)
+    flat = int(ratios.flatten().argmax())
     worst = float(err.flatten()[flat])
-    ratio = worst / allowed
+    ratio = float(ratios.flatten()[flat])
     if not ratio <= 1.0:
         idx = _fmt_index(flat, t.shape)
+        operand = "" if element_floor is None else f" + operand allowance {float(extra[idx]):.4g}"
         raise BudgetViolation(
             name,
             f"{name}: worst error {worst:.4g} at index {idx}: got {_scalar(a, idx)!r}, "
-            f"truth {_scalar(t, idx)!r} (naive {_scalar(n, idx)!r}); budget {allowed:.4g} = "
-            f"{multiplier} x naive error {naive_err:.4g} + {floor_steps} "
-            f"rounding step of {dtype} at |truth| {magnitude:.4g} ({floor:.4g}); "
-            f"ratio {ratio:.3g} [{budget.kind} budget]{note}",
+            f"truth {_scalar(t, idx)!r} (naive {_scalar(n, idx)!r}); budget "
+            f"{allowed + float(extra[idx]):.4g} = {multiplier} x naive error {naive_err:.4g} + "
+            f"{floor_steps} rounding step of {dtype} at |truth| {magnitude:.4g} ({floor:.4g})"
+            f"{operand}; ratio {ratio:.3g} [{budget.kind} budget]{note}",
             ratio,
         )
     return ratio

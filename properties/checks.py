@@ -35,6 +35,7 @@ from .data import (
     make_state,
     param_specs,
 )
+from .internals import dgrad_operand_floors, wgrad_operand_floors
 from .kink import CaseRejected, choices, kink_deltas, kink_sites
 from .runner import ModuleRun, Snapshot
 from .strategies import (
@@ -136,10 +137,20 @@ class Tracker:
         module_dtype=None,
         naive_error: float | None = None,
         note: str = "",
+        element_floor: torch.Tensor | None = None,
     ) -> None:
         self._note(
             B.check_error_budget(
-                name, actual, truth, naive, budget, dtype, module_dtype, naive_error, note
+                name,
+                actual,
+                truth,
+                naive,
+                budget,
+                dtype,
+                module_dtype,
+                naive_error,
+                note,
+                element_floor,
             )
         )
 
@@ -265,13 +276,25 @@ def _judge(
     module_dtype: torch.dtype | None = None,
     naive_error: float | None = None,
     note: str = "",
+    element_floor: torch.Tensor | None = None,
 ) -> None:
     """One P1–P3 comparison. High precision: ``budget`` against the float64 truth. FP8:
     ``budget`` against the FP8 truth when every quantized operand is an input (the quantized
     values are then the same on all sides and only the GEMMs' rounding differs), otherwise the
     two-gate :data:`~.budgets.FP8` budget against the high-precision truth (see budgets.py)."""
     if case.config.recipe is None:
-        t.budget(name, actual, truth, naive, budget, dtype, module_dtype, naive_error, note)
+        t.budget(
+            name,
+            actual,
+            truth,
+            naive,
+            budget,
+            dtype,
+            module_dtype,
+            naive_error,
+            note,
+            element_floor,
+        )
     elif _fp8_exact_operands(case.config, name):
         t.budget(
             name,
@@ -392,16 +415,30 @@ def _best_of(
 
 def check_p2(backend: Backend, case: Case) -> CheckResult:
     """P2: input gradients (:data:`~.budgets.DGRAD`) and norm-parameter gradients
-    (:data:`~.budgets.NORM_GRAD`) within budget (of some legal truth at a relu kink)."""
+    (:data:`~.budgets.NORM_GRAD`) within budget (of some legal truth at a relu kink; plus the
+    per-element :data:`~.budgets.DGRAD_OPERAND_STEPS` allowance behind a smooth activation)."""
     test, naive, truth, truth8 = _accuracy_runs(backend, case)
     candidates, note = _truth_candidates(case, truth)
+    floors = dgrad_operand_floors(case)
 
     def compare(t: Tracker, cand: _AccuracyRun) -> None:
         for i, (a, n, r) in enumerate(zip(test.xgrads, naive.xgrads, cand.xgrads)):
             ne = _naive_error(n, [c.xgrads[i] for c in candidates])
             r8 = truth8.xgrads[i] if truth8 is not None else None
             name = f"inp.grad[micro-batch {i}]"
-            _judge(t, case, name, a, n, r, r8, B.DGRAD, naive_error=ne, note=note)
+            _judge(
+                t,
+                case,
+                name,
+                a,
+                n,
+                r,
+                r8,
+                B.DGRAD,
+                naive_error=ne,
+                note=note,
+                element_floor=floors.get(name),
+            )
         for key in sorted(cand.norm):
             n = naive.norm.get(key)
             ne = _naive_error(n, [c.norm[key] for c in candidates])
@@ -417,6 +454,7 @@ def check_p2(backend: Backend, case: Case) -> CheckResult:
                 B.NORM_GRAD,
                 naive_error=ne,
                 note=note,
+                element_floor=floors.get(key),
             )
 
     return _best_of(candidates, compare)
@@ -424,11 +462,14 @@ def check_p2(backend: Backend, case: Case) -> CheckResult:
 
 def check_p3(backend: Backend, case: Case) -> CheckResult:
     """P3: GEMM weight/bias gradients (``main_grad`` when fused) within
-    :data:`~.budgets.WGRAD` after every ``backward_dw()``; fused weights keep ``.grad is None``."""
+    :data:`~.budgets.WGRAD` (plus, for operands the module computes, the per-element
+    :data:`~.budgets.WGRAD_OPERAND_STEPS` allowance) after every ``backward_dw()``; fused weights
+    keep ``.grad is None``."""
     test, naive, truth, truth8 = _accuracy_runs(backend, case)
     if set(test.gemm) != set(truth.gemm):
         raise PropertyViolation(f"gradient slots {sorted(test.gemm)} != {sorted(truth.gemm)}")
     candidates, note = _truth_candidates(case, truth)
+    floors = wgrad_operand_floors(case)
 
     def compare(t: Tracker, cand: _AccuracyRun) -> None:
         for key in sorted(cand.gemm):
@@ -452,6 +493,7 @@ def check_p3(backend: Backend, case: Case) -> CheckResult:
                 case.config.torch_dtype,
                 naive_error=_naive_error(n, [c.gemm[key] for c in candidates]),
                 note=note,
+                element_floor=floors.get(key),
             )
 
     return _best_of(candidates, compare)

@@ -32,7 +32,7 @@ import torch
 from hypothesis.errors import UnsatisfiedAssumption
 
 from . import budgets as B
-from .data import make_micro_batches, make_state
+from .internals import float64_internals
 from .strategies import Case
 
 __all__ = [
@@ -98,34 +98,13 @@ class _Forward:
 
 
 def _forwards(case: Case) -> tuple[dict[str, torch.Tensor], list[_Forward]]:
-    from splitgrad.reference import functional as F
-
-    c = case.config
-    state = {k: v.detach().double().cpu() for k, v in make_state(c, case.seed).items()}
-    w1, w2 = state["fc1_weight"], state["fc2_weight"]
-    b1 = state.get("fc1_bias")
-    out = []
-    for d in make_micro_batches(case):
-        x = d.x.detach().double().cpu().reshape(-1, c.in_features)
-        dy = d.dy.detach().double().cpu().reshape(-1, c.output_features)
-        if c.normalization == "LayerNorm":
-            ln_out, mean, rstd = F.layer_norm_fwd(
-                x,
-                state["layer_norm_weight"],
-                state["layer_norm_bias"],
-                1e-5,
-                c.zero_centered_gamma,
-            )
-            stats: tuple[torch.Tensor, ...] = (mean, rstd)
-        else:
-            ln_out, rstd = F.rms_norm_fwd(
-                x, state["layer_norm_weight"], 1e-5, c.zero_centered_gamma
-            )
-            stats = (rstd,)
-        h = F.linear_fwd(ln_out, w1, b1)
-        bound = B.kink_bound(ln_out, w1, b1, c.torch_dtype)
-        out.append(_Forward(x, ln_out, stats, h, F.linear_dgrad(dy, w2), bound))
-    return state, out
+    state, mbs = float64_internals(case)
+    w1, b1 = state["fc1_weight"], state.get("fc1_bias")
+    dtype = case.config.torch_dtype
+    return state, [
+        _Forward(m.x, m.ln_out, m.stats, m.h, m.d_act, B.kink_bound(m.ln_out, w1, b1, dtype))
+        for m in mbs
+    ]
 
 
 def kink_sites(case: Case) -> list[KinkSite]:

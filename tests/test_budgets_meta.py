@@ -215,3 +215,106 @@ def test_gradcheck_fails_on_a_one_percent_wrong_backward() -> None:
     with pytest.raises(B.BudgetViolation):
         B.gradcheck_reference(ModuleConfig("Linear", 3, 2), backend=skewed)
     assert dataclasses.is_dataclass(ModuleConfig("Linear", 3, 2))
+
+
+# ---- per-element operand allowances (budgets.WGRAD_OPERAND_STEPS / DGRAD_OPERAND_STEPS) ------
+
+
+def _mlp_case(activation: str, dtype: str = "bfloat16", fused: bool = True, seed: int = 0):
+    from splitgrad.properties.strategies import Case, MicroBatch, ModuleConfig
+
+    config = ModuleConfig(
+        "LayerNormMLP", 6, 4, activation=activation, dtype=dtype, fuse_wgrad_accumulation=fused
+    )
+    return Case(config, (MicroBatch((3,)), MicroBatch((2,))), seed)
+
+
+def test_operand_allowances_exist_only_behind_computed_operands() -> None:
+    from splitgrad.properties.internals import dgrad_operand_floors, wgrad_operand_floors
+
+    for kind in ("Linear", "GroupedLinear"):
+        assert wgrad_operand_floors(example_case(kind, num_gemms=2)) == {}
+    fused = example_case("LayerNormLinear", fuse_wgrad_accumulation=True)
+    assert set(wgrad_operand_floors(fused)) == {"weight.main_grad"}
+    assert wgrad_operand_floors(example_case("LayerNormLinear")) == {}  # .grad: bf16 floor
+    relu = _mlp_case("relu")
+    assert dgrad_operand_floors(relu) == {}  # relu' jumps: the kink machinery judges it
+    floors = dgrad_operand_floors(_mlp_case("gelu"))
+    assert set(floors) == {
+        "inp.grad[micro-batch 0]",
+        "inp.grad[micro-batch 1]",
+        "layer_norm_weight.grad",
+        "layer_norm_bias.grad",
+    }
+    fp8 = dataclasses.replace(
+        relu, config=dataclasses.replace(relu.config, recipe="current-hybrid")
+    )
+    assert wgrad_operand_floors(fp8) == {} and dgrad_operand_floors(fp8) == {}
+
+
+@pytest.mark.parametrize(("activation", "steps"), [("gelu", 3), ("swiglu", 10), ("geglu", 10)])
+def test_operand_allowances_stay_at_the_rounding_scale(activation: str, steps: int) -> None:
+    """The allowances are rounding steps of the operands carried to the result: measured
+    against the gradient itself they stay a few rounding steps of it (budgets.py has the
+    numbers), not a fraction of it."""
+    from splitgrad.properties.internals import dgrad_operand_floors, wgrad_operand_floors
+
+    case = _mlp_case(activation)
+    _, _, truth = _accuracy(get_backend("reference"), case)
+    eps = torch.finfo(torch.bfloat16).eps
+    for key, floor in wgrad_operand_floors(case).items():
+        if key in truth.gemm and truth.gemm[key] is not None:
+            assert float(floor.max()) < 4 * eps * float(truth.gemm[key].abs().max()), key
+    for key, floor in dgrad_operand_floors(case).items():
+        t = truth.norm.get(key) if key in truth.norm else truth.xgrads[int(key[-2])]
+        assert float(floor.max()) < steps * eps * float(t.abs().max()), key
+
+
+@pytest.mark.parametrize(
+    ("activation", "skew", "dw_skew"), [("gelu", 1.03, 1.03), ("swiglu", 1.05, 1.08)]
+)
+def test_a_slightly_wrong_mlp_gradient_still_fails(
+    activation: str, skew: float, dw_skew: float
+) -> None:
+    """Meta (soundness): every input/parameter gradient ``skew`` times too large, or fc2's
+    main_grad contribution ``dw_skew`` times too large, still fails P2 / P3 of a
+    smooth-activation MLP despite the operand allowances (gated ones allow more: their second
+    half moves with act(a) itself)."""
+    from splitgrad.properties.checks import check_p2, check_p3
+
+    class Skewed(LibraryBackend):
+        def __init__(self, what: str) -> None:
+            super().__init__(f"reference-skewed-{what}", "splitgrad.reference")
+            self.what = what
+
+        def forward(self, module, x, m_splits, first):
+            y = super().forward(module, x, m_splits, first)
+            return _ScaleGrad.apply(y, skew) if self.what == "dx" else y
+
+        def backward_dw(self, module) -> None:
+            before = module.fc2_weight.main_grad.clone()
+            super().backward_dw(module)
+            if self.what == "dw":
+                with torch.no_grad():
+                    module.fc2_weight.main_grad.sub_(before).mul_(dw_skew).add_(before)
+
+    for seed in range(3):
+        case = _mlp_case(activation, seed=seed)
+        with pytest.raises(B.BudgetViolation, match="inp.grad|layer_norm"):
+            check_p2(Skewed("dx"), case)
+        with pytest.raises(B.BudgetViolation, match="fc2_weight.main_grad"):
+            check_p3(Skewed("dw"), case)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the incoming gradient scaled by ``factor``: every gradient below it
+    (inp.grad, and the parameters') is ``factor`` times too large."""
+
+    @staticmethod
+    def forward(ctx, y, factor):
+        ctx.factor = factor
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
