@@ -138,6 +138,7 @@ class Tracker:
         naive_error: float | None = None,
         note: str = "",
         element_floor: torch.Tensor | None = None,
+        floor_magnitude: float | None = None,
     ) -> None:
         self._note(
             B.check_error_budget(
@@ -151,6 +152,7 @@ class Tracker:
                 naive_error,
                 note,
                 element_floor,
+                floor_magnitude,
             )
         )
 
@@ -165,10 +167,11 @@ class Tracker:
         module_dtype=None,
         recipe="",
         fp8_eps: float = 2.0**-3,
+        samples: int | None = None,
     ) -> None:
         self._note(
             B.check_fp8_budget(
-                name, actual, truth, naive, budget, dtype, module_dtype, recipe, fp8_eps
+                name, actual, truth, naive, budget, dtype, module_dtype, recipe, fp8_eps, samples
             )
         )
 
@@ -277,11 +280,19 @@ def _judge(
     naive_error: float | None = None,
     note: str = "",
     element_floor: torch.Tensor | None = None,
+    prefill: torch.Tensor | None = None,
 ) -> None:
     """One P1–P3 comparison. High precision: ``budget`` against the float64 truth. FP8:
     ``budget`` against the FP8 truth when every quantized operand is an input (the quantized
     values are then the same on all sides and only the GEMMs' rounding differs), otherwise the
-    two-gate :data:`~.budgets.FP8` budget against the high-precision truth (see budgets.py)."""
+    two-gate :data:`~.budgets.FP8` budget against the high-precision truth (see budgets.py).
+    ``prefill``: ``main_grad``'s value before the run (its floor is then taken at
+    :func:`~.budgets.accumulation_magnitude`)."""
+    exact = case.config.recipe is None or _fp8_exact_operands(case.config, name)
+    reference = truth if case.config.recipe is None else truth_fp8
+    magnitude = None
+    if exact and prefill is not None and reference is not None:
+        magnitude = B.accumulation_magnitude(reference, prefill)
     if case.config.recipe is None:
         t.budget(
             name,
@@ -294,8 +305,9 @@ def _judge(
             naive_error,
             note,
             element_floor,
+            magnitude,
         )
-    elif _fp8_exact_operands(case.config, name):
+    elif exact:
         t.budget(
             name,
             actual,
@@ -305,6 +317,7 @@ def _judge(
             dtype,
             module_dtype,
             note=f" (FP8 {case.config.recipe}: against the same recipe in float64)",
+            floor_magnitude=magnitude,
         )
     else:
         # Outputs only meet E4M3; gradients meet E5M2 under HYBRID.
@@ -319,7 +332,18 @@ def _judge(
             module_dtype,
             case.config.recipe,
             2.0**-2 if coarse else 2.0**-3,
+            _smallest_gemm_dimension(case),
         )
+
+
+def _smallest_gemm_dimension(case: Case) -> int:
+    """The fewest values any FP8 GEMM of ``case`` reduces over or spans: feature sizes, fc1's
+    width, and every non-empty token count (group by group)."""
+    c = case.config
+    dims = [d for shape in c.gemm_shapes() for d in shape]
+    for mb in case.micro_batches:
+        dims.extend(n for n in (mb.m_splits or (mb.rows,)) if n > 0)
+    return min(dims)
 
 
 def _floor_dtype(run_key: str, config: ModuleConfig) -> torch.dtype:
@@ -470,6 +494,8 @@ def check_p3(backend: Backend, case: Case) -> CheckResult:
         raise PropertyViolation(f"gradient slots {sorted(test.gemm)} != {sorted(truth.gemm)}")
     candidates, note = _truth_candidates(case, truth)
     floors = wgrad_operand_floors(case)
+    fused = case.config.fuse_wgrad_accumulation
+    prefills = make_main_grads(case.config, case.seed) if fused else {}
 
     def compare(t: Tracker, cand: _AccuracyRun) -> None:
         for key in sorted(cand.gemm):
@@ -494,6 +520,7 @@ def check_p3(backend: Backend, case: Case) -> CheckResult:
                 naive_error=_naive_error(n, [c.gemm[key] for c in candidates]),
                 note=note,
                 element_floor=floors.get(key),
+                prefill=prefills.get(key.split(".")[0]) if key.endswith(".main_grad") else None,
             )
 
     return _best_of(candidates, compare)
