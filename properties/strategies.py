@@ -75,14 +75,16 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "current-hybrid": ("Float8CurrentScaling", {}),
     "current-e4m3": ("Float8CurrentScaling", {"fp8_format": "E4M3"}),
     "mxfp8": ("MXFP8BlockScaling", {}),
+    "mxfp8-hybrid": ("MXFP8BlockScaling", {"fp8_format": "HYBRID"}),
     "block": ("Float8BlockScaling", {}),
+    "block-hybrid": ("Float8BlockScaling", {"fp8_format": "HYBRID"}),
 }
 # What ``splitgrad verify --recipe`` and the tests select by.
 RECIPE_FAMILIES: dict[str, tuple[str, ...]] = {
     "delayed": tuple(n for n in RECIPES if n.startswith("delayed")),
     "current": tuple(n for n in RECIPES if n.startswith("current")),
-    "mxfp8": ("mxfp8",),
-    "block": ("block",),
+    "mxfp8": ("mxfp8", "mxfp8-hybrid"),
+    "block": ("block", "block-hybrid"),
 }
 _ALIGNMENT = {"MXFP8BlockScaling": 32, "Float8BlockScaling": 128}
 
