@@ -41,7 +41,7 @@ _PROFILES = ("dev", "ci", "nightly", "gpu")
 RECIPE_CHOICES = ("none", *RECIPE_FAMILIES, "all")
 # The FP8 slice of the default run: few examples, bf16, every recipe drawn in one cell, the
 # properties FP8 changes most (accuracy, delayed == non-delayed, bad shapes, grouped, quantizers).
-FP8_SLICE_EXAMPLES = 20
+FP8_SLICE_EXAMPLES = 10
 FP8_SLICE_PROPERTIES = ("P1", "P2", "P3", "P4", "P6", "P10", "P12", "P13")
 FP8_SLICE_DTYPES = ("bfloat16",)
 
