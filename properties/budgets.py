@@ -53,6 +53,8 @@ __all__ = [
     "KINK_ROUNDING_STEPS",
     "KINK_MAX_ENUMERATED",
     "kink_bound",
+    "FUSED_ACCUMULATION_STEPS",
+    "fused_accumulation_tolerance",
 ]
 
 
@@ -176,6 +178,23 @@ def accumulation_magnitude(truth: torch.Tensor, prefill: torch.Tensor) -> float:
     one rounding of its ~1.0-sized operands off, where the reference happened to be exact)."""
     t, p = truth.detach().double().cpu(), prefill.detach().double().cpu()
     return float(torch.stack([t.abs().max(), p.abs().max(), (t - p).abs().max()]).max())
+
+
+# Fused accumulation inside the GEMM (SPEC §3: "no weight-sized temporary"): impl runs
+# ``main_grad.addmm_(dy^T, x)``, so G0 enters the kernel's fp32 reduction instead of being added
+# to a rounded product afterwards, and the kernel decides where in its K-blocked sum it adds G0.
+# Measured: bit-identical to ``G0 + mm`` on an Intel Xeon (MKL), up to 1.2 fp32 steps of
+# max(|G0| + |g|) off on an AMD EPYC with the same torch 2.13 wheel (tests/test_contract_split.py,
+# 7-token micro-batches). Both orders are one fp32 reduction of the same terms; 4 steps leaves
+# room for longer reductions while a contribution added in bf16 (2**-8) or dropped fails at once.
+FUSED_ACCUMULATION_STEPS = 4.0
+
+
+def fused_accumulation_tolerance(start: torch.Tensor, contribution: torch.Tensor) -> float:
+    """How far ``main_grad`` after one fused accumulation may be from ``start + contribution``
+    (both fp32): :data:`FUSED_ACCUMULATION_STEPS` fp32 steps of ``max(|start| + |contribution|)``."""
+    size = float((start.detach().double().abs() + contribution.detach().double().abs()).max())
+    return FUSED_ACCUMULATION_STEPS * rounding_step(torch.float32, size)
 
 
 # Fused weight gradients (main_grad) whose GEMM operands the module computes (LayerNormLinear:
