@@ -4,10 +4,17 @@ GEMM paths (chosen per forward by :attr:`GroupedLinear.grouped_gemm`):
 
 * ``"grouped"`` (where :func:`.gemm.grouped_mm_runs`, else the loop): forward and dgrad are
   one ``torch._grouped_mm`` each over the stacked weights.
-  The weights are allocated as consecutive slices of one (G, M, K) storage, so the stack is a
-  free view; if that layout is lost (``.to()``, ``.data =``) the weights are stacked per call.
-* ``"loop"``: one ``addmm``/``mm`` per non-empty group, written into its row block of a
-  preallocated output (no ``cat``); each group runs exactly the GEMM a ``Linear`` runs.
+  The weights are allocated as slots of one storage, each slot starting on a 64-byte boundary
+  (the CPU allocator's alignment), so the stack is a free (G, M, K) view with a padded batch
+  stride; if that layout is lost (``.to()``, ``.data =``) the weights are stacked per call.
+  Aligned slots also keep the loop path bitwise equal to a ``Linear`` (whose weight is its own
+  aligned allocation): some CPU GEMM kernels sum in another order for a misaligned operand
+  (measured: a 37x1 weight at a 20-byte offset, AMD EPYC, torch 2.13).
+* ``"loop"``: one ``addmm``/``mm`` per non-empty group into a fresh tensor, then one ``cat``;
+  each group runs exactly the GEMM a ``Linear`` runs on that group's rows. (Writing each GEMM
+  straight into its row block with ``out=`` saves the copy but is not bitwise a ``Linear``: some
+  CPU GEMM kernels sum in another order for an output at another alignment, measured on an AMD
+  EPYC with torch 2.13.)
 * ``"auto"`` (default): ``"grouped"`` where :func:`.gemm.grouped_mm_supported` says so (sm90+
   CUDA, bf16, aligned sizes), ``"loop"`` elsewhere: on CPU ``_grouped_mm`` runs but was measured
   no faster than the loop (``splitgrad bench``).
@@ -35,11 +42,23 @@ __all__ = ["GroupedLinear"]
 _PATHS = ("auto", "grouped", "loop")
 
 
+_SLOT_ALIGNMENT_BYTES = 64
+
+
+def _slot_elements(m: int, k: int, dtype: torch.dtype) -> int:
+    """Elements from one weight's start to the next in the shared storage: ``m * k`` rounded up
+    to a whole number of 64-byte lines."""
+    per_line = max(1, _SLOT_ALIGNMENT_BYTES // torch.empty((), dtype=dtype).element_size())
+    return -(-m * k // per_line) * per_line
+
+
 def _stacked(weights: list[torch.Tensor]) -> torch.Tensor:
-    """The weights as one (G, M, K) tensor: a view when they sit back to back in one storage."""
+    """The weights as one (G, M, K) tensor: a view when they sit in consecutive slots of one
+    storage (see the module docstring), a stacked copy otherwise."""
     w0 = weights[0]
     m, k = w0.shape
-    step = m * k * w0.element_size()
+    slot = _slot_elements(m, k, w0.dtype)
+    step = slot * w0.element_size()
     base = w0.untyped_storage().data_ptr()
     if all(
         w.is_contiguous()
@@ -47,7 +66,7 @@ def _stacked(weights: list[torch.Tensor]) -> torch.Tensor:
         and w.data_ptr() == w0.data_ptr() + i * step
         for i, w in enumerate(weights)
     ):
-        return w0.detach().as_strided((len(weights), m, k), (m * k, k, 1))
+        return w0.detach().as_strided((len(weights), m, k), (slot, k, 1))
     return torch.stack([w.detach() for w in weights])
 
 
@@ -65,14 +84,12 @@ class _GroupedLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x, *weights)
         if use_grouped:
             return gemm.grouped_mm_forward(x, _stacked(weights), biases, m_splits)
-        y = x.new_empty(x.shape[0], module.out_features)
-        for i, (x_g, y_g) in enumerate(zip(x.split(m_splits), y.split(m_splits))):
-            if x_g.shape[0]:
-                if biases is None:
-                    torch.mm(x_g, weights[i].t(), out=y_g)
-                else:
-                    torch.addmm(biases[i], x_g, weights[i].t(), out=y_g)
-        return y
+        return torch.cat(
+            [
+                gemm.linear_forward(x_g, weights[i], None if biases is None else biases[i])
+                for i, x_g in enumerate(x.split(m_splits))
+            ]
+        )
 
     @staticmethod
     def backward(ctx, dy):
@@ -89,10 +106,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
             if ctx.use_grouped:
                 dx = gemm.grouped_mm_dgrad(dy, _stacked(weights), m_splits)
             else:
-                dx = dy.new_empty(dy.shape[0], module.in_features)
-                for i, (dy_g, dx_g) in enumerate(zip(dy.split(m_splits), dx.split(m_splits))):
-                    if dy_g.shape[0]:
-                        torch.mm(dy_g, weights[i], out=dx_g)
+                dx = torch.cat(
+                    [torch.mm(dy_g, weights[i]) for i, dy_g in enumerate(dy.split(m_splits))]
+                )
         if any(need_w) or any(need_b):
             bias_params = [getattr(module, f"bias{i}") for i in range(n)]
             overwrite = ctx.overwrite
@@ -198,9 +214,13 @@ class GroupedLinear(SplitBackwardModule):
         self.grouped_gemm = "auto"
         kw = {"dtype": params_dtype, "device": device}
         # One storage for all weights, so the grouped path can view them as (G, M, K).
-        storage = torch.empty(num_gemms, out_features, in_features, **kw)
+        slot = _slot_elements(out_features, in_features, params_dtype)
+        storage = torch.empty(num_gemms * slot, **kw)
         for i in range(num_gemms):
-            w = torch.nn.Parameter(storage[i])
+            start = i * slot
+            w = torch.nn.Parameter(
+                storage[start : start + out_features * in_features].view(out_features, in_features)
+            )
             torch.nn.init.normal_(w, std=0.02)
             self.register_parameter(f"weight{i}", w)
         for i in range(num_gemms):
@@ -218,9 +238,7 @@ class GroupedLinear(SplitBackwardModule):
         if self.grouped_gemm not in _PATHS:
             raise ValueError(f"grouped_gemm must be one of {_PATHS}, got {self.grouped_gemm!r}")
         if self.grouped_gemm == "auto":
-            return gemm.grouped_mm_supported(
-                x.device, x.dtype, self.in_features, self.out_features
-            )
+            return gemm.grouped_mm_supported(x.device, x.dtype, self.in_features, self.out_features)
         # A forced "grouped" still falls back where _grouped_mm rejects the shapes.
         return self.grouped_gemm == "grouped" and gemm.grouped_mm_runs(
             x.dtype, self.in_features, self.out_features
@@ -238,7 +256,5 @@ class GroupedLinear(SplitBackwardModule):
                 check_fp8_gemm_shape(recipe, f"gemm{i}", rows, self.in_features, self.out_features)
             y = _GroupedLinearFP8Function.apply(x, splits, self, overwrite, recipe, *params)
             return y.reshape(*inp.shape[:-1], self.out_features)
-        y = _GroupedLinearFunction.apply(
-            x, splits, self, overwrite, self._use_grouped(x), *params
-        )
+        y = _GroupedLinearFunction.apply(x, splits, self, overwrite, self._use_grouped(x), *params)
         return y.reshape(*inp.shape[:-1], self.out_features)

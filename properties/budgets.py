@@ -192,7 +192,8 @@ FUSED_ACCUMULATION_STEPS = 4.0
 
 def fused_accumulation_tolerance(start: torch.Tensor, contribution: torch.Tensor) -> float:
     """How far ``main_grad`` after one fused accumulation may be from ``start + contribution``
-    (both fp32): :data:`FUSED_ACCUMULATION_STEPS` fp32 steps of ``max(|start| + |contribution|)``."""
+    (both fp32): :data:`FUSED_ACCUMULATION_STEPS` fp32 steps of
+    ``max(|start| + |contribution|)``."""
     size = float((start.detach().double().abs() + contribution.detach().double().abs()).max())
     return FUSED_ACCUMULATION_STEPS * rounding_step(torch.float32, size)
 
