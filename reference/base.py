@@ -12,6 +12,13 @@ Gradient routing (§3)
     micro-batch got ``is_first_microbatch=True`` the contribution overwrites ``main_grad``. If the
     weight has an attribute ``grad_added_to_main_grad`` it is set to ``True`` afterwards.
     ``is_first_microbatch`` changes nothing in plain mode.
+  * Only what the backward asks for, as autograd does (:func:`gradient_destination`): a
+    parameter the running backward does not compute — ``backward(inputs=[...])`` without it,
+    ``torch.autograd.grad(outputs, inputs)`` without it — gets nothing written and, under
+    delay, nothing queued (no entry at all when no GEMM parameter is asked for, and then no
+    hook fires). A GEMM parameter that ``torch.autograd.grad`` asks for gets its gradient
+    *returned*, computed in the backward in the parameter's dtype, as autograd returns it:
+    nothing is written to ``.grad`` or ``main_grad``, nothing queued, no hook fires.
 
 Split backward (§4, ``delay_wgrad_compute=True``)
   * ``backward()`` writes input and norm-parameter gradients only. The GEMM-parameter work of one
@@ -57,7 +64,50 @@ from . import functional as F
 from .fp8 import Recipe, fp8_active_recipe
 from .fp8_gemm import FP8Gemm
 
-__all__ = ["GradWrite", "WgradEntry", "SplitBackwardModule"]
+__all__ = [
+    "GradWrite",
+    "WgradEntry",
+    "SplitBackwardModule",
+    "ACCUMULATE",
+    "RETURN",
+    "gradient_destination",
+    "gradient_destinations",
+]
+
+#: The running backward accumulates this parameter's gradient (``.grad`` / ``main_grad``).
+ACCUMULATE = "accumulate"
+#: ``torch.autograd.grad`` asked for this input: its gradient is returned, nothing is written.
+RETURN = "return"
+
+
+def gradient_destination(param: torch.Tensor | None) -> str | None:
+    """Where the running backward wants ``param``'s gradient: :data:`ACCUMULATE`,
+    :data:`RETURN`, or ``None`` when it does not compute it (SPEC §3). Call it inside a backward.
+
+    ``requires_grad`` (``ctx.needs_input_grad``) only says the parameter is trainable; what
+    *this* backward computes is the engine's execution plan:
+    ``torch._C._will_engine_execute_node`` on the node the parameter's gradient goes to
+    (``torch.autograd.graph.get_gradient_edge``: a leaf's ``AccumulateGrad``). It is false for a
+    parameter that ``backward(inputs=[...])`` or ``torch.autograd.grad`` leaves out. Asked about
+    a leaf that ``torch.autograd.grad`` *captures* (returns instead of accumulating), the engine
+    raises: that is :data:`RETURN`. A non-leaf (a parameter seen through a parametrization)
+    passes its gradient on through the graph, so it is returned.
+    """
+    if param is None or not param.requires_grad:
+        return None
+    node = torch.autograd.graph.get_gradient_edge(param).node
+    try:
+        executes = torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return RETURN  # a leaf captured by torch.autograd.grad()
+    if not executes:
+        return None
+    return ACCUMULATE if param.is_leaf else RETURN
+
+
+def gradient_destinations(*params: torch.Tensor | None) -> list[str | None]:
+    """:func:`gradient_destination` of each of ``params``."""
+    return [gradient_destination(p) for p in params]
 
 
 @dataclasses.dataclass
@@ -304,6 +354,19 @@ class SplitBackwardModule(torch.nn.Module):
         if fused:
             return GradWrite(param, F.linear_wgrad_fp32(dy, x, param.main_grad.dtype), True)
         return GradWrite(param, F.linear_wgrad(dy, x), False)
+
+    def _returned_weight_grad(
+        self,
+        param: torch.nn.Parameter,
+        dy: torch.Tensor | None,
+        x: torch.Tensor | None,
+        fp8: FP8Gemm | None = None,
+    ) -> torch.Tensor:
+        """``dy^T x`` in the parameter's dtype, for a weight ``torch.autograd.grad`` asked for
+        (:data:`RETURN`): the plain-mode formula, never ``main_grad``."""
+        if fp8 is not None:
+            return fp8.wgrad(param.dtype)
+        return F.linear_wgrad(dy, x)
 
     def _bias_write(self, param: torch.nn.Parameter, dy: torch.Tensor) -> GradWrite:
         """The gradient of one GEMM bias, always to ``.grad``."""

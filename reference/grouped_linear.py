@@ -8,7 +8,15 @@ from collections.abc import Sequence
 import torch
 
 from . import functional as F
-from .base import SplitBackwardModule, WgradEntry, _check_positive, detached
+from .base import (
+    ACCUMULATE,
+    RETURN,
+    SplitBackwardModule,
+    WgradEntry,
+    _check_positive,
+    detached,
+    gradient_destinations,
+)
 from .fp8_gemm import FP8Gemm, check_fp8_gemm_shape, update_delayed_scaling
 
 __all__ = ["GroupedLinear"]
@@ -39,7 +47,12 @@ class _GroupedLinearFunction(torch.autograd.Function):
         n, m_splits = module.num_gemms, ctx.m_splits
         fp8, ctx.fp8 = ctx.fp8, None
         need_x = ctx.needs_input_grad[0]
-        need = ctx.needs_input_grad[5:]
+        dest = gradient_destinations(
+            *(getattr(module, name) for name in module.gemm_weight_names()),
+            *(getattr(module, name) for name in module.gemm_bias_names()),
+        )
+        to_w, to_b = dest[:n], dest[n:]
+        need = [d == ACCUMULATE for d in dest]
         need_w, need_b = need[:n], need[n:]
         named_weights = [
             (f"weight{i}", getattr(module, f"weight{i}")) for i in range(n) if need_w[i]
@@ -69,7 +82,14 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 return writes
 
             module._submit_wgrad(WgradEntry(wgrad_closure, ctx.overwrite))
-        return (dx, None, None, None, None, *([None] * len(need)))
+        returned = [None] * len(dest)
+        for i, dy_i in enumerate(dy.split(m_splits)):
+            if to_w[i] == RETURN:
+                weight = getattr(module, f"weight{i}")
+                returned[i] = module._returned_weight_grad(weight, dy_i, x_parts[i], fp8[i])
+            if to_b and to_b[i] == RETURN:
+                returned[n + i] = F.bias_grad(dy_i)
+        return (dx, None, None, None, None, *returned)
 
 
 class GroupedLinear(SplitBackwardModule):

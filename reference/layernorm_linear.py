@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
-from .base import SplitBackwardModule, WgradEntry, _check_positive, detached
+from .base import (
+    ACCUMULATE,
+    RETURN,
+    SplitBackwardModule,
+    WgradEntry,
+    _check_positive,
+    detached,
+    gradient_destinations,
+)
 from .fp8_gemm import FP8Gemm, check_fp8_gemm_shape, update_delayed_scaling
 from .norm import check_normalization, create_norm_parameters, norm_bwd, norm_fwd
 
@@ -33,7 +41,12 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         module: LayerNormLinear = ctx.module
         fp8, ctx.fp8 = ctx.fp8, None
         x, ln_weight, ln_out, weight, *stats = detached(ctx.saved_tensors)
-        need_x, need_lnw, need_lnb, need_w, need_b = ctx.needs_input_grad[:5]
+        need_x = ctx.needs_input_grad[0]
+        to_lnw, to_lnb, to_w, to_b = gradient_destinations(
+            module.layer_norm_weight, module.layer_norm_bias, module.weight, module.bias
+        )
+        need_lnw, need_lnb = to_lnw is not None, to_lnb is not None
+        need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
         named_weights = [("weight", module.weight)] if need_w else []
         module._begin_wgrad(named_weights)
         dx = d_lnw = d_lnb = None
@@ -55,11 +68,17 @@ class _LayerNormLinearFunction(torch.autograd.Function):
                 return writes
 
             module._submit_wgrad(WgradEntry(wgrad_closure, ctx.overwrite))
+        dw = (
+            module._returned_weight_grad(module.weight, dy, ln_out, fp8) if to_w == RETURN else None
+        )
+        db = F.bias_grad(dy) if to_b == RETURN else None
         return (
             dx if need_x else None,
             d_lnw if need_lnw else None,
             d_lnb if need_lnb else None,
-            *([None] * 5),
+            dw,
+            db,
+            *([None] * 3),
         )
 
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
-from .base import SplitBackwardModule, WgradEntry, _check_positive, detached
+from .base import (
+    ACCUMULATE,
+    RETURN,
+    SplitBackwardModule,
+    WgradEntry,
+    _check_positive,
+    detached,
+    gradient_destinations,
+)
 from .fp8_gemm import FP8Gemm, check_fp8_gemm_shape, update_delayed_scaling
 from .norm import check_normalization, create_norm_parameters, norm_bwd, norm_fwd
 
@@ -53,7 +61,18 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         fp8, ctx.fp8 = ctx.fp8, None
         saved = detached(ctx.saved_tensors)
         x, ln_weight, ln_out, fc1_weight, fc1_out, act_out, fc2_weight, *stats = saved
-        need_x, need_lnw, need_lnb, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:7]
+        need_x = ctx.needs_input_grad[0]
+        dest = gradient_destinations(
+            module.layer_norm_weight,
+            module.layer_norm_bias,
+            module.fc1_weight,
+            module.fc1_bias,
+            module.fc2_weight,
+            module.fc2_bias,
+        )
+        to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2 = dest
+        need_lnw, need_lnb = to_lnw is not None, to_lnb is not None
+        need_w1, need_b1, need_w2, need_b2 = (d == ACCUMULATE for d in dest[2:])
         named_weights = [("fc2_weight", module.fc2_weight)] if need_w2 else []
         if need_w1:
             named_weights.append(("fc1_weight", module.fc1_weight))
@@ -61,7 +80,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         fc1_fp8, fc2_fp8 = fp8 if fp8 is not None else (None, None)
 
         need_norm_grads = need_x or need_lnw or need_lnb
-        need_d_fc1 = need_norm_grads or need_w1 or need_b1
+        need_d_fc1 = need_norm_grads or to_w1 is not None or to_b1 is not None
         dx = d_lnw = d_lnb = d_fc1_out = d_ln_out = None
         if fp8 is None:
             if need_d_fc1:
@@ -96,11 +115,22 @@ class _LayerNormMLPFunction(torch.autograd.Function):
                 return writes
 
             module._submit_wgrad(WgradEntry(wgrad_closure, ctx.overwrite))
+        returned = [
+            module._returned_weight_grad(module.fc1_weight, d_fc1_out, ln_out, fc1_fp8)
+            if to_w1 == RETURN
+            else None,
+            F.bias_grad(d_fc1_out) if to_b1 == RETURN else None,
+            module._returned_weight_grad(module.fc2_weight, dy, act_out, fc2_fp8)
+            if to_w2 == RETURN
+            else None,
+            F.bias_grad(dy) if to_b2 == RETURN else None,
+        ]
         return (
             dx if need_x else None,
             d_lnw if need_lnw else None,
             d_lnb if need_lnb else None,
-            *([None] * 7),
+            *returned,
+            *([None] * 3),
         )
 
 

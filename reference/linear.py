@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
-from .base import SplitBackwardModule, WgradEntry, _check_positive, detached
+from .base import (
+    ACCUMULATE,
+    RETURN,
+    SplitBackwardModule,
+    WgradEntry,
+    _check_positive,
+    detached,
+    gradient_destinations,
+)
 from .fp8_gemm import FP8Gemm, check_fp8_gemm_shape, update_delayed_scaling
 
 __all__ = ["Linear"]
@@ -29,7 +37,9 @@ class _LinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         module: Linear = ctx.module
         fp8, ctx.fp8 = ctx.fp8, None
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_x = ctx.needs_input_grad[0]
+        to_w, to_b = gradient_destinations(module.weight, module.bias)
+        need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
         named_weights = [("weight", module.weight)] if need_w else []
         module._begin_wgrad(named_weights)
         x = weight = None
@@ -49,7 +59,9 @@ class _LinearFunction(torch.autograd.Function):
                 return writes
 
             module._submit_wgrad(WgradEntry(wgrad_closure, ctx.overwrite))
-        return dx, None, None, None, None, None
+        dw = module._returned_weight_grad(module.weight, dy, x, fp8) if to_w == RETURN else None
+        db = F.bias_grad(dy) if to_b == RETURN else None
+        return dx, dw, db, None, None, None
 
 
 class Linear(SplitBackwardModule):
