@@ -397,6 +397,17 @@ class FP8GemmOperands:
         return ops
 
 
+def fp8_wgrad_value(
+    module, param: torch.nn.Parameter, dy_q: Float8Tensor, x_q: Float8Tensor
+) -> torch.Tensor:
+    """``q(dy)^T @ q(x)`` rounded to the parameter dtype: the plain-mode value, also what
+    ``torch.autograd.grad`` gets back for a weight it asks for."""
+    cdt = torch.float64 if param.dtype == torch.float64 else torch.float32
+    return fp8_mm(
+        dy_q, True, x_q, False, out_dtype=param.dtype, compute_dtype=cdt, path=module.fp8_gemm
+    )
+
+
 def fp8_wgrad_write(
     module, param: torch.nn.Parameter, dy_q: Float8Tensor, x_q: Float8Tensor, overwrite: bool
 ) -> None:
@@ -418,7 +429,7 @@ def fp8_wgrad_write(
         if hasattr(param, "grad_added_to_main_grad"):
             param.grad_added_to_main_grad = True
         return
-    g = fp8_mm(dy_q, True, x_q, False, out_dtype=param.dtype, compute_dtype=cdt, path=path)
+    g = fp8_wgrad_value(module, param, dy_q, x_q)
     if param.grad is None:
         param.grad = g
     else:

@@ -96,9 +96,7 @@ def wgrad_into_main_grad_(
         return
     if dy.dtype in _LOW_PRECISION and cuda_out_dtype_supported(main_grad.device, dy.dtype):
         # CUDA: bf16/fp16 operands, fp32 accumulation straight into main_grad.
-        torch.addmm(
-            main_grad, dy.t(), x, out_dtype=acc, beta=0 if overwrite else 1, out=main_grad
-        )
+        torch.addmm(main_grad, dy.t(), x, out_dtype=acc, beta=0 if overwrite else 1, out=main_grad)
         return
     wide = torch.promote_types(dy.dtype, acc)
     if wide != acc:

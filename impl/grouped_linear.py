@@ -30,11 +30,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from splitgrad.reference.base import ACCUMULATE, RETURN, gradient_destinations
 
 from . import gemm
 from .base import FP8WgradPart, SplitBackwardModule, check_positive
 from .fp8 import check_fp8_gemm_shape, update_delayed_scaling
-from .fp8_gemm import FP8GemmOperands
+from .fp8_gemm import FP8GemmOperands, fp8_wgrad_value
 from .store import WgradEntry
 
 __all__ = ["GroupedLinear"]
@@ -70,6 +71,21 @@ def _stacked(weights: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([w.detach() for w in weights])
 
 
+def _returned_grads(to_w, to_b, dy, x, m_splits, with_bias) -> list[torch.Tensor | None]:
+    """The gradients ``torch.autograd.grad`` asked for (``RETURN``), computed now: one per
+    weight, then one per bias (none without biases)."""
+    n = len(to_w)
+    out: list[torch.Tensor | None] = [None] * (2 * n if with_bias else n)
+    if RETURN not in to_w and RETURN not in to_b:
+        return out
+    for i, (dy_g, x_g) in enumerate(zip(dy.split(m_splits), x.split(m_splits))):
+        if to_w[i] == RETURN:
+            out[i] = gemm.wgrad(dy_g, x_g)
+        if to_b[i] == RETURN:
+            out[n + i] = dy_g.sum(dim=0)
+    return out
+
+
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, m_splits, module, overwrite, use_grouped, *params):
@@ -96,9 +112,12 @@ class _GroupedLinearFunction(torch.autograd.Function):
         module: GroupedLinear = ctx.module
         n, m_splits = module.num_gemms, ctx.m_splits
         x, *weights = ctx.saved_tensors
-        need = ctx.needs_input_grad[5:]
-        need_w, need_b = need[:n], (need[n:] or (False,) * n)
         weight_params = [getattr(module, f"weight{i}") for i in range(n)]
+        bias_params = [getattr(module, f"bias{i}") for i in range(n)]
+        to_w = gradient_destinations(*weight_params)
+        to_b = gradient_destinations(*bias_params)
+        need_w = [d == ACCUMULATE for d in to_w]
+        need_b = [d == ACCUMULATE for d in to_b]
         named_weights = [(f"weight{i}", weight_params[i]) for i in range(n) if need_w[i]]
         module._check_main_grads(named_weights)
         dx = None
@@ -110,7 +129,6 @@ class _GroupedLinearFunction(torch.autograd.Function):
                     [torch.mm(dy_g, weights[i]) for i, dy_g in enumerate(dy.split(m_splits))]
                 )
         if any(need_w) or any(need_b):
-            bias_params = [getattr(module, f"bias{i}") for i in range(n)]
             overwrite = ctx.overwrite
 
             def wgrad_closure(dy, x=None):
@@ -127,7 +145,14 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 p for p, f in zip(bias_params, need_b) if f
             )
             module._submit_wgrad(WgradEntry(wgrad_closure, saved, params))
-        return (dx, None, None, None, None, *([None] * len(need)))
+        return (
+            dx,
+            None,
+            None,
+            None,
+            None,
+            *_returned_grads(to_w, to_b, dy, x, m_splits, module.use_bias),
+        )
 
 
 class _GroupedLinearFP8Function(torch.autograd.Function):
@@ -156,26 +181,35 @@ class _GroupedLinearFP8Function(torch.autograd.Function):
         n, m_splits = module.num_gemms, ctx.m_splits
         gemms, ctx.fp8 = ctx.fp8, None
         need_x = ctx.needs_input_grad[0]
-        need = ctx.needs_input_grad[5:]
-        need_w, need_b = need[:n], (need[n:] or (False,) * n)
         weight_params = [getattr(module, f"weight{i}") for i in range(n)]
+        bias_params = [getattr(module, f"bias{i}") for i in range(n)]
+        to_w = gradient_destinations(*weight_params)
+        to_b = gradient_destinations(*bias_params)
+        need_w = [d == ACCUMULATE for d in to_w]
+        need_b = [d == ACCUMULATE for d in to_b]
+        returned = [None] * (2 * n if module.use_bias else n)
         named_weights = [(f"weight{i}", weight_params[i]) for i in range(n) if need_w[i]]
         module._check_main_grads(named_weights)
         dx = dy.new_empty(dy.shape[0], module.in_features) if need_x else None
         dx_parts = dx.split(m_splits) if need_x else (None,) * n
         parts = []
         for i, dy_g in enumerate(dy.split(m_splits)):
-            dx_g = gemms[i].dgrad(dy_g, need_dx=need_x, keep_dy=need_w[i])
+            dx_g = gemms[i].dgrad(dy_g, need_dx=need_x, keep_dy=to_w[i] is not None)
             if need_x:
                 dx_parts[i].copy_(dx_g)
             dy_q, x_q = gemms[i].take_wgrad_operands()
-            bias = getattr(module, f"bias{i}") if need_b[i] else None
+            # Asked for by torch.autograd.grad: returned now, nothing written or queued.
+            if to_w[i] == RETURN:
+                returned[i] = fp8_wgrad_value(module, weight_params[i], dy_q, x_q)
+            if to_b[i] == RETURN:
+                returned[n + i] = dy_g.sum(dim=0)
+            bias = bias_params[i] if need_b[i] else None
             db = dy_g.sum(dim=0) if need_b[i] else None
             parts.append(FP8WgradPart(weight_params[i] if need_w[i] else None, bias, dy_q, x_q, db))
         update_delayed_scaling(module, gemms[0].recipe, ("grad_output",))
         if any(need_w) or any(need_b):
             module._submit_fp8_wgrad(parts, named_weights, ctx.overwrite)
-        return (dx, None, None, None, None, *([None] * len(need)))
+        return (dx, None, None, None, None, *returned)
 
 
 class GroupedLinear(SplitBackwardModule):

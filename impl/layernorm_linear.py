@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import torch
+from splitgrad.reference.base import ACCUMULATE, RETURN, gradient_destinations
 
 from . import gemm
 from .base import FP8WgradPart, SplitBackwardModule, check_positive
 from .fp8 import check_fp8_gemm_shape, update_delayed_scaling
-from .fp8_gemm import FP8GemmOperands
+from .fp8_gemm import FP8GemmOperands, fp8_wgrad_value
 from .norm import check_normalization, create_norm_parameters, norm_bwd, norm_fwd
 from .store import WgradEntry
 
@@ -26,7 +27,12 @@ class _LayerNormLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         module: LayerNormLinear = ctx.module
         x, ln_weight, ln_bias, ln_out, weight, *stats = ctx.saved_tensors
-        need_x, need_lnw, need_lnb, need_w, need_b = ctx.needs_input_grad[:5]
+        need_x = ctx.needs_input_grad[0]
+        to_lnw, to_lnb, to_w, to_b = gradient_destinations(
+            module.layer_norm_weight, module.layer_norm_bias, module.weight, module.bias
+        )
+        need_lnw, need_lnb = to_lnw is not None, to_lnb is not None
+        need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
         named_weights = [("weight", module.weight)] if need_w else []
         module._check_main_grads(named_weights)
         dx = d_lnw = d_lnb = None
@@ -48,7 +54,10 @@ class _LayerNormLinearFunction(torch.autograd.Function):
             saved = (dy, ln_out.detach()) if need_w else (dy,)
             params = tuple(p for p, n in ((w, need_w), (b, need_b)) if n)
             module._submit_wgrad(WgradEntry(wgrad_closure, saved, params))
-        return dx, d_lnw, d_lnb, None, None, None, None
+        # Asked for by torch.autograd.grad: returned now, nothing written or queued.
+        dw = gemm.wgrad(dy, ln_out) if to_w == RETURN else None
+        db = dy.sum(dim=0) if to_b == RETURN else None
+        return dx, d_lnw, d_lnb, dw, db, None, None
 
 
 class _LayerNormLinearFP8Function(torch.autograd.Function):
@@ -71,19 +80,26 @@ class _LayerNormLinearFP8Function(torch.autograd.Function):
         module: LayerNormLinear = ctx.module
         fp8, ctx.fp8 = ctx.fp8, None
         x, ln_weight, ln_bias, *stats = ctx.saved_tensors
-        need_x, need_lnw, need_lnb, need_w, need_b = ctx.needs_input_grad[:5]
+        need_x = ctx.needs_input_grad[0]
+        to_lnw, to_lnb, to_w, to_b = gradient_destinations(
+            module.layer_norm_weight, module.layer_norm_bias, module.weight, module.bias
+        )
+        need_lnw, need_lnb = to_lnw is not None, to_lnb is not None
+        need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
         need_norm = need_x or need_lnw or need_lnb
         named_weights = [("weight", module.weight)] if need_w else []
         module._check_main_grads(named_weights)
-        d_ln_out = fp8.dgrad(dy, need_dx=need_norm, keep_dy=need_w)
+        d_ln_out = fp8.dgrad(dy, need_dx=need_norm, keep_dy=to_w is not None)
         update_delayed_scaling(module, fp8.recipe, ("grad_output",))
         dx = d_lnw = d_lnb = None
         if need_norm:
             dx, d_lnw, d_lnb = norm_bwd(
                 module, d_ln_out, x, ln_weight, ln_bias, stats, (need_x, need_lnw, need_lnb)
             )
+        dy_q, x_q = fp8.take_wgrad_operands()
+        dw = fp8_wgrad_value(module, module.weight, dy_q, x_q) if to_w == RETURN else None
+        db = dy.sum(dim=0) if to_b == RETURN else None
         if need_w or need_b:
-            dy_q, x_q = fp8.take_wgrad_operands()
             part = FP8WgradPart(
                 module.weight if need_w else None,
                 module.bias if need_b else None,
@@ -92,7 +108,7 @@ class _LayerNormLinearFP8Function(torch.autograd.Function):
                 dy.sum(dim=0) if need_b else None,
             )
             module._submit_fp8_wgrad([part], named_weights, ctx.overwrite)
-        return dx, d_lnw, d_lnb, None, None, None, None, None
+        return dx, d_lnw, d_lnb, dw, db, None, None, None
 
 
 class LayerNormLinear(SplitBackwardModule):

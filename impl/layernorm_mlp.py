@@ -14,12 +14,13 @@ nothing the non-delayed backward would not have kept.
 from __future__ import annotations
 
 import torch
+from splitgrad.reference.base import ACCUMULATE, RETURN, gradient_destinations
 
 from . import gemm
 from .activation import ACTIVATIONS, GATED, act_bwd, act_fwd
 from .base import FP8WgradPart, SplitBackwardModule, check_positive
 from .fp8 import check_fp8_gemm_shape, update_delayed_scaling
-from .fp8_gemm import FP8GemmOperands
+from .fp8_gemm import FP8GemmOperands, fp8_wgrad_value
 from .norm import check_normalization, create_norm_parameters, norm_bwd, norm_fwd
 from .store import WgradEntry
 
@@ -46,7 +47,18 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         x, ln_weight, ln_bias, ln_out, fc1_weight, fc1_out, act_out, fc2_weight, *stats = (
             ctx.saved_tensors
         )
-        need_x, need_lnw, need_lnb, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:7]
+        need_x = ctx.needs_input_grad[0]
+        dest = gradient_destinations(
+            module.layer_norm_weight,
+            module.layer_norm_bias,
+            module.fc1_weight,
+            module.fc1_bias,
+            module.fc2_weight,
+            module.fc2_bias,
+        )
+        to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2 = dest
+        need_lnw, need_lnb = to_lnw is not None, to_lnb is not None
+        need_w1, need_b1, need_w2, need_b2 = (d == ACCUMULATE for d in dest[2:])
         named_weights = [("fc2_weight", module.fc2_weight)] if need_w2 else []
         if need_w1:
             named_weights.append(("fc1_weight", module.fc1_weight))
@@ -54,15 +66,15 @@ class _LayerNormMLPFunction(torch.autograd.Function):
 
         need_norm = need_x or need_lnw or need_lnb
         dx = d_lnw = d_lnb = d_fc1_out = None
-        if need_norm or need_w1 or need_b1:
+        if need_norm or to_w1 is not None or to_b1 is not None:
             d_act = torch.mm(dy, fc2_weight)
             d_fc1_out, recomputed = act_bwd(
-                d_act, fc1_out, module.activation, want_out=need_w2 and act_out is None
+                d_act, fc1_out, module.activation, want_out=to_w2 is not None and act_out is None
             )
             del d_act
             if recomputed is not None:
                 act_out = recomputed
-        elif need_w2 and act_out is None:
+        elif to_w2 is not None and act_out is None:
             act_out = act_fwd(fc1_out, module.activation)
         if need_norm:
             d_ln_out = torch.mm(d_fc1_out, fc1_weight)
@@ -97,7 +109,14 @@ class _LayerNormMLPFunction(torch.autograd.Function):
                 p for p, n in ((w2, need_w2), (b2, need_b2), (w1, need_w1), (b1, need_b1)) if n
             )
             module._submit_wgrad(WgradEntry(wgrad_closure, saved, params))
-        return dx, d_lnw, d_lnb, None, None, None, None, None, None
+        # Asked for by torch.autograd.grad: returned now, nothing written or queued.
+        returned = (
+            gemm.wgrad(d_fc1_out, ln_out) if to_w1 == RETURN else None,
+            d_fc1_out.sum(dim=0) if to_b1 == RETURN else None,
+            gemm.wgrad(dy, act_out) if to_w2 == RETURN else None,
+            dy.sum(dim=0) if to_b2 == RETURN else None,
+        )
+        return dx, d_lnw, d_lnb, *returned, None, None
 
 
 class _LayerNormMLPFP8Function(torch.autograd.Function):
@@ -139,19 +158,30 @@ class _LayerNormMLPFP8Function(torch.autograd.Function):
         module: LayerNormMLP = ctx.module
         (fc1, fc2), ctx.fp8 = ctx.fp8, None
         x, ln_weight, ln_bias, fc1_out, *stats = ctx.saved_tensors
-        need_x, need_lnw, need_lnb, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:7]
+        need_x = ctx.needs_input_grad[0]
+        dest = gradient_destinations(
+            module.layer_norm_weight,
+            module.layer_norm_bias,
+            module.fc1_weight,
+            module.fc1_bias,
+            module.fc2_weight,
+            module.fc2_bias,
+        )
+        to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2 = dest
+        need_lnw, need_lnb = to_lnw is not None, to_lnb is not None
+        need_w1, need_b1, need_w2, need_b2 = (d == ACCUMULATE for d in dest[2:])
         named_weights = [("fc2_weight", module.fc2_weight)] if need_w2 else []
         if need_w1:
             named_weights.append(("fc1_weight", module.fc1_weight))
         module._check_main_grads(named_weights)
         need_norm = need_x or need_lnw or need_lnb
-        need_d_fc1 = need_norm or need_w1 or need_b1
-        d_act = fc2.dgrad(dy, need_dx=need_d_fc1, keep_dy=need_w2)
+        need_d_fc1 = need_norm or to_w1 is not None or to_b1 is not None
+        d_act = fc2.dgrad(dy, need_dx=need_d_fc1, keep_dy=to_w2 is not None)
         d_fc1_out = d_ln_out = None
         if need_d_fc1:
             d_fc1_out, _ = act_bwd(d_act, fc1_out, module.activation, want_out=False)
             del d_act
-            d_ln_out = fc1.dgrad(d_fc1_out, need_dx=need_norm, keep_dy=need_w1)
+            d_ln_out = fc1.dgrad(d_fc1_out, need_dx=need_norm, keep_dy=to_w1 is not None)
         update_delayed_scaling(module, fc2.recipe, ("grad_output",))
         dx = d_lnw = d_lnb = None
         if need_norm:
@@ -159,9 +189,16 @@ class _LayerNormMLPFP8Function(torch.autograd.Function):
                 module, d_ln_out, x, ln_weight, ln_bias, stats, (need_x, need_lnw, need_lnb)
             )
             del d_ln_out
+        dy2, act_q = fc2.take_wgrad_operands()
+        dy1, ln_q = fc1.take_wgrad_operands()
+        # Asked for by torch.autograd.grad: returned now, nothing written or queued.
+        returned = (
+            fp8_wgrad_value(module, module.fc1_weight, dy1, ln_q) if to_w1 == RETURN else None,
+            d_fc1_out.sum(dim=0) if to_b1 == RETURN else None,
+            fp8_wgrad_value(module, module.fc2_weight, dy2, act_q) if to_w2 == RETURN else None,
+            dy.sum(dim=0) if to_b2 == RETURN else None,
+        )
         if named_weights or need_b1 or need_b2:
-            dy2, act_q = fc2.take_wgrad_operands()
-            dy1, ln_q = fc1.take_wgrad_operands()
             parts = [
                 FP8WgradPart(
                     module.fc2_weight if need_w2 else None,
@@ -179,7 +216,7 @@ class _LayerNormMLPFP8Function(torch.autograd.Function):
                 ),
             ]
             module._submit_fp8_wgrad(parts, named_weights, ctx.overwrite)
-        return dx, d_lnw, d_lnb, *([None] * 7)
+        return dx, d_lnw, d_lnb, *returned, None, None, None
 
 
 class LayerNormMLP(SplitBackwardModule):

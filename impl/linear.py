@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import torch
+from splitgrad.reference.base import ACCUMULATE, RETURN, gradient_destinations
 
 from . import gemm
 from .base import FP8WgradPart, SplitBackwardModule, check_positive
 from .fp8 import check_fp8_gemm_shape, update_delayed_scaling
-from .fp8_gemm import FP8GemmOperands
+from .fp8_gemm import FP8GemmOperands, fp8_wgrad_value
 from .store import WgradEntry
 
 __all__ = ["Linear"]
@@ -24,7 +25,9 @@ class _LinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         module: Linear = ctx.module
         x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_x = ctx.needs_input_grad[0]
+        to_w, to_b = gradient_destinations(module.weight, module.bias)
+        need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
         named_weights = [("weight", module.weight)] if need_w else []
         module._check_main_grads(named_weights)
         dx = torch.mm(dy, weight) if need_x else None
@@ -41,7 +44,10 @@ class _LinearFunction(torch.autograd.Function):
             saved = (dy, x.detach()) if need_w else (dy,)
             params = tuple(p for p, n in ((w, need_w), (b, need_b)) if n)
             module._submit_wgrad(WgradEntry(wgrad_closure, saved, params))
-        return dx, None, None, None, None
+        # Asked for by torch.autograd.grad: returned now, nothing written or queued.
+        dw = gemm.wgrad(dy, x) if to_w == RETURN else None
+        db = dy.sum(dim=0) if to_b == RETURN else None
+        return dx, dw, db, None, None
 
 
 class _LinearFP8Function(torch.autograd.Function):
@@ -60,13 +66,17 @@ class _LinearFP8Function(torch.autograd.Function):
     def backward(ctx, dy):
         module: Linear = ctx.module
         fp8, ctx.fp8 = ctx.fp8, None
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_x = ctx.needs_input_grad[0]
+        to_w, to_b = gradient_destinations(module.weight, module.bias)
+        need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
         named_weights = [("weight", module.weight)] if need_w else []
         module._check_main_grads(named_weights)
-        dx = fp8.dgrad(dy, need_dx=need_x, keep_dy=need_w)
+        dx = fp8.dgrad(dy, need_dx=need_x, keep_dy=to_w is not None)
         update_delayed_scaling(module, fp8.recipe, ("grad_output",))
+        dy_q, x_q = fp8.take_wgrad_operands()
+        dw = fp8_wgrad_value(module, module.weight, dy_q, x_q) if to_w == RETURN else None
+        db = dy.sum(dim=0) if to_b == RETURN else None
         if need_w or need_b:
-            dy_q, x_q = fp8.take_wgrad_operands()
             part = FP8WgradPart(
                 module.weight if need_w else None,
                 module.bias if need_b else None,
@@ -75,7 +85,7 @@ class _LinearFP8Function(torch.autograd.Function):
                 dy.sum(dim=0) if need_b else None,
             )
             module._submit_fp8_wgrad([part], named_weights, ctx.overwrite)
-        return dx, None, None, None, None, None
+        return dx, dw, db, None, None, None
 
 
 class Linear(SplitBackwardModule):

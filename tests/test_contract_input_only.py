@@ -130,3 +130,46 @@ def test_input_only_backward_queues_nothing_across_microbatches(lib, kind):
     y.backward(make_dy(ref, y, 1))
     for (name, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_only_asked_parameters_under_fp8(lib, kind, mode, recipe):
+    """The same under FP8, delayed: each GEMM weight alone, and none (input only)."""
+    make_recipe = {"current": lib.Float8CurrentScaling, "delayed": lib.DelayedScaling}[recipe]
+
+    def run(subset, full=False):
+        m = build(lib, kind, delay=True, dtype=torch.bfloat16)
+        fill(m, 0)
+        params = dict(m.named_parameters())
+        x = make_input(m, 1)
+        with lib.fp8_autocast(enabled=True, fp8_recipe=make_recipe()):
+            y = forward(m, x)
+        dy = make_dy(m, y, 1)
+        if full:
+            y.backward(dy)
+            while m.pending_wgrad_count:
+                m.backward_dw()
+            return m, x.grad, {n: p.grad for n, p in params.items()}
+        if mode == "autograd.grad":
+            got = torch.autograd.grad(y, [x, *(params[n] for n in subset)], dy)
+            return m, got[0], dict(zip(subset, got[1:]))
+        y.backward(dy, inputs=[x, *(params[n] for n in subset)])
+        while m.pending_wgrad_count:
+            m.backward_dw()
+        return m, x.grad, {n: params[n].grad for n in subset}
+
+    _, dx_full, full = run((), full=True)
+    names = [n for n, _ in build(lib, kind).named_parameters()]
+    for subset in [()] + [(n,) for n in names if n not in ("layer_norm_weight", "layer_norm_bias")]:
+        m, dx, got = run(subset)
+        where = f"{kind} {recipe} asked for x + {list(subset)} via {mode}"
+        torch.testing.assert_close(dx, dx_full, rtol=0, atol=0, msg=where)
+        for name, p in m.named_parameters():
+            if name in subset:
+                torch.testing.assert_close(got[name], full[name], rtol=0, atol=0, msg=where)
+                if mode == "autograd.grad":
+                    assert p.grad is None, f"{where}: {name}.grad written"
+            else:
+                assert p.grad is None, f"{where}: {name}.grad written"
