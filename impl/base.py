@@ -18,6 +18,7 @@ import operator
 from collections.abc import Callable, Sequence
 
 import torch
+from splitgrad.reference.base import check_not_under_ddp
 from splitgrad.reference.fp8 import Recipe, fp8_active_recipe
 
 from . import gemm
@@ -121,6 +122,7 @@ class SplitBackwardModule(torch.nn.Module):
         device = next(self.parameters()).device
         if inp.device != device:
             raise ValueError(f"inp must be on the module's device {device}, got {inp.device}")
+        check_not_under_ddp(self)
         return inp.reshape(-1, in_features), fp8_active_recipe()
 
     def _check_main_grads(self, named_weights: Sequence[tuple[str, torch.nn.Parameter]]) -> None:

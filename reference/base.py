@@ -39,6 +39,11 @@ Split backward (§4, ``delay_wgrad_compute=True``)
     constructor (an exception, so it holds under ``python -O``); without delay it is accepted and
     changes no result in one process.
 
+Distributed (§8)
+  * Inside the forward of torch's ``DistributedDataParallel``, a module with delay or fused
+    accumulation raises ``RuntimeError`` (:func:`check_not_under_ddp`): DDP's reduction hooks
+    run before such gradients exist, so they would stay unreduced.
+
 Bad input (§5) raises before anything is written or queued
   * ``inp`` not a tensor, or of the wrong dtype (it must be ``params_dtype``) -> ``TypeError``;
     wrong last dimension or device -> ``ValueError``. Each message names expected and actual.
@@ -72,6 +77,7 @@ __all__ = [
     "RETURN",
     "gradient_destination",
     "gradient_destinations",
+    "check_not_under_ddp",
 ]
 
 #: The running backward accumulates this parameter's gradient (``.grad`` / ``main_grad``).
@@ -103,6 +109,44 @@ def gradient_destination(param: torch.Tensor | None) -> str | None:
     if not executes:
         return None
     return ACCUMULATE if param.is_leaf else RETURN
+
+
+def check_not_under_ddp(module: torch.nn.Module) -> None:
+    """Raise ``RuntimeError`` when ``module`` runs inside the forward of torch's
+    ``DistributedDataParallel`` that would have to reduce gradients it never sees (SPEC §8).
+
+    DDP reduces a parameter from a hook on autograd's ``AccumulateGrad``, which runs during
+    ``backward()``. A split-backward module writes its GEMM-parameter gradients itself: plain and
+    non-delayed, ``.grad`` is written before that hook runs, so DDP reduces it correctly; but
+    under ``delay_wgrad_compute`` the gradient arrives later in ``backward_dw()``, and under
+    ``fuse_wgrad_accumulation`` it goes to ``main_grad``, which DDP never reads. Either way the
+    replicas would silently train on unreduced gradients, so the module refuses to run. Parameters
+    DDP is told to ignore (``_ddp_params_and_buffers_to_ignore``) are left to the caller.
+    """
+    if not (module.delay_wgrad_compute or module.fuse_wgrad_accumulation):
+        return
+    ddp = torch.nn.parallel.DistributedDataParallel._active_ddp_module
+    if ddp is None:
+        return
+    reduced = {id(p) for p in getattr(ddp, "_module_parameters", ())}
+    names = [
+        name
+        for name, p in module.named_parameters(recurse=False)
+        if p.requires_grad and id(p) in reduced and not name.startswith("layer_norm")
+    ]
+    if names:
+        mode = "delay_wgrad_compute=True" if module.delay_wgrad_compute else ""
+        if module.fuse_wgrad_accumulation:
+            mode = " and ".join(m for m in (mode, "fuse_wgrad_accumulation=True") if m)
+        raise RuntimeError(
+            f"{type(module).__name__} with {mode} runs inside torch.nn.parallel."
+            f"DistributedDataParallel, which cannot reduce {', '.join(names)}: their gradients "
+            "are written outside autograd (by backward_dw() under delay, into main_grad when "
+            "fused), after DDP's hooks have run, so the replicas would silently diverge. Use "
+            "splitgrad.distributed.GradientReducer(model, process_group) instead of DDP, or list "
+            "these parameters in the wrapped module's _ddp_params_and_buffers_to_ignore and "
+            "reduce them yourself from register_wgrad_accumulation_and_reduce_hooks"
+        )
 
 
 def gradient_destinations(*params: torch.Tensor | None) -> list[str | None]:
@@ -243,6 +287,7 @@ class SplitBackwardModule(torch.nn.Module):
         device = next(self.parameters()).device
         if inp.device != device:
             raise ValueError(f"inp must be on the module's device {device}, got {inp.device}")
+        check_not_under_ddp(self)
         return inp.reshape(-1, in_features), fp8_active_recipe()
 
     def _check_main_grads(self, weights: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
