@@ -1,0 +1,380 @@
+"""Data parallel: reduce every gradient once per step, as soon as it is final (SPEC §8, P16).
+
+torch's ``DistributedDataParallel`` reduces a parameter from a hook on autograd's
+``AccumulateGrad``, which fires during ``backward()``. A delayed GEMM parameter gets its gradient
+later, in ``backward_dw()``, and a fused one accumulates into ``main_grad``, which DDP never
+reads: under DDP both would stay unreduced (the modules refuse to run inside DDP's forward for
+that reason). :class:`GradientReducer` takes DDP's place:
+
+* **When a gradient is final.** A step is several micro-batches; a gradient is final after the
+  step's *last* backward pass that produces it (``no_sync()`` marks the earlier ones, as DDP's
+  ``no_sync`` does, or ``num_microbatches=n`` counts them: the n-th pass is the last) and, for a
+  delayed GEMM parameter (``skip_backward_post_hook``, SPEC §4), once its module's queue is
+  empty after that pass: the module hook of §4 fires after each entry, and the one that leaves
+  ``pending_wgrad_count == 0`` wrote the last contribution. A backward pass "produces" a
+  parameter when the autograd engine accumulates into it: input-only backwards
+  (``torch.autograd.grad(y, x)``, pipelining's shape inference) are not counted (P17).
+* **What is reduced.** ``.grad``, or ``main_grad`` for the GEMM weights of a module built with
+  ``fuse_wgrad_accumulation=True``; the average over the process group.
+* **How.** Parameters are packed into buckets (``bucket_cap_mb``, one dtype each) in the order
+  they are expected to become final: parameters reduced from autograd's hooks first, then the
+  delayed ones, each group last-registered first. A bucket is flattened and all-reduced
+  asynchronously as soon as all its parameters are final *and* every earlier bucket has been
+  launched, so every rank issues the same collectives in the same order. Launches overlap the
+  rest of the backward and the remaining ``backward_dw()`` work; :attr:`launch_log` records
+  when each launch happened.
+* **finish()** waits for every reduction (with a timeout), writes the averages back, and raises
+  ``RuntimeError`` if a gradient was never produced, was produced again after its reduction had
+  started (a micro-batch not marked as non-final, or a ``backward_dw()`` after the last one), or
+  was changed while it was being reduced. Call it before the optimizer step; it is a no-op when
+  the step is already finished (a pipeline stage's gradient scaling finishes it, see
+  :mod:`.pipeline`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from .modules import SplitModule, gradient_tensor, split_modules
+
+__all__ = ["GradientReducer", "reducer_of"]
+
+_REDUCERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def reducer_of(module: torch.nn.Module) -> GradientReducer | None:
+    """The :class:`GradientReducer` built on ``module`` itself, if any."""
+    return _REDUCERS.get(module)
+
+
+@dataclasses.dataclass(eq=False)
+class _Param:
+    name: str
+    param: torch.nn.Parameter
+    main_grad: bool
+    owner: SplitModule | None  # set for delayed GEMM parameters (reduced from module hooks)
+    bucket: int = -1
+    passes: int = 0  # producing backward passes seen this step
+    last_task: int = -1
+    final_pass_seen: bool = False
+    ready: bool = False
+
+    @property
+    def delayed(self) -> bool:
+        return self.owner is not None
+
+
+@dataclasses.dataclass(eq=False)
+class _Bucket:
+    index: int
+    params: list[_Param]
+    work: object = None
+    flat: torch.Tensor | None = None
+    grads: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+
+
+class GradientReducer:
+    """Average-reduce every trainable parameter's gradient of ``module`` across
+    ``process_group`` once per step, each bucket launched as soon as its gradients are final.
+
+    Args:
+        module: the model replica (plain ``torch.nn`` modules and split-backward modules alike).
+        process_group: the data-parallel group (default: the world).
+        num_microbatches: backward passes per step; ``None`` (default): every backward pass
+            outside :meth:`no_sync` is a step's last.
+        bucket_cap_mb: bucket size, as DDP's.
+        ignore: parameters (or their names in ``module``) that this reducer leaves alone, e.g.
+            the experts of an expert-parallel layer.
+        timeout: how long :meth:`finish` waits for one bucket before raising.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        num_microbatches: int | None = None,
+        bucket_cap_mb: float = 25.0,
+        ignore: Iterable[str | torch.nn.Parameter] = (),
+        timeout: datetime.timedelta = datetime.timedelta(minutes=5),
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("GradientReducer needs torch.distributed to be initialized")
+        if num_microbatches is not None and (
+            isinstance(num_microbatches, bool)
+            or not isinstance(num_microbatches, int)
+            or num_microbatches < 1
+        ):
+            raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
+        if module in _REDUCERS:
+            raise RuntimeError(
+                "this module already has a GradientReducer (hooks cannot be removed): reuse it"
+            )
+        self.module = module
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.num_microbatches = num_microbatches
+        self.timeout = timeout
+        ignored = {id(p) for p in ignore if isinstance(p, torch.Tensor)}
+        ignored_names = {p for p in ignore if isinstance(p, str)}
+        names = dict(module.named_parameters())
+        unknown = sorted(ignored_names - set(names))
+        if unknown:
+            raise ValueError(f"ignore names parameters {unknown} that module does not have")
+
+        owner: dict[int, tuple[SplitModule, str]] = {}
+        for sm in split_modules(module):
+            for local, p in sm.gemm_params:
+                owner[id(p)] = (sm, local)
+        self._params: list[_Param] = []
+        for name, p in names.items():
+            if not p.requires_grad or id(p) in ignored or name in ignored_names:
+                continue
+            sm, local = owner.get(id(p), (None, None))
+            deferred = bool(getattr(p, "skip_backward_post_hook", False))
+            if deferred and (sm is None or not sm.delayed):
+                raise ValueError(
+                    f"{name} has skip_backward_post_hook=True but no delayed split-backward "
+                    "module owns it: no module hook would report its gradient"
+                )
+            main_grad = sm is not None and sm.uses_main_grad(local)
+            self._params.append(_Param(name, p, main_grad, sm if deferred else None))
+        if not self._params:
+            raise ValueError("module has no trainable parameter to reduce")
+        self._by_id = {id(st.param): st for st in self._params}
+        self._buckets = self._make_buckets(bucket_cap_mb)
+        self._next_bucket = 0
+        self._no_sync = False
+        self._errors: list[str] = []
+        self._finished = True
+        self._step = 0
+        #: One record per bucket launch of the current step (cleared when the next step starts):
+        #: ``{"bucket", "params", "time", "step"}``, ``time`` from ``time.perf_counter()``.
+        self.launch_log: list[dict] = []
+        #: ``time.perf_counter()`` when :meth:`finish` was last called.
+        self.finish_time: float | None = None
+
+        for st in self._params:
+            st.param.register_post_accumulate_grad_hook(self._on_accumulate)
+        hooked = {id(st.owner.module): st.owner for st in self._params if st.delayed}
+        for sm in hooked.values():
+            sm.module.register_wgrad_accumulation_and_reduce_hooks(
+                _ModuleHook(weakref.ref(self), sm)
+            )
+        _REDUCERS[module] = self
+
+    # ---- buckets -----------------------------------------------------------------------------
+
+    def _make_buckets(self, cap_mb: float) -> list[_Bucket]:
+        cap = cap_mb * 2**20
+        ordered = [st for st in reversed(self._params) if not st.delayed] + [
+            st for st in reversed(self._params) if st.delayed
+        ]
+        buckets: list[_Bucket] = []
+        current: list[_Param] = []
+        size, kind = 0.0, None
+        for st in ordered:
+            this_kind = (st.main_grad, st.param.dtype, st.param.device, st.delayed)
+            nbytes = st.param.numel() * (4 if st.main_grad else st.param.element_size())
+            if current and (this_kind != kind or size + nbytes > cap):
+                buckets.append(_Bucket(len(buckets), current))
+                current, size = [], 0.0
+            current.append(st)
+            size += nbytes
+            kind = this_kind
+        if current:
+            buckets.append(_Bucket(len(buckets), current))
+        for b in buckets:
+            for st in b.params:
+                st.bucket = b.index
+        return buckets
+
+    @property
+    def bucket_names(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order."""
+        return [[st.name for st in b.params] for b in self._buckets]
+
+    # ---- micro-batches -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside this context are not a step's last (as DDP's ``no_sync``)."""
+        if self.num_microbatches is not None:
+            raise RuntimeError(
+                f"no_sync() with num_microbatches={self.num_microbatches}: use one or the other"
+            )
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def _begin_step_if_needed(self) -> None:
+        if self._finished:
+            self._finished = False
+            self._step += 1
+            self.launch_log = []
+
+    def _final_pass(self, st: _Param) -> bool:
+        if self.num_microbatches is None:
+            return not self._no_sync
+        if st.passes > self.num_microbatches:
+            self._errors.append(
+                f"{st.name}: produced by {st.passes} backward passes in one step, more than "
+                f"num_microbatches={self.num_microbatches}"
+            )
+        return st.passes == self.num_microbatches
+
+    # ---- hooks -------------------------------------------------------------------------------
+
+    def _on_accumulate(self, param: torch.Tensor) -> None:
+        """autograd accumulated into ``param`` (its gradient for non-delayed parameters; for a
+        delayed one, its module has just queued the entry that will write it)."""
+        st = self._by_id.get(id(param))
+        if st is None:
+            return
+        self._begin_step_if_needed()
+        task = torch._C._current_graph_task_id()
+        if task != st.last_task:
+            st.last_task = task
+            st.passes += 1
+        final = self._final_pass(st)
+        if st.ready:
+            self._errors.append(
+                f"{st.name}: a backward pass produced it again after its reduction had started "
+                "(mark the non-final micro-batches with no_sync() or set num_microbatches)"
+            )
+            return
+        if st.delayed:
+            st.final_pass_seen = st.final_pass_seen or final
+            return
+        if final:
+            self._mark_ready(st)
+
+    def _on_entry_done(self, sm: SplitModule) -> None:
+        """A ``backward_dw()`` of ``sm`` wrote its entry's gradients (SPEC §4's module hook)."""
+        self._begin_step_if_needed()
+        last = sm.module.pending_wgrad_count == 0
+        for _, p in sm.gemm_params:
+            st = self._by_id.get(id(p))
+            if st is None or st.owner is None or st.owner.module is not sm.module:
+                continue
+            if st.ready:
+                self._errors.append(
+                    f"{st.name}: backward_dw() wrote it again after its reduction had started"
+                )
+            elif last and st.final_pass_seen:
+                self._mark_ready(st)
+
+    def _mark_ready(self, st: _Param) -> None:
+        st.ready = True
+        while self._next_bucket < len(self._buckets) and all(
+            q.ready for q in self._buckets[self._next_bucket].params
+        ):
+            self._launch(self._buckets[self._next_bucket])
+            self._next_bucket += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        grads = []
+        for st in bucket.params:
+            g = gradient_tensor(st.param, st.main_grad)
+            if g is None:
+                self._errors.append(f"{st.name}: final but no gradient was written")
+                g = torch.zeros_like(st.param)
+                st.param.grad = g
+            grads.append(g)
+        bucket.grads = grads
+        bucket.versions = [g._version for g in grads]
+        bucket.flat = torch.cat([g.detach().reshape(-1) for g in grads])
+        bucket.work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
+        self.launch_log.append(
+            {
+                "bucket": bucket.index,
+                "params": [st.name for st in bucket.params],
+                "time": time.perf_counter(),
+                "step": self._step,
+            }
+        )
+
+    # ---- the end of a step -------------------------------------------------------------------
+
+    @property
+    def step_finished(self) -> bool:
+        """``True`` between :meth:`finish` and the next gradient of the next step."""
+        return self._finished
+
+    def finish(self) -> None:
+        """Wait for every reduction of this step and write the averages back; raise
+        ``RuntimeError`` naming every gradient that was never produced, produced twice, or
+        changed while being reduced. A no-op when nothing happened since the last call."""
+        self.finish_time = time.perf_counter()
+        if self._finished:
+            return
+        errors = list(self._errors)
+        missing = [st.name for st in self._params if not st.ready]
+        try:
+            with torch.no_grad():
+                for bucket in self._buckets[: self._next_bucket]:
+                    self._complete(bucket, errors)
+        finally:
+            self._reset()
+        if missing:
+            errors.append(
+                f"never produced in this step, so never reduced: {missing} (a parameter no "
+                "backward reached, a delayed module whose queue was not drained with "
+                "backward_dw(), or a step with fewer backward passes than num_microbatches)"
+            )
+        if errors:
+            raise RuntimeError("GradientReducer.finish(): " + "; ".join(errors))
+
+    def _complete(self, bucket: _Bucket, errors: list[str]) -> None:
+        names = [st.name for st in bucket.params]
+        try:
+            bucket.work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"GradientReducer: the all-reduce of bucket {bucket.index} {names} did not "
+                f"complete within {self.timeout} (a rank failed or issued other collectives)"
+            ) from exc
+        bucket.flat.div_(self.world_size)
+        offset = 0
+        for st, g, version in zip(bucket.params, bucket.grads, bucket.versions):
+            now = gradient_tensor(st.param, st.main_grad)
+            if now is not g or g._version != version:
+                errors.append(f"{st.name}: changed while its reduction was in flight")
+            n = g.numel()
+            g.copy_(bucket.flat[offset : offset + n].view_as(g))
+            offset += n
+
+    def _reset(self) -> None:
+        self._finished = True
+        self._next_bucket = 0
+        self._errors = []
+        for st in self._params:
+            st.passes, st.last_task, st.final_pass_seen, st.ready = 0, -1, False, False
+        for bucket in self._buckets:
+            bucket.work, bucket.flat, bucket.grads, bucket.versions = None, None, [], []
+
+
+class _ModuleHook:
+    """The module hook of one split-backward module (holds the reducer weakly)."""
+
+    def __init__(self, reducer: weakref.ref, sm: SplitModule) -> None:
+        self._reducer = reducer
+        self._sm = sm
+
+    def __call__(self) -> None:
+        reducer = self._reducer()
+        if reducer is not None:
+            reducer._on_entry_done(self._sm)
