@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .strategies import GATED, Case, ModuleConfig, make_recipe
+from .strategies import GATED, KINDS, Case, ModuleConfig, make_recipe
 
 __all__ = [
     "Deviation",
@@ -108,13 +109,18 @@ class Backend(abc.ABC):
     def parameters(self, module: Any) -> dict[str, torch.nn.Parameter]:
         """Every parameter by TransformerEngine name (frozen ones included)."""
 
-    @abc.abstractmethod
     def gemm_weight_names(self, module: Any) -> list[str]:
-        """Names of the GEMM weights (those that use ``main_grad`` when fused)."""
+        """Names of the GEMM weights (those that use ``main_grad`` when fused), from SPEC §2's
+        parameter names (never from an implementation's private API)."""
+        from .data import GEMM_WEIGHT, role_of
 
-    @abc.abstractmethod
+        return [n for n in self.parameters(module) if _spec_role(n, role_of) == GEMM_WEIGHT]
+
     def gemm_bias_names(self, module: Any) -> list[str]:
-        """Names of the GEMM biases."""
+        """Names of the GEMM biases, from SPEC §2's parameter names."""
+        from .data import GEMM_BIAS, role_of
+
+        return [n for n in self.parameters(module) if _spec_role(n, role_of) == GEMM_BIAS]
 
     def load_state(self, module: Any, state: dict[str, torch.Tensor]) -> None:
         """Copy parameter values (names as :meth:`parameters`); raise ``KeyError`` on a gap."""
@@ -139,11 +145,43 @@ class Backend(abc.ABC):
         """``module(x[, m_splits], is_first_microbatch=...)``."""
 
     def backward(
-        self, module: Any, outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+        self,
+        module: Any,
+        outputs: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor] | None = None,
     ) -> None:
         """The autograd backward of ``outputs`` (one call, possibly several outputs of one
-        module, e.g. a tied weight used twice)."""
-        torch.autograd.backward(list(outputs), list(grads))
+        module, e.g. a tied weight used twice); ``inputs``: only these leaves' gradients
+        (``backward(inputs=...)``, P17)."""
+        if inputs is None:
+            torch.autograd.backward(list(outputs), list(grads))
+        else:
+            torch.autograd.backward(list(outputs), list(grads), inputs=list(inputs))
+
+    def grad(
+        self,
+        module: Any,
+        outputs: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+    ) -> tuple[torch.Tensor | None, ...]:
+        """``torch.autograd.grad(outputs, inputs, grads)``: the gradients returned, nothing
+        written (P17)."""
+        return torch.autograd.grad(list(outputs), list(inputs), list(grads), allow_unused=True)
+
+    def has_hooks(self) -> bool:
+        """Whether :meth:`register_hook` works (SPEC §4's hooks)."""
+        return "hooks" not in self.missing_api()
+
+    def missing_api(self) -> dict[str, str]:
+        """The parts of SPEC §2-§6's API this backend lacks, by name in :data:`API_PARTS` (or
+        ``"module:<Kind>"``), each with a sentence saying what is missing. Empty: complete."""
+        return {}
+
+    def cli_args(self) -> list[str]:
+        """The ``splitgrad verify`` arguments that select this backend (for replay lines)."""
+        return ["--backend", self.name]
 
     @abc.abstractmethod
     def backward_dw(self, module: Any) -> None:
@@ -213,9 +251,93 @@ def build_library_module(
     if config.kind == "LayerNormMLP":
         kw["activation"] = config.activation
     cls = getattr(lib, config.kind)
+    accepted = _keywords(cls)
+    if accepted is not None:
+        # A constructor without an option SPEC lists still builds the default configuration.
+        defaults = {"fuse_wgrad_accumulation": False, "delay_wgrad_compute": False}
+        kw = {k: v for k, v in kw.items() if k in accepted or defaults.get(k, object()) != v}
     if config.kind == "GroupedLinear":
         return cls(config.num_gemms, config.in_features, config.out_features, **kw)
     return cls(config.in_features, config.out_features, **kw)
+
+
+def _keywords(fn: Any) -> set[str] | None:
+    """The keyword arguments ``fn`` takes (``None``: any, it has ``**kwargs``, or unknown)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+        return None
+    return set(sig.parameters)
+
+
+def _spec_role(name: str, role_of: Callable[[str], str]) -> str | None:
+    try:
+        return role_of(name)
+    except ValueError:
+        return None
+
+
+#: The parts of SPEC §2-§6's public API the harness uses, with what each is. A backend lacking
+#: one is reported once (:meth:`Backend.missing_api`); the properties that need it are blocked
+#: (``splitgrad.properties.registry``), the others run without it.
+API_PARTS: dict[str, str] = {
+    "delay": "delay_wgrad_compute=True with backward_dw() and pending_wgrad_count (SPEC §4)",
+    "hooks": "register_wgrad_accumulation_and_reduce_hooks(fn) (SPEC §4)",
+    "fused": "fuse_wgrad_accumulation=True, accumulating into main_grad (SPEC §3)",
+    "first_microbatch": "forward(inp, is_first_microbatch=...) (SPEC §2)",
+    "ub_bulk_wgrad": "the ub_bulk_wgrad constructor option (SPEC §2)",
+    "constructors": "the module classes themselves, called with bad arguments (P9, P10)",
+    "fp8": "fp8_autocast(enabled=True, fp8_recipe=...) (SPEC §6)",
+    "fp8_quantizer": "an FP8 quantize(x, recipe, role, axis, state=None) function (P13)",
+}
+
+
+def probe_library(lib: Any, name: str) -> dict[str, str]:
+    """What ``lib`` (a namespace meant to have SPEC §2's API) lacks, as
+    :meth:`Backend.missing_api` reports it. Reads signatures and builds one tiny module of each
+    kind; runs no forward."""
+    missing: dict[str, str] = {}
+    kinds = [k for k in KINDS if hasattr(lib, k)]
+    for kind in KINDS:
+        if kind not in kinds:
+            missing[f"module:{kind}"] = f"{name} does not export {kind}"
+    needs = {
+        "delay": ["delay_wgrad_compute"],
+        "fused": ["fuse_wgrad_accumulation"],
+    }
+    for kind in kinds:
+        cls = getattr(lib, kind)
+        accepted = _keywords(cls)
+        for part, options in needs.items():
+            lacking = [o for o in options if accepted is not None and o not in accepted]
+            if lacking and part not in missing:
+                missing[part] = f"{name}.{kind}() takes no {', '.join(lacking)}"
+        if kind != "GroupedLinear" and accepted is not None and "ub_bulk_wgrad" not in accepted:
+            missing.setdefault("ub_bulk_wgrad", f"{name}.{kind}() takes no ub_bulk_wgrad")
+        fwd = _keywords(getattr(cls, "forward", cls.__call__))
+        if fwd is not None and "is_first_microbatch" not in fwd:
+            missing.setdefault(
+                "first_microbatch", f"{name}.{kind}.forward() takes no is_first_microbatch"
+            )
+        args = (2, 4, 4) if kind == "GroupedLinear" else (4, 4)
+        kw = {} if "delay" in missing else {"delay_wgrad_compute": True}
+        try:
+            module = cls(*args, **kw)
+        except Exception as exc:  # a constructor that fails on SPEC's options is a finding
+            missing.setdefault("delay", f"{name}.{kind}(*{args}, **{kw}) raised {exc!r}")
+            continue
+        for attr in ("backward_dw", "pending_wgrad_count"):
+            if not hasattr(module, attr) and "delay" not in missing:
+                missing["delay"] = f"{name}.{kind} has no {attr}"
+        if not callable(getattr(module, "register_wgrad_accumulation_and_reduce_hooks", None)):
+            missing.setdefault(
+                "hooks", f"{name}.{kind} has no register_wgrad_accumulation_and_reduce_hooks"
+            )
+    if not callable(getattr(lib, "fp8_autocast", None)):
+        missing["fp8"] = f"{name} does not export fp8_autocast"
+    return missing
 
 
 class LibraryBackend(Backend):
@@ -240,13 +362,11 @@ class LibraryBackend(Backend):
             lib = self.lib
         except ImportError as exc:
             return f"cannot import {self._module_name}: {exc}"
-        missing = [
-            k
-            for k in ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
-            if not hasattr(lib, k)
-        ]
-        if missing:
-            return f"{getattr(lib, '__name__', self.name)} does not export {', '.join(missing)} yet"
+        if not any(hasattr(lib, k) for k in KINDS):
+            return (
+                f"{getattr(lib, '__name__', self.name)} exports none of SPEC §2's modules "
+                f"({', '.join(KINDS)})"
+            )
         return None
 
     def build(self, config: ModuleConfig, *, delay: bool, ub_bulk_wgrad: bool = False) -> Any:
@@ -258,16 +378,24 @@ class LibraryBackend(Backend):
     def parameters(self, module: Any) -> dict[str, torch.nn.Parameter]:
         return dict(module.named_parameters())
 
-    def gemm_weight_names(self, module: Any) -> list[str]:
-        return list(module.gemm_weight_names())
-
-    def gemm_bias_names(self, module: Any) -> list[str]:
-        return list(module.gemm_bias_names())
-
     def forward(self, module, x, m_splits, is_first_microbatch):
+        kw = {}
+        if is_first_microbatch is not None or "first_microbatch" not in self.missing_api():
+            kw["is_first_microbatch"] = is_first_microbatch
         if m_splits is not None:
-            return module(x, list(m_splits), is_first_microbatch=is_first_microbatch)
-        return module(x, is_first_microbatch=is_first_microbatch)
+            return module(x, list(m_splits), **kw)
+        return module(x, **kw)
+
+    def missing_api(self) -> dict[str, str]:
+        if not hasattr(self, "_missing"):
+            missing = probe_library(self.lib, getattr(self.lib, "__name__", self.name))
+            if "fp8" not in missing:
+                try:
+                    self.fp8_quantizer()
+                except BackendUnavailable as exc:
+                    missing["fp8_quantizer"] = str(exc)
+            self._missing = missing
+        return self._missing
 
     def backward_dw(self, module: Any) -> None:
         module.backward_dw()
@@ -564,16 +692,6 @@ class TorchSplitBackend(Backend):
     def parameters(self, module: TorchSplitHandle) -> dict[str, torch.nn.Parameter]:
         return dict(module.twin.named_parameters())
 
-    def gemm_weight_names(self, module: TorchSplitHandle) -> list[str]:
-        from .data import GEMM_WEIGHT, param_specs
-
-        return [s.name for s in param_specs(module.twin.config) if s.role == GEMM_WEIGHT]
-
-    def gemm_bias_names(self, module: TorchSplitHandle) -> list[str]:
-        from .data import GEMM_BIAS, param_specs
-
-        return [s.name for s in param_specs(module.twin.config) if s.role == GEMM_BIAS]
-
     def forward(self, module: TorchSplitHandle, x, m_splits, is_first_microbatch):
         # Stage inputs are leaves (a pipeline stage receives detached activations); an input
         # produced by this module itself (a chained, tied use) is part of the stage's graph.
@@ -584,19 +702,37 @@ class TorchSplitBackend(Backend):
     def _trainable(self, module: TorchSplitHandle) -> list[torch.nn.Parameter]:
         return [p for p in module.twin.parameters() if p.requires_grad]
 
-    def backward(self, module: TorchSplitHandle, outputs, grads) -> None:
-        inputs, module.inputs = module.inputs, []
+    def backward(self, module: TorchSplitHandle, outputs, grads, inputs=None) -> None:
+        stage_inputs, module.inputs = module.inputs, []
+        gemm = set(self.gemm_weight_names(module) + self.gemm_bias_names(module))
+        if inputs is not None:
+            # backward(inputs=...): only what is asked (a stage input, some parameters).
+            asked = {id(t) for t in inputs}
+            stage_inputs = [x for x in stage_inputs if id(x) in asked]
+            weights = [p for p in self._trainable(module) if id(p) in asked]
+        else:
+            weights = self._trainable(module)
+        asked_gemm = any(
+            p.requires_grad and id(p) in {id(w) for w in weights}
+            for n, p in module.twin.named_parameters()
+            if n in gemm
+        )
         if not module.delay:
-            torch.autograd.backward(list(outputs), list(grads))
-            self._run_hooks(module)
+            torch.autograd.backward(list(outputs), list(grads), inputs=inputs)
+            if asked_gemm:
+                self._run_hooks(module)
             return
         from torch.distributed.pipelining._backward import stage_backward_input
 
-        weights = self._trainable(module)
-        _, param_groups = stage_backward_input(list(outputs), list(grads), inputs, iter(weights))
-        gemm = set(self.gemm_weight_names(module) + self.gemm_bias_names(module))
-        if any(p.requires_grad for n, p in module.twin.named_parameters() if n in gemm):
-            module.queue.append(param_groups)
+        _, param_groups = stage_backward_input(
+            list(outputs), list(grads), stage_inputs, iter(weights)
+        )
+        if asked_gemm:
+            module.queue.append((weights, param_groups))
+
+    def grad(self, module: TorchSplitHandle, outputs, grads, inputs):
+        module.inputs = []  # a partial backward consumes the stage inputs seen so far
+        return super().grad(module, outputs, grads, inputs)
 
     def backward_dw(self, module: TorchSplitHandle) -> None:
         if not module.delay:
@@ -607,9 +743,9 @@ class TorchSplitBackend(Backend):
             )
         from torch.distributed.pipelining._backward import stage_backward_weight
 
-        param_groups = module.queue.popleft()
-        stage_backward_weight(iter(self._trainable(module)), param_groups)
-        del param_groups
+        weights, param_groups = module.queue.popleft()
+        stage_backward_weight(iter(weights), param_groups)
+        del param_groups, weights
         self._run_hooks(module)
 
     @staticmethod
@@ -703,26 +839,6 @@ class TransformerEngineBackend(LibraryBackend):
     def build(self, config: ModuleConfig, *, delay: bool, ub_bulk_wgrad: bool = False) -> Any:
         return build_library_module(self.lib, config, delay=delay, ub_bulk_wgrad=ub_bulk_wgrad)
 
-    def gemm_weight_names(self, module: Any) -> list[str]:
-        names = [n for n, _ in module.named_parameters()]
-        return [
-            n
-            for n in names
-            if n == "weight"
-            or n.startswith(("fc1_weight", "fc2_weight"))
-            or (n.startswith("weight") and n[6:].isdigit())
-        ]
-
-    def gemm_bias_names(self, module: Any) -> list[str]:
-        names = [n for n, _ in module.named_parameters()]
-        return [
-            n
-            for n in names
-            if n == "bias"
-            or n in ("fc1_bias", "fc2_bias")
-            or (n.startswith("bias") and n[4:].isdigit())
-        ]
-
     def pending_wgrad_count(self, module: Any) -> int:
         if hasattr(module, "pending_wgrad_count"):
             return int(module.pending_wgrad_count)
@@ -741,8 +857,10 @@ BACKEND_NAMES = ("impl", "reference", "torch-split", "transformer_engine")
 
 
 def get_backend(name: str) -> Backend:
-    """The backend called ``name``; ``path:DIR`` loads a package directory (a mutated impl).
-    Raises ``ValueError`` naming unknown backends."""
+    """The backend called ``name``: one of :data:`BACKEND_NAMES`, ``path:DIR`` (a package
+    directory with SPEC §2's API, e.g. a mutated copy of impl) or ``module:NAME`` (an importable
+    package with that API, e.g. ``module:mypkg.modules``). Raises ``ValueError`` naming unknown
+    backends and :class:`BackendUnavailable` when the package cannot be imported."""
     if name == "impl":
         return ImplBackend()
     if name == "reference":
@@ -763,8 +881,20 @@ def get_backend(name: str) -> Backend:
                 f"cannot import the package at {path}: {type(exc).__name__}: {exc}"
             ) from exc
         return LibraryBackend(name, lib=lib)
+    if name.startswith("module:"):
+        module_name = name[len("module:") :]
+        if not module_name:
+            raise ValueError("module:NAME needs a package name, e.g. module:mypkg")
+        try:
+            lib = importlib.import_module(module_name)
+        except Exception as exc:
+            raise BackendUnavailable(
+                f"cannot import {module_name}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return LibraryBackend(name, module_name, lib=lib)
     raise ValueError(
-        f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)} or path:DIR"
+        f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}, path:DIR or "
+        "module:NAME"
     )
 
 

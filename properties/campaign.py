@@ -1,11 +1,11 @@
 """Run a property over hypothesis-drawn cases and summarise it as one table cell.
 
-A *cell* is (property, module kind, dtype, FP8 recipe family). :func:`run_cell` drives
-``hypothesis`` with the chosen profile, counts examples (rejected ones apart), keeps the worst
-error/budget ratio, and on failure keeps the shrunk case (hypothesis replays the minimal failing
-example last, so the last case seen is the shrunk one), the message, and a command line that
-replays it. pytest and ``splitgrad verify`` both use it, so a red CI row and a red ``verify`` row
-say the same thing.
+A *cell* is (property, module kind, dtype, FP8 recipe family, forced fast path).
+:func:`run_cell` drives ``hypothesis`` with the chosen profile, counts examples (rejected ones
+apart), keeps the worst error/budget ratio, and on failure keeps the shrunk case (hypothesis
+replays the minimal failing example last, so the last case seen is the shrunk one), the
+message, and a command line that replays it. pytest and ``splitgrad verify`` both use it, so a
+red CI row and a red ``verify`` row say the same thing.
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ import time
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+from hypothesis import seed as hypothesis_seed
 from hypothesis.errors import HypothesisException, UnsatisfiedAssumption
 
 from .backends import Backend
-from .checks import CheckResult, case_strategy, run_check
+from .registry import case_strategy, run_check
+from .results import CheckResult
 from .strategies import Case
 
 __all__ = [
@@ -33,9 +35,20 @@ __all__ = [
     "DEVIATION",
     "NA",
     "ERROR",
+    "BLOCKED",
+    "api_gaps",
 ]
 
 PASS, FAIL, DEVIATION, NA, ERROR = "pass", "FAIL", "deviates", "n/a", "ERROR"
+#: The backend lacks part of SPEC's API that the property needs (reported once, not a FAIL).
+BLOCKED = "blocked"
+
+#: What the worst/budget column says for properties that compare no numbers against a budget.
+CHECKED = {
+    "P9": "raises (+ -O)",
+    "P10": "raises, unchanged",
+    "P11": "freed",
+}
 
 
 @dataclasses.dataclass
@@ -56,6 +69,9 @@ class CellResult:
     case: Case | None = None
     repro: str = ""
     deviation: str = ""
+    path: str = "default"
+    budget_ratio: float | None = None
+    bitwise: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -66,13 +82,34 @@ class CellResult:
 
     @property
     def ratio_text(self) -> str:
+        """The worst/budget column: the worst error/budget ratio of the comparisons against a
+        budget (prefixed ``bitwise;`` when the property also compared bitwise), ``0 (bitwise)``
+        when every comparison was bitwise, or what was checked for properties that compare no
+        numbers (P9-P11)."""
+        if self.status in (NA, BLOCKED):
+            return "-"
+        if self.worst_ratio is not None and math.isinf(self.worst_ratio):
+            return "inf"
+        if self.status == PASS and self.property_id in CHECKED:
+            return CHECKED[self.property_id]
+        if self.budget_ratio is not None:
+            text = f"{self.budget_ratio:.3g}"
+            return f"bitwise; {text}" if self.bitwise else text
         if self.worst_ratio is None:
             return "-"
-        if math.isinf(self.worst_ratio):
-            return "inf"
         if self.worst_ratio == 0.0:
             return "0 (bitwise)"
         return f"{self.worst_ratio:.3g}"
+
+    @property
+    def label(self) -> str:
+        """``P4 Linear bfloat16`` plus the recipe family and forced path when there are."""
+        parts = [self.property_id, self.kind, self.dtype]
+        if self.recipe != "none":
+            parts.append(self.recipe)
+        if self.path != "default":
+            parts.append(f"path={self.path}")
+        return " ".join(parts)
 
 
 def repro_command(backend: Backend, property_id: str, case: Case) -> str:
@@ -81,14 +118,40 @@ def repro_command(backend: Backend, property_id: str, case: Case) -> str:
         [
             "splitgrad",
             "verify",
-            "--backend",
-            shlex.quote(backend.name),
+            *(shlex.quote(a) for a in backend.cli_args()),
             "--property",
             property_id,
             "--case",
             shlex.quote(case.to_json()),
         ]
     )
+
+
+def api_gaps(backend: Backend, properties, fp8: bool) -> dict[str, tuple[str, list[str]]]:
+    """The parts of SPEC's API ``backend`` lacks that matter to ``properties``: part ->
+    (what is missing, the properties it blocks). FP8 parts count only when ``fp8`` (a recipe
+    was asked for)."""
+    from .registry import SPECS
+
+    out = {}
+    for part, why in backend.missing_api().items():
+        if part in ("fp8", "fp8_quantizer") and not fp8:
+            continue
+        blocked = [pid for pid in properties if pid in SPECS and blocked_by(pid, part, fp8)]
+        out[part] = (why, blocked)
+    return out
+
+
+def blocked_by(property_id: str, part: str, fp8: bool = False) -> bool:
+    """Whether missing API ``part`` blocks ``property_id`` (its cells cannot run at all)."""
+    from .registry import SPECS
+
+    spec = SPECS[property_id]
+    if part.startswith("module:"):
+        return False  # blocks that module's cells, not the property
+    if part == "fp8":
+        return fp8 or spec.fp8_only
+    return part in spec.needs
 
 
 def _profile_settings(profile: str, examples: int | None) -> settings:
@@ -123,21 +186,49 @@ def run_cell(
     dtypes: tuple[str, ...] | None = None,
     recipes: tuple[str | None, ...] = (None,),
     recipe_label: str | None = None,
+    seed: int | None = None,
 ) -> CellResult:
     """Check ``property_id`` for module ``kind`` in ``dtype`` (or any of ``dtypes``) on
     ``backend`` over hypothesis-drawn cases, with the FP8 recipe drawn from ``recipes``
-    (``None``: high precision; ``recipe_label`` names the family in the table)."""
-    from .checks import applicable
+    (``None``: high precision; ``recipe_label`` names the family in the table). ``seed`` fixes
+    hypothesis' seed (``None``: the profile's). A backend lacking part of the API the property
+    needs gives a ``blocked`` cell; a forced fast path (:mod:`.paths`) that never ran gives an
+    ``ERROR``."""
+    from .paths import ForcedPathBackend, forced_path_error
+    from .registry import SPECS, applicable
     from .strategies import ModuleConfig
 
     fp8 = tuple(r for r in recipes if r is not None)
     label = recipe_label or (",".join(fp8) if fp8 else "none")
     cell = CellResult(property_id, kind, dtype, label)
+    size_multiple = 1
+    if isinstance(backend, ForcedPathBackend):
+        path = backend.path
+        cell.path = path.name
+        size_multiple = path.size_multiple
+        if path.recipes is not None:
+            recipes = tuple(r for r in recipes if r in path.recipes) or (None,)
+            fp8 = tuple(r for r in recipes if r is not None)
+        dtypes = tuple(d for d in (dtypes or (dtype,)) if d in path.dtypes) or (dtype,)
+    missing = backend.missing_api()
+    spec = SPECS.get(property_id)
+    blocked = [
+        part
+        for part in missing
+        if part == f"module:{kind}"
+        or (spec is not None and blocked_by(property_id, part, bool(fp8)))
+    ]
+    if blocked:
+        cell.status = BLOCKED
+        cell.message = "; ".join(missing[p] for p in blocked)
+        return cell
     probe = ModuleConfig(
         kind=kind,
         in_features=2,
         out_features=2,
-        dtype=dtype if dtype in ("float32", "bfloat16", "float16", "float64") else "float32",
+        dtype=(dtypes or (dtype,))[0]
+        if dtype not in ("float32", "bfloat16", "float16", "float64")
+        else dtype,
         device=device,
         recipe=fp8[0] if fp8 else None,
     )
@@ -148,6 +239,7 @@ def run_cell(
     if why:
         cell.status, cell.message = NA, why
         return cell
+    without = frozenset(p for p in missing if spec is not None and p in spec.uses)
     strategy = case_strategy(
         property_id,
         (kind,),
@@ -155,7 +247,10 @@ def run_cell(
         (device,),
         fused=None if backend.supports_fused else False,
         recipes=recipes,
+        without=without,
+        size_multiple=size_multiple,
     )
+    calls_before = getattr(backend, "operator_calls", 0)
     seen: dict[str, Any] = {"case": None}
     start = time.perf_counter()
 
@@ -178,7 +273,13 @@ def run_cell(
             cell.worst_ratio = (
                 result.ratio if cell.worst_ratio is None else max(cell.worst_ratio, result.ratio)
             )
+        if result.budget_ratio is not None:
+            b = cell.budget_ratio
+            cell.budget_ratio = result.budget_ratio if b is None else max(b, result.budget_ratio)
+        cell.bitwise += result.bitwise
 
+    if seed is not None:
+        campaign = hypothesis_seed(seed)(campaign)
     try:
         campaign()
     except HypothesisException as exc:
@@ -198,5 +299,9 @@ def run_cell(
             cell.deviation = dev.summary + (f" ({dev.reference})" if dev.reference else "")
         else:
             cell.status = FAIL
+    if cell.status == PASS:
+        unexercised = forced_path_error(backend, calls_before, cell.examples)
+        if unexercised:
+            cell.status, cell.message = ERROR, unexercised
     cell.seconds = time.perf_counter() - start
     return cell

@@ -24,6 +24,9 @@ __all__ = [
     "make_main_grads",
     "make_grad_prefill",
     "generator",
+    "gemm_weight_names",
+    "gemm_bias_names",
+    "role_of",
 ]
 
 GEMM_WEIGHT, GEMM_BIAS, NORM = "gemm_weight", "gemm_bias", "norm"
@@ -63,6 +66,30 @@ def param_specs(config: ModuleConfig) -> list[ParamSpec]:
         if config.bias:
             specs.extend(ParamSpec(f"bias{i}", (m,), GEMM_BIAS) for i in range(config.num_gemms))
     return specs
+
+
+def gemm_weight_names(config: ModuleConfig) -> list[str]:
+    """SPEC §2's GEMM weights of ``config`` (those that use ``main_grad`` when fused)."""
+    return [s.name for s in param_specs(config) if s.role == GEMM_WEIGHT]
+
+
+def gemm_bias_names(config: ModuleConfig) -> list[str]:
+    """SPEC §2's GEMM biases of ``config``."""
+    return [s.name for s in param_specs(config) if s.role == GEMM_BIAS]
+
+
+def role_of(name: str) -> str:
+    """The role (:data:`GEMM_WEIGHT`, :data:`GEMM_BIAS`, :data:`NORM`) SPEC §2's parameter
+    name ``name`` has in any module; raises ``ValueError`` for a name SPEC does not use."""
+    if name in ("layer_norm_weight", "layer_norm_bias"):
+        return NORM
+    if name in ("weight", "fc1_weight", "fc2_weight") or (
+        name.startswith("weight") and name[6:].isdigit()
+    ):
+        return GEMM_WEIGHT
+    if name in ("bias", "fc1_bias", "fc2_bias") or (name.startswith("bias") and name[4:].isdigit()):
+        return GEMM_BIAS
+    raise ValueError(f"{name!r} is not a parameter name of SPEC §2")
 
 
 def generator(seed: int, stream: int = 0) -> torch.Generator:

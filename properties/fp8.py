@@ -1,4 +1,4 @@
-"""P13 (SPEC §6, §7): a backend's FP8 quantizers equal the reference's bit for bit, and amax
+"""P13 (SPEC §6, §7), FP8: a backend's FP8 quantizers equal the reference's bit for bit, and amax
 histories, scales and gradients of a delayed module equal the non-delayed one's over several
 steps.
 
@@ -21,18 +21,30 @@ and scales compare bitwise after every step, all gradients at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import torch
+from hypothesis import strategies as st
 
 from .backends import Backend
-from .checks import P13_VALUES, CheckResult, PropertyViolation, Tracker
 from .data import generator, make_micro_batches
+from .results import CheckResult, PropertyViolation, Tracker
 from .runner import ModuleRun
-from .strategies import Case, make_recipe
+from .strategies import RECIPES, Case, cases, make_recipe
 
-__all__ = ["P13_VALUES", "check_p13", "quantizer_operands", "check_quantizers", "check_histories"]
+__all__ = [
+    "P13_VALUES",
+    "check_p13",
+    "p13_cases",
+    "quantizer_operands",
+    "check_quantizers",
+    "check_histories",
+]
+
+# Value patterns P13's quantizer operands are drawn with (see the module docstring).
+P13_VALUES = ("randn", "specials", "outliers")
 
 _REFERENCE_QUANTIZER = "splitgrad.reference.fp8_quant"
 
@@ -172,3 +184,12 @@ def check_p13(backend: Backend, case: Case) -> CheckResult:
     check_quantizers(backend, case, t)
     check_histories(backend, case, t)
     return t.result
+
+
+@st.composite
+def p13_cases(draw, kinds, dtypes, devices, recipes):
+    """FP8 cases (every recipe when ``recipes`` has none) of 2-3 micro-batches, with a value
+    pattern from :data:`P13_VALUES` as ``variant``."""
+    fp8 = tuple(r for r in recipes if r is not None) or tuple(RECIPES)
+    case = draw(cases(kinds, dtypes, devices, n_micro_batches=(2, 3), recipes=fp8))
+    return dataclasses.replace(case, variant=draw(st.sampled_from(P13_VALUES)))

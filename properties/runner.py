@@ -15,6 +15,8 @@ import torch
 from .backends import Backend
 from .data import (
     MicroBatchData,
+    gemm_bias_names,
+    gemm_weight_names,
     make_grad_prefill,
     make_main_grads,
     make_state,
@@ -63,8 +65,9 @@ class ModuleRun:
             )
         self.module = module
         self.params = backend.parameters(self.module)
-        self.weight_names = backend.gemm_weight_names(self.module)
-        self.bias_names = backend.gemm_bias_names(self.module)
+        # Roles come from SPEC §2's parameter names, never from the implementation.
+        self.weight_names = [n for n in gemm_weight_names(self.config) if n in self.params]
+        self.bias_names = [n for n in gemm_bias_names(self.config) if n in self.params]
         self.gemm_names = self.weight_names + self.bias_names
         self.norm_names = [n for n in self.params if n not in self.gemm_names]
         for name in frozen:
@@ -83,7 +86,9 @@ class ModuleRun:
                 if p.requires_grad and not self.uses_main_grad(name):
                     p.grad = values[name].clone()
         self.hook_calls: list[HookCall] = []
-        for i in range(hooks):
+        #: Recording hooks registered (none when the backend has no hooks, SPEC §4).
+        self.hook_count = hooks if backend.has_hooks() else 0
+        for i in range(self.hook_count):
             backend.register_hook(self.module, self._make_hook(i))
 
     def _make_hook(self, index: int):

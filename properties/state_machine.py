@@ -1,10 +1,12 @@
 """P6 as a hypothesis ``RuleBasedStateMachine``: any legal interleaving of micro-batch
 forward+backward (with or without ``is_first_microbatch``), ``backward_dw()`` and zeroing.
 
-The machine drives :class:`~.checks.InterleavingModel` — a delayed module next to an eager and a
+The machine drives :class:`~.split.InterleavingModel` — a delayed module next to an eager and a
 lagged non-delayed twin — and after every step checks the pending count, input and norm
 gradients against the eager twin, and every GEMM gradient and ``main_grad`` against the lagged
-twin, bitwise. Micro-batch shapes are drawn per step, so shrinking finds the shortest schedule.
+twin, bitwise; at teardown the delayed module's final gradients against the float64 truth of
+the same steps (tier 2). Micro-batch shapes are drawn per step, so shrinking finds the shortest
+schedule.
 
 Under FP8 (``recipes``) every forward runs inside ``fp8_autocast(enabled=True,
 fp8_recipe=...)``; the machine then also compares the delayed module's amax histories and scales
@@ -20,8 +22,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from .backends import Backend
-from .checks import InterleavingModel
 from .data import make_micro_batch
+from .split import InterleavingModel
 from .strategies import KINDS, Case, micro_batches, module_configs, seeds
 
 __all__ = ["make_p6_machine"]
@@ -79,10 +81,12 @@ def make_p6_machine(
                 self.model.check()
 
         def teardown(self) -> None:
-            # Drain: once nothing is pending every gradient must match the twins.
+            # Drain: once nothing is pending every gradient must match the twins, and the
+            # delayed module's final gradients the float64 truth of the same steps.
             if self.model is not None:
                 while self.model.queue:
                     self.model.dw()
+                self.model.judge_truth()
 
     P6Machine.__name__ = f"P6Machine_{backend.name.replace('-', '_')}"
     return P6Machine

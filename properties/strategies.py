@@ -234,7 +234,9 @@ class MicroBatch:
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One example of one property: a module, its micro-batches, a seed for every value, and the
-    property-specific structure (``schedule`` for P6, ``variant`` / ``frozen`` for P7 and P10)."""
+    property-specific structure (``schedule`` for P6; ``variant`` for P5, P7, P10, P13, P17;
+    ``frozen`` for P4 and P7; ``asked``, the tensors a partial backward asks for, for P17:
+    ``"inp"`` and parameter names)."""
 
     config: ModuleConfig
     micro_batches: tuple[MicroBatch, ...]
@@ -243,6 +245,7 @@ class Case:
     variant: str = ""
     frozen: tuple[str, ...] = ()
     delay: bool = True
+    asked: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         """One-line JSON that :meth:`from_json` turns back into this case."""
@@ -270,6 +273,7 @@ class Case:
                 variant=str(raw.pop("variant", "")),
                 frozen=tuple(raw.pop("frozen", ())),
                 delay=bool(raw.pop("delay", True)),
+                asked=tuple(raw.pop("asked", ())),
             )
         except (KeyError, TypeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a splitgrad case: {text!r} ({exc})") from None

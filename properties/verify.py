@@ -30,7 +30,7 @@ from pathlib import Path
 from xml.etree import ElementTree as ET
 
 from .campaign import DEVIATION, ERROR, FAIL, NA, PASS, CellResult, run_case, run_cell
-from .checks import PROPERTIES, applicable
+from .registry import PROPERTIES, applicable
 from .strategies import DTYPES, KINDS, LOW_PRECISION_DTYPES, RECIPE_FAMILIES, RECIPES, Case
 
 __all__ = ["main", "build_parser", "DEFAULT_EXAMPLES", "FP8_SLICE_EXAMPLES", "RECIPE_CHOICES"]

@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 from splitgrad.properties import budgets as B
+from splitgrad.properties.accuracy import accuracy as _accuracy
 from splitgrad.properties.backends import LibraryBackend, get_backend
-from splitgrad.properties.checks import _accuracy, example_case
+from splitgrad.properties.registry import example_case
 
 LOW = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -280,7 +281,7 @@ def test_a_slightly_wrong_mlp_gradient_still_fails(
     main_grad contribution ``dw_skew`` times too large, still fails P2 / P3 of a
     smooth-activation MLP despite the operand allowances (gated ones allow more: their second
     half moves with act(a) itself)."""
-    from splitgrad.properties.checks import check_p2, check_p3
+    from splitgrad.properties.accuracy import check_p2, check_p3
 
     class Skewed(LibraryBackend):
         def __init__(self, what: str) -> None:

@@ -13,7 +13,8 @@ import torch
 from fp8_doubles import WRONG, LegalFP8, WrongFP8
 from splitgrad.properties import budgets as B
 from splitgrad.properties.backends import LibraryBackend, get_backend
-from splitgrad.properties.checks import PropertyViolation, run_check
+from splitgrad.properties.registry import run_check
+from splitgrad.properties.results import PropertyViolation
 from splitgrad.properties.strategies import Case, MicroBatch, ModuleConfig, recipe_alignment
 
 
@@ -199,7 +200,7 @@ def test_p13_catches_a_quantizer_that_ignores_the_axis() -> None:
 
 
 def test_p13_passes_on_the_reference_for_every_recipe_and_value_pattern() -> None:
-    from splitgrad.properties.checks import P13_VALUES
+    from splitgrad.properties.fp8 import P13_VALUES
     from splitgrad.properties.strategies import RECIPES
 
     ref = get_backend("reference")

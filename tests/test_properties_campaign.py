@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 from splitgrad.properties.backends import get_backend
 from splitgrad.properties.campaign import DEVIATION, NA, PASS, run_cell
-from splitgrad.properties.checks import PROPERTIES, applicable
 from splitgrad.properties.profiles import active_profile_name
+from splitgrad.properties.registry import PROPERTIES, applicable
 from splitgrad.properties.strategies import DTYPES, KINDS, RECIPES
 
 BACKENDS = ("reference", "impl", "torch-split")

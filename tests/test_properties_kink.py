@@ -9,9 +9,9 @@ from collections.abc import Callable
 import pytest
 import torch
 from splitgrad.properties import budgets as B
+from splitgrad.properties.accuracy import check_p2, check_p3
 from splitgrad.properties.backends import LibraryBackend, get_backend
 from splitgrad.properties.campaign import PASS, run_cell
-from splitgrad.properties.checks import check_p2, check_p3
 from splitgrad.properties.kink import CaseRejected, kink_deltas, kink_sites, site_at
 from splitgrad.properties.strategies import Case, MicroBatch, ModuleConfig
 from splitgrad.reference import functional as F
@@ -65,7 +65,7 @@ def test_the_kink_case_has_one_site_that_the_reference_rounds_onto_zero() -> Non
 def _truth_of(backend, case: Case):
     """The float64 run of ``backend`` on the case's values (rounded to its dtype), as the
     harness's truth is made: an upcast copy of a reference module in the case's dtype."""
-    from splitgrad.properties.checks import _accuracy_run
+    from splitgrad.properties.accuracy import accuracy_run as _accuracy_run
     from splitgrad.properties.data import make_micro_batches
     from splitgrad.properties.runner import ModuleRun
     from splitgrad.reference import upcast
@@ -122,7 +122,7 @@ def test_a_legal_relu_choice_at_the_site_passes_where_the_truth_alone_fails(monk
     other = ReluGradPatched(_flip_at([(site.row, site.feature)]))
     assert check_p2(other, KINK_CASE).ratio <= 1.0
     assert check_p3(other, KINK_CASE).ratio <= 1.0
-    import splitgrad.properties.checks as checks
+    import splitgrad.properties.accuracy as checks
 
     monkeypatch.setattr(checks, "kink_sites", lambda case: [])
     with pytest.raises(B.BudgetViolation) as info:
@@ -177,7 +177,7 @@ def test_too_many_sites_reject_the_example_and_are_not_counted() -> None:
 def test_campaign_counts_rejections_apart(monkeypatch) -> None:
     """A rejected example is neither a pass nor a failure: the cell still runs its full number
     of judged examples and reports the rejections separately."""
-    import splitgrad.properties.checks as checks
+    import splitgrad.properties.accuracy as checks
 
     fake = site_at(KINK_CASE, 0, 0, 0)
     real = checks.kink_sites

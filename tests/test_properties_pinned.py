@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 from splitgrad.properties.backends import get_backend
-from splitgrad.properties.checks import PropertyViolation, run_check
+from splitgrad.properties.registry import run_check
+from splitgrad.properties.results import PropertyViolation
 from splitgrad.properties.strategies import Case, MicroBatch, ModuleConfig
 
 
@@ -158,7 +159,7 @@ SMOOTH_ACTIVATION_CASES = [
 def test_smooth_activation_operand_rounding_impl(
     property_id: str, case_json: str, monkeypatch
 ) -> None:
-    import splitgrad.properties.checks as checks
+    import splitgrad.properties.accuracy as checks
     from splitgrad.properties.budgets import BudgetViolation
 
     case = Case.from_json(case_json)

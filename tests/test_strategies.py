@@ -8,8 +8,8 @@ from hypothesis import find as _find
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from splitgrad.properties import strategies as S
-from splitgrad.properties.checks import PROPERTIES, case_strategy
 from splitgrad.properties.data import make_micro_batches, make_state, param_specs
+from splitgrad.properties.registry import PROPERTIES, case_strategy
 
 
 @given(case=S.cases(dtypes=S.DTYPES))

@@ -139,7 +139,7 @@ def test_failure_prints_shrunk_case_and_a_working_repro(tmp_path: Path, capsys) 
 
 
 def test_replay_of_a_passing_case(capsys) -> None:
-    from splitgrad.properties.checks import example_case
+    from splitgrad.properties.registry import example_case
 
     case = example_case("GroupedLinear", num_gemms=3)
     assert main(["--backend", "reference", "--property", "P12", "--case", case.to_json()]) == 0
@@ -182,7 +182,7 @@ def test_default_run_has_a_small_fp8_slice(capsys) -> None:
 def test_fp8_case_replays(capsys) -> None:
     import dataclasses
 
-    from splitgrad.properties.checks import example_case
+    from splitgrad.properties.registry import example_case
 
     case = example_case("GroupedLinear", num_gemms=2, in_features=32, out_features=32)
     config = dataclasses.replace(case.config, recipe="delayed-max-e4m3")

@@ -1,0 +1,429 @@
+"""P1-P3 (SPEC §7): outputs, input/norm gradients and weight/bias gradients within an error
+budget of the float64 truth.
+
+Truth and baseline come from the reference: the naive run is ``splitgrad.reference`` in the
+case's dtype, the truth is its float64 twin from :func:`splitgrad.reference.upcast` (same code,
+same weights, same ``main_grad`` prefill). Under FP8 a second truth runs the same recipe in
+float64. Budgets are :mod:`.budgets`'s; :func:`judge` is the one comparison every property that
+measures against the truth uses (:mod:`.truth` applies it to the differential properties' cases).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from . import budgets as B
+from .backends import Backend, get_backend
+from .data import make_main_grads, make_micro_batches
+from .internals import dgrad_operand_floors, wgrad_operand_floors
+from .kink import CaseRejected, choices, kink_deltas, kink_sites
+from .results import CheckResult, PropertyViolation, Tracker
+from .runner import ModuleRun, Snapshot
+from .strategies import Case, ModuleConfig
+
+__all__ = [
+    "AccuracyRun",
+    "accuracy_runs",
+    "judge",
+    "reference_backend",
+    "check_p1",
+    "check_p2",
+    "check_p3",
+]
+
+
+def reference_backend() -> Backend:
+    """``splitgrad.reference``: the naive baseline and (upcast) the truth."""
+    return get_backend("reference")
+
+
+# =============================================================================================
+# P1–P3: error budgets against the float64 truth
+# =============================================================================================
+
+
+@dataclasses.dataclass
+class AccuracyRun:
+    outputs: list[torch.Tensor]
+    xgrads: list[torch.Tensor | None]
+    norm: Snapshot
+    gemm: Snapshot
+
+
+def accuracy_run(run: ModuleRun, case: Case, data, dtype: torch.dtype | None = None) -> AccuracyRun:
+    outputs, xgrads = [], []
+    for d in data:
+        if dtype is not None:
+            d = dataclasses.replace(d, x=d.x.to(dtype), dy=d.dy.to(dtype))
+        x, y = run.fb(d)
+        outputs.append(y)
+        xgrads.append(None if x.grad is None else x.grad.detach().clone())
+    norm = run.norm_snapshot()
+    run.drain()
+    return AccuracyRun(outputs, xgrads, norm, run.gemm_snapshot())
+
+
+def accuracy(backend: Backend, case: Case) -> tuple[AccuracyRun, AccuracyRun, AccuracyRun]:
+    """(under test, naive reference, float64 truth) for ``case``."""
+    test, naive, truth, _ = accuracy_runs(backend, case)
+    return test, naive, truth
+
+
+def accuracy_runs(
+    backend: Backend, case: Case
+) -> tuple[AccuracyRun, AccuracyRun, AccuracyRun, AccuracyRun | None]:
+    """(under test, naive reference, float64 truth, FP8 truth) for ``case``.
+
+    The naive run is the reference in the case's dtype (under the case's recipe); the truth is
+    its float64 twin *without* FP8; the FP8 truth (``None`` without a recipe) is the float64
+    twin under the same recipe: the same quantizations followed by exact GEMMs."""
+    from splitgrad.reference import upcast
+
+    data = make_micro_batches(case)
+    test = accuracy_run(ModuleRun(backend, case, delay=case.delay), case, data)
+    naive_run = ModuleRun(reference_backend(), case, delay=False, hooks=0)
+
+    def float64_run(recipe: str | None) -> AccuracyRun:
+        run = ModuleRun(
+            reference_backend(),
+            case,
+            delay=False,
+            hooks=0,
+            module=upcast(naive_run.module),
+            config=dataclasses.replace(case.config, dtype="float64", recipe=recipe),
+            main_grads=False,
+        )
+        return accuracy_run(run, case, data, torch.float64)
+
+    truth = float64_run(None)
+    truth_fp8 = float64_run(case.config.recipe) if case.config.recipe is not None else None
+    naive = accuracy_run(naive_run, case, data)
+    return test, naive, truth, truth_fp8
+
+
+def _fp8_exact_operands(config: ModuleConfig, name: str) -> bool:
+    """Whether every FP8-quantized operand on the way to tensor ``name`` is a module input,
+    parameter or output gradient (none is computed by the module: no norm or activation output),
+    so that impl, the naive reference and the FP8 truth quantize bit-identical values."""
+    if config.kind in ("Linear", "GroupedLinear"):
+        return True
+    if config.kind == "LayerNormLinear":
+        # dgrad q(dy) q(W) feeds the norm backward; the bias gradient is summed from dy.
+        return name.startswith(("inp.grad", "layer_norm_", "bias."))
+    return name.startswith("fc2_bias.")
+
+
+def judge(
+    t: Tracker,
+    case: Case,
+    name: str,
+    actual: torch.Tensor | None,
+    naive: torch.Tensor | None,
+    truth: torch.Tensor | None,
+    truth_fp8: torch.Tensor | None,
+    budget: B.ErrorBudget,
+    dtype: torch.dtype | None = None,
+    module_dtype: torch.dtype | None = None,
+    naive_error: float | None = None,
+    note: str = "",
+    element_floor: torch.Tensor | None = None,
+    prefill: torch.Tensor | None = None,
+    label: str = "",
+) -> None:
+    """One P1–P3 comparison. High precision: ``budget`` against the float64 truth. FP8:
+    ``budget`` against the FP8 truth when every quantized operand is an input (the quantized
+    values are then the same on all sides and only the GEMMs' rounding differs), otherwise the
+    two-gate :data:`~.budgets.FP8` budget against the high-precision truth (see budgets.py).
+    ``prefill``: the slot's value before the run (``main_grad``, or a prefilled ``.grad``; its
+    floor is then taken at :func:`~.budgets.accumulation_magnitude`); ``label`` prefixes ``name``
+    in messages."""
+    exact = case.config.recipe is None or _fp8_exact_operands(case.config, name)
+    reference = truth if case.config.recipe is None else truth_fp8
+    magnitude = None
+    if exact and prefill is not None and reference is not None:
+        magnitude = B.accumulation_magnitude(reference, prefill)
+    if case.config.recipe is None:
+        t.budget(
+            label + name,
+            actual,
+            truth,
+            naive,
+            budget,
+            dtype,
+            module_dtype,
+            naive_error,
+            note,
+            element_floor,
+            magnitude,
+        )
+    elif exact:
+        t.budget(
+            label + name,
+            actual,
+            truth_fp8,
+            naive,
+            budget,
+            dtype,
+            module_dtype,
+            note=f" (FP8 {case.config.recipe}: against the same recipe in float64)",
+            floor_magnitude=magnitude,
+        )
+    else:
+        # Outputs only meet E4M3; gradients meet E5M2 under HYBRID.
+        coarse = case.config.recipe.endswith("hybrid") and not name.startswith("output")
+        t.fp8_budget(
+            label + name,
+            actual,
+            truth,
+            naive,
+            B.FP8,
+            dtype,
+            module_dtype,
+            case.config.recipe,
+            2.0**-2 if coarse else 2.0**-3,
+            _smallest_gemm_dimension(case),
+        )
+
+
+def _smallest_gemm_dimension(case: Case) -> int:
+    """The fewest values any FP8 GEMM of ``case`` reduces over or spans: feature sizes, fc1's
+    width, and every non-empty token count (group by group)."""
+    c = case.config
+    dims = [d for shape in c.gemm_shapes() for d in shape]
+    for mb in case.micro_batches:
+        dims.extend(n for n in (mb.m_splits or (mb.rows,)) if n > 0)
+    return min(dims)
+
+
+def _floor_dtype(run_key: str, config: ModuleConfig) -> torch.dtype:
+    return torch.float32 if run_key.endswith(".main_grad") else config.torch_dtype
+
+
+def check_p1(backend: Backend, case: Case) -> CheckResult:
+    """P1: every micro-batch's output within :data:`~.budgets.OUTPUT` of the float64 truth."""
+    t = Tracker()
+    test, naive, truth, truth8 = accuracy_runs(backend, case)
+    for i, (a, n, r) in enumerate(zip(test.outputs, naive.outputs, truth.outputs)):
+        r8 = truth8.outputs[i] if truth8 is not None else None
+        judge(t, case, f"output[micro-batch {i}]", a, n, r, r8, B.OUTPUT)
+    return t.result
+
+
+def _truth_candidates(case: Case, truth: AccuracyRun) -> tuple[list[AccuracyRun], str]:
+    """The truths ``case`` may legally be judged against: ``[truth]``, or, for a relu MLP with
+    fc1 pre-activations within rounding distance of the kink, one truth per ``relu'`` choice on
+    them (see :mod:`.kink`); raises :class:`~.kink.CaseRejected` when there are too many to try.
+    Also returns the note a failure message gets."""
+    sites = kink_sites(case)
+    if not sites:
+        return [truth], ""
+    if len(sites) > B.KINK_MAX_ENUMERATED:
+        raise CaseRejected(
+            f"{len(sites)} relu pre-activations lie within rounding distance of 0 (more than "
+            f"KINK_MAX_ENUMERATED={B.KINK_MAX_ENUMERATED}): the example cannot be judged"
+        )
+    deltas = kink_deltas(case, sites)
+    candidates = []
+    for choice in choices(sites):
+        cand = AccuracyRun(
+            list(truth.outputs), list(truth.xgrads), dict(truth.norm), dict(truth.gemm)
+        )
+        for site, slope, delta in zip(sites, choice, deltas):
+            w = slope - site.truth_slope
+            if not w:
+                continue
+            for (where, key), d in delta.items():
+                if where == "x":
+                    cand.xgrads[key] = cand.xgrads[key] + w * d
+                else:
+                    snap = cand.norm if key in cand.norm else cand.gemm
+                    if snap.get(key) is not None:
+                        snap[key] = snap[key] + w * d
+        candidates.append(cand)
+    where = ", ".join(
+        f"micro-batch {s.micro_batch} row {s.row} feature {s.feature}: h={s.h:.3g} "
+        f"(bound {s.bound:.3g})"
+        for s in sites
+    )
+    note = (
+        f" (relu kink: {len(sites)} fc1 pre-activation(s) within rounding distance of 0 [{where}]; "
+        f"judged against the best of {len(candidates)} truths, one per relu' choice there)"
+    )
+    return candidates, note
+
+
+def naive_error(naive: torch.Tensor | None, truths: list[torch.Tensor | None]) -> float | None:
+    """The naive run's error against the candidate truth it matches best (``None``: only one
+    truth, let the budget measure it)."""
+    if naive is None or len(truths) < 2 or any(t is None for t in truths):
+        return None
+    n = naive.detach().double().cpu()
+    return min(float((n - t.detach().double().cpu()).abs().max()) for t in truths)
+
+
+def best_of(
+    candidates: list[AccuracyRun], compare: Callable[[Tracker, AccuracyRun], None]
+) -> CheckResult:
+    """Run ``compare`` against each candidate truth: the result of the best one that passes, or
+    the violation of the one that came closest."""
+    if len(candidates) == 1:
+        t = Tracker()
+        compare(t, candidates[0])
+        return t.result
+    best: CheckResult | None = None
+    failures: list[AssertionError] = []
+    for cand in candidates:
+        t = Tracker()
+        try:
+            compare(t, cand)
+        except AssertionError as exc:
+            failures.append(exc)
+            continue
+        if best is None or (t.result.ratio or 0.0) < (best.ratio or 0.0):
+            best = t.result
+    if best is not None:
+        return best
+    raise min(failures, key=lambda e: getattr(e, "ratio", float("inf")))
+
+
+def compare_dgrads(
+    t: Tracker,
+    case: Case,
+    test: AccuracyRun,
+    naive: AccuracyRun,
+    cand: AccuracyRun,
+    candidates: list[AccuracyRun],
+    truth8: AccuracyRun | None,
+    note: str,
+    floors: dict[str, torch.Tensor],
+    prefills: dict[str, torch.Tensor] | None = None,
+    label: str = "",
+) -> None:
+    """P2's comparisons of ``test`` against one candidate truth: every input gradient
+    (:data:`~.budgets.DGRAD`) and norm-parameter gradient (:data:`~.budgets.NORM_GRAD`).
+    ``prefills``: ``.grad`` values the norm parameters held before the run, by snapshot key;
+    ``label`` prefixes every tensor name in messages (the differential property's step)."""
+    prefills = prefills or {}
+    for i, (a, n, r) in enumerate(zip(test.xgrads, naive.xgrads, cand.xgrads)):
+        ne = naive_error(n, [c.xgrads[i] for c in candidates])
+        r8 = truth8.xgrads[i] if truth8 is not None else None
+        name = f"inp.grad[micro-batch {i}]"
+        judge(
+            t,
+            case,
+            name,
+            a,
+            n,
+            r,
+            r8,
+            B.DGRAD,
+            naive_error=ne,
+            note=note,
+            element_floor=floors.get(name),
+            label=label,
+        )
+    for key in sorted(cand.norm):
+        n = naive.norm.get(key)
+        ne = naive_error(n, [c.norm[key] for c in candidates])
+        r8 = truth8.norm.get(key) if truth8 is not None else None
+        judge(
+            t,
+            case,
+            key,
+            test.norm.get(key),
+            n,
+            cand.norm[key],
+            r8,
+            B.NORM_GRAD,
+            naive_error=ne,
+            note=note,
+            element_floor=floors.get(key),
+            prefill=prefills.get(key),
+            label=label,
+        )
+
+
+def compare_wgrads(
+    t: Tracker,
+    case: Case,
+    test: AccuracyRun,
+    naive: AccuracyRun,
+    cand: AccuracyRun,
+    candidates: list[AccuracyRun],
+    truth8: AccuracyRun | None,
+    note: str,
+    floors: dict[str, torch.Tensor],
+    prefills: dict[str, torch.Tensor],
+    label: str = "",
+) -> None:
+    """P3's comparisons against one candidate truth: every GEMM weight/bias gradient and
+    ``main_grad`` (:data:`~.budgets.WGRAD`); a slot the truth leaves ``None`` (a fused weight's
+    ``.grad``, a frozen parameter) must be ``None``. ``prefills``: what a slot held before the
+    run, by snapshot key (its floor is then taken at :func:`~.budgets.accumulation_magnitude`)."""
+    for key in sorted(cand.gemm):
+        a = test.gemm.get(key)
+        if cand.gemm[key] is None:
+            t.expect(
+                a is None,
+                f"{label}{key}: expected None (a fused weight's .grad or a frozen parameter), "
+                "got a tensor",
+            )
+            continue
+        n = naive.gemm.get(key)
+        judge(
+            t,
+            case,
+            key,
+            a,
+            n,
+            cand.gemm[key],
+            truth8.gemm.get(key) if truth8 is not None else None,
+            B.WGRAD,
+            _floor_dtype(key, case.config),
+            case.config.torch_dtype,
+            naive_error=naive_error(n, [c.gemm[key] for c in candidates]),
+            note=note,
+            element_floor=floors.get(key),
+            prefill=prefills.get(key),
+            label=label,
+        )
+
+
+def check_p2(backend: Backend, case: Case) -> CheckResult:
+    """P2: input gradients (:data:`~.budgets.DGRAD`) and norm-parameter gradients
+    (:data:`~.budgets.NORM_GRAD`) within budget (of some legal truth at a relu kink; plus the
+    per-element :data:`~.budgets.DGRAD_OPERAND_STEPS` allowance behind a smooth activation)."""
+    test, naive, truth, truth8 = accuracy_runs(backend, case)
+    candidates, note = _truth_candidates(case, truth)
+    floors = dgrad_operand_floors(case)
+
+    def compare(t: Tracker, cand: AccuracyRun) -> None:
+        compare_dgrads(t, case, test, naive, cand, candidates, truth8, note, floors)
+
+    return best_of(candidates, compare)
+
+
+def check_p3(backend: Backend, case: Case) -> CheckResult:
+    """P3: GEMM weight/bias gradients (``main_grad`` when fused) within
+    :data:`~.budgets.WGRAD` (plus, for operands the module computes, the per-element
+    :data:`~.budgets.WGRAD_OPERAND_STEPS` allowance) after every ``backward_dw()``; fused weights
+    keep ``.grad is None``."""
+    test, naive, truth, truth8 = accuracy_runs(backend, case)
+    if set(test.gemm) != set(truth.gemm):
+        raise PropertyViolation(f"gradient slots {sorted(test.gemm)} != {sorted(truth.gemm)}")
+    candidates, note = _truth_candidates(case, truth)
+    floors = wgrad_operand_floors(case)
+    fused = case.config.fuse_wgrad_accumulation
+    prefills = (
+        {f"{k}.main_grad": v for k, v in make_main_grads(case.config, case.seed).items()}
+        if fused
+        else {}
+    )
+
+    def compare(t: Tracker, cand: AccuracyRun) -> None:
+        compare_wgrads(t, case, test, naive, cand, candidates, truth8, note, floors, prefills)
+
+    return best_of(candidates, compare)

@@ -1,0 +1,135 @@
+"""P12 (SPEC §7): ``GroupedLinear`` == a list of ``Linear``\\ s on ``torch.split(x, m_splits)``,
+empty groups included; the grouped module's final gradients are also judged against the float64
+truth (:mod:`.truth`), so a bug both sides share (the grouped module reusing Linear's code) is
+caught too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import budgets as B
+from .accuracy import AccuracyRun, accuracy_runs, reference_backend
+from .backends import Backend
+from .data import make_grad_prefill, make_main_grads, make_micro_batches, make_state
+from .results import CheckResult, Tracker
+from .runner import ModuleRun, Snapshot
+from .strategies import Case
+from .truth import fb_steps, judge_steps
+
+__all__ = ["check_p12"]
+
+
+# =============================================================================================
+# P12: GroupedLinear == Linears
+# =============================================================================================
+
+
+def check_p12(backend: Backend, case: Case) -> CheckResult:
+    """P12: ``GroupedLinear(n)`` against ``n`` ``Linear``\\ s with the same weights on
+    ``torch.split(x, m_splits)`` (empty groups included), delayed or not: outputs, input grads,
+    weight/bias gradients and ``main_grad`` bitwise when :meth:`Backend.p12_bitwise`, else within
+    :data:`~.budgets.GROUPED_GEMM` of the float64 truth relative to the Linears' error."""
+    t = Tracker()
+    config = case.config
+    if config.kind != "GroupedLinear":
+        raise ValueError(f"P12 needs a GroupedLinear case, got {config.kind}")
+    n = config.num_gemms
+    data = make_micro_batches(case)
+    grouped = ModuleRun(backend, case, delay=case.delay, prefill_grads=True)
+    lin_config = dataclasses.replace(config, kind="Linear", num_gemms=1)
+    state, mg, pre = (
+        make_state(config, case.seed),
+        make_main_grads(config, case.seed),
+        make_grad_prefill(config, case.seed),
+    )
+    linears = []
+    for i in range(n):
+        s = {"weight": state[f"weight{i}"]}
+        if config.bias:
+            s["bias"] = state[f"bias{i}"]
+        lin = ModuleRun(
+            backend,
+            case,
+            delay=case.delay,
+            config=lin_config,
+            state=s,
+            main_grads={"weight": mg[f"weight{i}"]},
+        )
+        for name, p in lin.params.items():
+            if not lin.uses_main_grad(name):
+                p.grad = pre[f"{name}{i}"].clone()
+        linears.append(lin)
+    bitwise = backend.p12_bitwise(config)
+    xgrads = []
+    for k, d in enumerate(data):
+        splits = list(d.spec.m_splits or ())
+        xg, yg = grouped.fb(d)
+        xgrads.append(None if xg.grad is None else xg.grad.detach().clone())
+        # The Linears see the very views torch.split gives (same addresses as the grouped
+        # module's row blocks): some CPU GEMM kernels sum in another order for an operand at
+        # another alignment, which is a different kernel, not a different rule.
+        x_all = d.x.detach().clone().requires_grad_(True)
+        x_parts = x_all.split(splits)
+        dy_parts = d.dy.split(splits)
+        ys = []
+        for lin, xi, dyi in zip(linears, x_parts, dy_parts):
+            yi = lin.forward(xi, None, d.spec.is_first_microbatch)
+            lin.backend.backward(lin.module, [yi], [dyi])
+            ys.append(yi.detach())
+        y_lin = torch.cat(ys) if ys else yg
+        dx_lin = x_all.grad if x_all.grad is not None else torch.zeros_like(x_all)
+        if bitwise:
+            t.bitwise(f"output[micro-batch {k}] grouped vs linears", yg, y_lin)
+            t.bitwise(f"inp.grad[micro-batch {k}] grouped vs linears", xg.grad, dx_lin)
+    norm = grouped.norm_snapshot()
+    grouped.drain()
+    for lin in linears:
+        lin.drain()
+    got = grouped.gemm_snapshot()
+    for i, lin in enumerate(linears):
+        for key, value in lin.gemm_snapshot().items():
+            name, slot = key.split(".", 1)
+            gkey = f"{name}{i}.{slot}"
+            if bitwise:
+                t.bitwise(f"{gkey} grouped vs linear {i}", got.get(gkey), value)
+            else:
+                t.expect(gkey in got, f"{gkey} missing from the grouped module's gradients")
+    # FP8: group i quantizes with its own scales and history, exactly as Linear i does.
+    got_fp8 = grouped.fp8_snapshot()
+    for i, lin in enumerate(linears):
+        for key, value in lin.fp8_snapshot().items():
+            gkey = key.replace("fp8_states[", f"fp8_states[gemm{i}.", 1)
+            t.bitwise(f"{gkey} grouped vs linear {i}", got_fp8.get(gkey), value)
+    if not bitwise:
+        # Within budget: the float64 truth is the reference GroupedLinear in float64.
+        _p12_budget(t, backend, case, got, linears)
+    # Both sides may share a bug (the grouped module reusing Linear's code): judge the grouped
+    # module's own gradients against the float64 truth as well.
+    judged = AccuracyRun([], xgrads, norm, got)
+    judge_steps(t, case, fb_steps(len(data)), judged, prefill_grads=True)
+    return t.result
+
+
+def _p12_budget(
+    t: Tracker, backend: Backend, case: Case, got: Snapshot, linears: list[ModuleRun]
+) -> None:
+    _, _, truth, truth8 = accuracy_runs(reference_backend(), case)
+    # Under FP8 every quantized operand is an input: the truth is the same recipe in float64.
+    truth = truth8 if truth8 is not None else truth
+    for i, lin in enumerate(linears):
+        for key, value in lin.gemm_snapshot().items():
+            name, slot = key.split(".", 1)
+            gkey = f"{name}{i}.{slot}"
+            dt = torch.float32 if slot == "main_grad" else case.config.torch_dtype
+            t.budget(
+                gkey,
+                got.get(gkey),
+                truth.gemm.get(gkey),
+                value,
+                B.GROUPED_GEMM,
+                dt,
+                case.config.torch_dtype,
+            )
