@@ -55,6 +55,9 @@ __all__ = [
     "kink_bound",
     "FUSED_ACCUMULATION_STEPS",
     "fused_accumulation_tolerance",
+    "DATA_PARALLEL_MULTIPLIER",
+    "DATA_PARALLEL_FLOOR_STEPS",
+    "data_parallel_tolerance",
 ]
 
 
@@ -654,3 +657,23 @@ def gradcheck_reference(config, seed: int = 0, rows: int = 3, backend=None) -> N
                     f"{numeric!r} (atol {GRADCHECK_ATOL}, rtol {GRADCHECK_RTOL}) "
                     f"for {config.label()}",
                 )
+
+
+# ---- Data parallel (P16) --------------------------------------------------------------------
+#
+# A replica sums its micro-batches' contributions, the all-reduce sums the replicas and divides
+# by their count: the terms of the single-process global-batch run, grouped differently (one
+# partial sum per replica) and with one more rounding (the division, exact for a power of two
+# replicas, then the schedule's division by the micro-batch count). The yardstick is that
+# global-batch run in the module dtype against the float64 truth of the same values.
+DATA_PARALLEL_MULTIPLIER = 2.0
+DATA_PARALLEL_FLOOR_STEPS = 4.0
+
+
+def data_parallel_tolerance(dtype: torch.dtype, naive_error: float, truth_max: float) -> float:
+    """Budget of one data-parallel gradient against the float64 global-batch truth:
+    ``DATA_PARALLEL_MULTIPLIER * naive_error + DATA_PARALLEL_FLOOR_STEPS`` rounding steps of
+    ``dtype`` at ``truth_max`` (``naive_error``: the single-process run's own error)."""
+    return DATA_PARALLEL_MULTIPLIER * naive_error + DATA_PARALLEL_FLOOR_STEPS * rounding_step(
+        dtype, truth_max
+    )
