@@ -21,6 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 __all__ = ["run_ranks", "RankFailure"]
 
@@ -108,7 +109,7 @@ def run_ranks(
                 if time.monotonic() > deadline:
                     failure = f"timed out after {timeout_s:.0f} s"
                     break
-        except mp.ProcessException as exc:
+        except ProcessException as exc:
             failure = f"rank {getattr(exc, 'error_index', '?')} failed"
         finally:
             for p in ctx.processes:

@@ -18,6 +18,13 @@ gradients; the runner runs them with ``backward_dw()``.
   fails part-way (a wgrad raised) keeps what it has not run, so calling it again finishes it;
 * schedules without a W step (``ScheduleGPipe``, ``Schedule1F1B``) call the runner right after
   the backward: delayed modules then behave as if not delayed;
+* shape inference: on its first ``step()`` a ``PipelineStage`` without static shapes runs the
+  stage once on placeholder tensors (uninitialized, except on the first stage) to infer shapes,
+  forward and input-only backward. That writes no gradient and queues nothing (SPEC §3), but it
+  would record the placeholders' amaxes in delayed-scaling FP8 histories. The builder snapshots
+  the FP8 state of the stage's modules (splitgrad's ``fp8_states``) when that inference forward
+  starts and puts it back before the first real forward. (Other packages: give the stage static
+  ``input_args``/``output_args`` so that no inference runs.)
 * gradient scaling: a schedule divides ``param.grad`` by the number of micro-batches
   (``PipelineStage.scale_grads``) once the stage's last W step has run. The builder attaches to
   the stage that calls it and extends that scaling to fused ``main_grad``, refuses (raises) to
@@ -31,6 +38,7 @@ Only the public module API of SPEC §2-§4 is used, so any conforming package wo
 from __future__ import annotations
 
 import collections
+import copy
 import sys
 from collections.abc import Callable
 
@@ -97,6 +105,23 @@ class DWBuilder:
         self._outstanding: collections.deque[WStepRunner] = collections.deque()
         self._built = 0
         self.stage = None
+        self._fp8_snapshot: list[tuple[torch.nn.Module, dict]] | None = None
+        self._modules = modules
+        stage_module.register_forward_pre_hook(self._before_forward)
+
+    def _before_forward(self, module: torch.nn.Module, args) -> None:
+        """Keep pipelining's shape-inference forward out of the FP8 amax histories."""
+        if _in_metadata_inference():
+            if self._fp8_snapshot is None:
+                self._fp8_snapshot = [
+                    (sm.module, copy.deepcopy(sm.module.fp8_states))
+                    for sm in self._modules
+                    if isinstance(getattr(sm.module, "fp8_states", None), dict)
+                ]
+        elif self._fp8_snapshot is not None:
+            for m, states in self._fp8_snapshot:
+                m.fp8_states = states
+            self._fp8_snapshot = None
 
     @property
     def pending_runners(self) -> int:
@@ -174,6 +199,18 @@ class DWBuilder:
                 self.attach(candidate)
                 return
             frame = frame.f_back
+
+
+def _in_metadata_inference() -> bool:
+    """Whether torch.distributed.pipelining's shape inference is running this forward."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_forward_metadata_inference":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _micro_batch_label(index: int) -> str:

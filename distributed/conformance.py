@@ -1,0 +1,768 @@
+"""P14-P16 (SPEC §7) as checks that spawn their own gloo ranks, for any conforming package.
+
+Each check takes the import name of a package with SPEC §2's API (``"splitgrad.impl"``,
+``"splitgrad.reference"``, ``"mypkg"``), runs the scenario on ``world_size`` local processes
+(:func:`~splitgrad.distributed.run_ranks`: a timeout on every collective, a failed or stuck rank
+fails the check with its traceback), computes the single-process truth in a process of its own
+with the same thread count (CPU kernels may reduce in another order with more threads), and
+returns a :class:`DistributedReport`; ``report.raise_if_failed()`` raises ``AssertionError``
+listing every mismatch.
+
+* :func:`check_pipeline` (P15): stages of split-backward modules under
+  ``torch.distributed.pipelining`` schedules with :func:`~splitgrad.distributed.dw_builder`;
+  loss and every gradient bitwise equal to running the same stages on the same micro-batches in
+  one process, then dividing by the micro-batch count as the schedule does. Bitwise holds because
+  each parameter's micro-batch contributions are added in micro-batch order (W steps run FIFO)
+  by the same kernels on the same shapes, and the stage boundaries only copy tensors.
+* :func:`check_data_parallel` (P16): :class:`~splitgrad.distributed.GradientReducer` over 2
+  replicas, alone, under a zero-bubble pipeline (2 stages x 2 replicas) and next to the
+  expert-parallel layer; every reduction launched before ``finish()`` (and some before the last
+  ``backward_dw()``); gradients bitwise equal to ``(replica0 + replica1) / 2`` computed in one
+  process (a sum of two is exact in either order), and within the data-parallel budget of the
+  single-process global-batch run.
+* :func:`check_expert_parallel` (P14): :class:`~splitgrad.distributed.ExpertParallelMoE` over 2
+  ranks; experts bitwise the single-process ``GroupedLinear`` over all experts, their
+  ``backward_dw()`` run inside the dispatch all-to-all's backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import torch
+import torch.distributed as dist
+
+from .data_parallel import GradientReducer
+from .expert_parallel import ExpertParallelMoE
+from .launch import run_ranks
+from .modules import split_modules
+from .pipeline import dw_builder
+
+__all__ = [
+    "SCHEDULES",
+    "RECIPES",
+    "DistributedReport",
+    "check_pipeline",
+    "check_data_parallel",
+    "check_expert_parallel",
+]
+
+#: The torch.distributed.pipelining schedules P15 runs (by class name).
+SCHEDULES = (
+    "ScheduleGPipe",
+    "Schedule1F1B",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleZBVZeroBubble",
+    "ScheduleDualPipeV",
+)
+#: FP8 recipes by short name (the classes are looked up in the package under test).
+RECIPES = {
+    "delayed": "DelayedScaling",
+    "current": "Float8CurrentScaling",
+    "mxfp8": "MXFP8BlockScaling",
+    "block": "Float8BlockScaling",
+}
+_WEIGHT_NAMES = ("weight", "fc1_weight", "fc2_weight")
+
+
+@dataclasses.dataclass
+class DistributedReport:
+    """What a distributed check compared: ``compared`` tensors (and losses), ``failures``."""
+
+    name: str
+    compared: int = 0
+    failures: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def raise_if_failed(self) -> None:
+        if self.failures:
+            shown = "\n  ".join(self.failures[:40])
+            more = len(self.failures) - 40
+            tail = f"\n  ... and {more} more" if more > 0 else ""
+            raise AssertionError(f"{self.name}: {len(self.failures)} failure(s)\n  {shown}{tail}")
+
+    def bitwise(self, what: str, got: torch.Tensor | None, want: torch.Tensor | None) -> None:
+        self.compared += 1
+        if got is None or want is None:
+            if got is not want:
+                self.failures.append(f"{what}: got {_desc(got)}, expected {_desc(want)}")
+            return
+        if got.shape != want.shape or got.dtype != want.dtype or not torch.equal(got, want):
+            self.failures.append(f"{what}: not bitwise equal ({_diff(got, want)})")
+
+    def within(self, what: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+        self.compared += 1
+        err = float((got.double() - want.double()).abs().max()) if got.numel() else 0.0
+        if not err <= tol:
+            self.failures.append(f"{what}: max error {err:.3g} > budget {tol:.3g}")
+
+
+def _desc(t: torch.Tensor | None) -> str:
+    return "None" if t is None else f"tensor {tuple(t.shape)} {t.dtype}"
+
+
+def _diff(got: torch.Tensor, want: torch.Tensor) -> str:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"{_desc(got)} vs {_desc(want)}"
+    d = (got.double() - want.double()).abs()
+    i = int(d.argmax())
+    a, b = got.flatten()[i].item(), want.flatten()[i].item()
+    return f"max |diff| {float(d.max()):.3g} at flat index {i}: {a!r} vs {b!r}"
+
+
+# ---- the model the checks build ------------------------------------------------------------
+
+
+class Block(torch.nn.Module):
+    """``x + proj(tanh(gate(mlp(x))))``: a ``LayerNormMLP`` and a ``Linear`` of the package under
+    test (delayed, plain or fused) around a ``torch.nn.Linear`` (reduced from autograd's hooks)."""
+
+    def __init__(
+        self, lib, hidden: int, ffn: int, seed: int, *, fused: bool, dtype, value_dtype=None
+    ) -> None:
+        super().__init__()
+        kw = dict(params_dtype=dtype, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
+        self.mlp = lib.LayerNormMLP(hidden, ffn, **kw)
+        self.gate = torch.nn.Linear(hidden, hidden, dtype=dtype)
+        self.proj = lib.Linear(hidden, hidden, **kw)
+        gen = torch.Generator().manual_seed(1000 + seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                # values rounded to value_dtype first, so a float64 twin holds the same numbers
+                value = (torch.randn(p.shape, generator=gen) * 0.3).to(value_dtype or dtype)
+                p.copy_(value.to(dtype))
+        if fused:
+            for sm in split_modules(self):
+                for name, p in sm.gemm_params:
+                    if name in _WEIGHT_NAMES:
+                        p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(torch.tanh(self.gate(self.mlp(x))))
+
+
+def _gradients(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient by name: ``main_grad`` for fused GEMM weights, else ``.grad``."""
+    fused = {
+        id(p)
+        for sm in split_modules(module)
+        for name, p in sm.gemm_params
+        if sm.uses_main_grad(name)
+    }
+    return {
+        name: (p.main_grad if id(p) in fused else p.grad) for name, p in module.named_parameters()
+    }
+
+
+def _clone(grads: dict) -> dict:
+    return {k: None if v is None else v.detach().clone() for k, v in grads.items()}
+
+
+def _drain(module: torch.nn.Module) -> None:
+    for sm in reversed(split_modules(module)):
+        while sm.module.pending_wgrad_count:
+            sm.module.backward_dw()
+
+
+def _scale(module: torch.nn.Module, factor: int) -> None:
+    with torch.no_grad():
+        for g in _gradients(module).values():
+            if g is not None:
+                g.div_(factor)
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out.float() - target.float()) ** 2).mean()
+
+
+def _autocast(lib, recipe):
+    """``fp8_autocast`` with ``recipe`` (one object per run: delayed scaling keeps its amax
+    histories per recipe), or nothing."""
+    import contextlib
+
+    if recipe is None:
+        return contextlib.nullcontext()
+    return lib.fp8_autocast(enabled=True, fp8_recipe=recipe)
+
+
+def _make_recipe(lib, name: str | None):
+    return None if name is None else getattr(lib, RECIPES[name])()
+
+
+def _data(seed: int, rows: int, hidden: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    target = torch.randn(rows, hidden, generator=gen).to(dtype)
+    return x, target
+
+
+# ---- P15: pipeline parallel ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    schedule: str
+    fused: bool = False
+    recipe: str | None = None
+    dtype: torch.dtype = torch.float32
+    n_microbatches: int = 4
+
+    @property
+    def label(self) -> str:
+        parts = [self.schedule, "fused" if self.fused else "plain", str(self.dtype)[6:]]
+        if self.recipe:
+            parts.append(f"fp8:{self.recipe}")
+        return " ".join(parts) + f" n_mb={self.n_microbatches}"
+
+
+def stage_layout(schedule: str, rank: int, pp: int) -> tuple[list[int], int]:
+    """The stage indices rank ``rank`` holds under ``schedule`` with ``pp`` ranks, and the number
+    of stages: one per rank (GPipe, 1F1B), two looped (interleaved), two in a V (ZBV,
+    DualPipeV)."""
+    if schedule in ("ScheduleGPipe", "Schedule1F1B"):
+        return [rank], pp
+    if schedule in ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"):
+        return [rank, rank + pp], 2 * pp
+    if schedule in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
+        return [rank, 2 * pp - 1 - rank], 2 * pp
+    raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
+
+
+def _sizes(recipe: str | None) -> tuple[int, int, int]:
+    """(hidden, ffn, rows per micro-batch): multiples of 32 or 128 where the recipe needs them."""
+    if recipe == "block":
+        return 128, 128, 128
+    if recipe == "mxfp8":
+        return 32, 64, 32
+    return 16, 32, 8
+
+
+def _run_pipeline(
+    lib, cfg: PipelineConfig, rank: int, pp: int, group=None, reducer_group=None, data_seed=0
+) -> dict:
+    """One ``schedule.step`` on this rank; returns its stages' gradients, losses and what was
+    left pending."""
+    import torch.distributed.pipelining.schedules as schedules
+    from torch.distributed.pipelining import PipelineStage
+
+    hidden, ffn, rows = _sizes(cfg.recipe)
+    indices, num_stages = stage_layout(cfg.schedule, rank, pp)
+    blocks = {i: Block(lib, hidden, ffn, i, fused=cfg.fused, dtype=cfg.dtype) for i in indices}
+    reducers = {}
+    if reducer_group is not None:
+        for i, b in blocks.items():
+            reducers[i] = GradientReducer(b, reducer_group, num_microbatches=cfg.n_microbatches)
+    builders = {i: dw_builder(b) for i, b in blocks.items()}
+    stages = [
+        PipelineStage(
+            blocks[i], i, num_stages, torch.device("cpu"), group=group, dw_builder=builders[i]
+        )
+        for i in indices
+    ]
+    schedule_cls = getattr(schedules, cfg.schedule)
+    schedule = schedule_cls(
+        stages if len(stages) > 1 else stages[0], cfg.n_microbatches, loss_fn=_loss
+    )
+    x, target = _data(data_seed, cfg.n_microbatches * rows, hidden, cfg.dtype)
+    first, last = 0 in indices, num_stages - 1 in indices
+    losses: list[torch.Tensor] = []
+    with _autocast(lib, _make_recipe(lib, cfg.recipe)):
+        schedule.step(
+            *((x,) if first else ()),
+            target=target if last else None,
+            losses=losses if last else None,
+        )
+    for r in reducers.values():
+        r.finish()  # a no-op where the schedule's gradient scaling finished it already
+    return {
+        "grads": {i: _clone(_gradients(b)) for i, b in blocks.items()},
+        "losses": [loss.detach().clone() for loss in losses],
+        "pending": {
+            i: {sm.name: sm.module.pending_wgrad_count for sm in split_modules(b)}
+            for i, b in blocks.items()
+        },
+        "runners_left": {i: builders[i].pending_runners for i in indices},
+        "launches": {
+            i: [(e["bucket"], e["time"]) for e in r.launch_log] for i, r in reducers.items()
+        },
+        "finish": {i: r.finish_time for i, r in reducers.items()},
+    }
+
+
+def _single_pipeline(lib, cfg: PipelineConfig, num_stages: int, data_seeds=(0,)) -> dict:
+    """The same stages run one after the other on every micro-batch, each micro-batch's entries
+    drained before the next, gradients divided by the micro-batch count at the end."""
+    hidden, ffn, rows = _sizes(cfg.recipe)
+    blocks = [
+        Block(lib, hidden, ffn, i, fused=cfg.fused, dtype=cfg.dtype) for i in range(num_stages)
+    ]
+    losses = []
+    recipe = _make_recipe(lib, cfg.recipe)
+    for seed in data_seeds:
+        x, target = _data(seed, cfg.n_microbatches * rows, hidden, cfg.dtype)
+        for xb, tb in zip(x.split(rows), target.split(rows)):
+            h = xb
+            with _autocast(lib, recipe):
+                for b in blocks:
+                    h = b(h)
+            loss = _loss(h, tb)
+            losses.append(loss.detach().clone())
+            loss.backward()
+            for b in reversed(blocks):
+                _drain(b)
+    return {"blocks": blocks, "losses": losses}
+
+
+def _pipeline_rank(rank: int, world: int, lib_name: str, configs: list[PipelineConfig]) -> list:
+    lib = importlib.import_module(lib_name)
+    return [_run_pipeline(lib, cfg, rank, world) for cfg in configs]
+
+
+def _pipeline_truth(rank: int, world: int, lib_name: str, configs, pp: int) -> list:
+    lib = importlib.import_module(lib_name)
+    out = []
+    for cfg in configs:
+        _, num_stages = stage_layout(cfg.schedule, 0, pp)
+        run = _single_pipeline(lib, cfg, num_stages)
+        for b in run["blocks"]:
+            _scale(b, cfg.n_microbatches)
+        out.append(
+            {"grads": [_clone(_gradients(b)) for b in run["blocks"]], "losses": run["losses"]}
+        )
+    return out
+
+
+def check_pipeline(
+    lib_name: str = "splitgrad.impl",
+    *,
+    world_size: int = 2,
+    schedules: tuple[str, ...] = SCHEDULES,
+    fused: tuple[bool, ...] = (False, True),
+    recipes: tuple[str | None, ...] = (None,),
+    dtype: torch.dtype = torch.float32,
+    n_microbatches: int | None = None,
+    timeout_s: float = 600.0,
+) -> DistributedReport:
+    """P15 on ``world_size`` gloo ranks for every schedule x accumulation x recipe."""
+    n_mb = n_microbatches or 2 * world_size
+    configs = [
+        PipelineConfig(s, f, r, dtype, n_mb) for s in schedules for f in fused for r in recipes
+    ]
+    results = run_ranks(_pipeline_rank, world_size, lib_name, configs, timeout_s=timeout_s)
+    (truth,) = run_ranks(_pipeline_truth, 1, lib_name, configs, world_size, timeout_s=timeout_s)
+    report = DistributedReport(f"P15 {lib_name} on {world_size} ranks")
+    for k, cfg in enumerate(configs):
+        want = truth[k]
+        for rank, per_rank in enumerate(results):
+            got = per_rank[k]
+            where = f"{cfg.label} rank {rank}"
+            for i, grads in got["grads"].items():
+                for name, g in grads.items():
+                    report.bitwise(f"{where} stage {i} {name}", g, want["grads"][i][name])
+                left = {n: c for n, c in got["pending"][i].items() if c}
+                if left or got["runners_left"][i]:
+                    report.failures.append(
+                        f"{where} stage {i}: after step(), entries pending {left}, "
+                        f"{got['runners_left'][i]} W steps not run"
+                    )
+            if got["losses"]:
+                for j, (a, b) in enumerate(zip(got["losses"], want["losses"])):
+                    report.bitwise(f"{where} loss of micro-batch {j}", a, b)
+                if len(got["losses"]) != len(want["losses"]):
+                    report.failures.append(f"{where}: {len(got['losses'])} losses returned")
+    return report
+
+
+# ---- P16: data parallel ----------------------------------------------------------------------
+
+
+def _dp_step(lib, rank: int, *, fused: bool, mode: str, n_mb: int, dtype, skip_dw=False):
+    """One step of 2 Blocks on one replica, micro-batches marked by ``mode`` ("no_sync" or
+    "count"), every backward_dw() deferred until after the last backward and run block by block
+    (so the first block's reductions overlap the second block's wgrad GEMMs)."""
+    hidden, ffn, rows = _sizes(None)
+    blocks = torch.nn.Sequential(
+        *(Block(lib, hidden, ffn, i, fused=fused, dtype=dtype) for i in range(2))
+    )
+    reducer = GradientReducer(
+        blocks,
+        num_microbatches=n_mb if mode == "count" else None,
+        bucket_cap_mb=hidden * ffn * 4 / 2**20,  # about one GEMM weight per bucket
+    )
+    x, target = _data(100 + rank, n_mb * rows, hidden, dtype)
+    dw_times = []
+    for j, (xb, tb) in enumerate(zip(x.split(rows), target.split(rows))):
+        last = j == n_mb - 1
+        ctx = reducer.no_sync() if (mode == "no_sync" and not last) else _nullcontext()
+        with ctx:
+            _loss(blocks(xb), tb).backward()
+    import time
+
+    for b in reversed(list(blocks)):
+        if skip_dw:
+            break
+        _drain(b)
+        dw_times.append(time.perf_counter())
+    error = None
+    try:
+        reducer.finish()
+    except RuntimeError as exc:
+        error = str(exc)
+    _scale(blocks, n_mb)
+    return {
+        "grads": _clone(_gradients(blocks)),
+        "launches": [(e["bucket"], e["params"], e["time"]) for e in reducer.launch_log],
+        "finish": reducer.finish_time,
+        "dw_times": dw_times,
+        "buckets": reducer.bucket_names,
+        "error": error,
+    }
+
+
+def _nullcontext():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _dp_rank(rank: int, world: int, lib_name: str, configs: list[dict]) -> list:
+    lib = importlib.import_module(lib_name)
+    return [_dp_step(lib, rank, **cfg) for cfg in configs]
+
+
+def _dp_truth(rank: int, _: int, lib_name: str, configs: list[dict], world: int) -> list:
+    """Per config: the replicas emulated in one process (their sum, then the two divisions the
+    distributed run does), the global batch through one model in the same dtype (the naive
+    yardstick) and in float64 (the truth)."""
+    lib = importlib.import_module(lib_name)
+    hidden, ffn, rows = _sizes(None)
+
+    def run(dtype, seeds, value_dtype):
+        blocks = torch.nn.Sequential(
+            *(
+                Block(lib, hidden, ffn, i, fused=fused, dtype=dtype, value_dtype=value_dtype)
+                for i in range(2)
+            )
+        )
+        for seed in seeds:
+            x, target = _data(seed, n_mb * rows, hidden, value_dtype)
+            for xb, tb in zip(x.split(rows), target.split(rows)):
+                _loss(blocks(xb.to(dtype)), tb.to(dtype)).backward()
+            for b in reversed(list(blocks)):
+                _drain(b)
+        return _gradients(blocks)
+
+    out = []
+    for cfg in configs:
+        n_mb, fused, dtype = cfg["n_mb"], cfg["fused"], cfg["dtype"]
+        replicas = [run(dtype, (100 + r,), dtype) for r in range(world)]
+        emulated = {}
+        for name in replicas[0]:
+            total = replicas[0][name].clone()
+            for rep in replicas[1:]:
+                total += rep[name]
+            emulated[name] = total.div_(world).div_(n_mb)
+        seeds = tuple(100 + r for r in range(world))
+        naive = {n: g.div(world * n_mb) for n, g in run(dtype, seeds, dtype).items()}
+        truth = {n: g.div(world * n_mb) for n, g in run(torch.float64, seeds, dtype).items()}
+        out.append({"emulated": _clone(emulated), "naive": _clone(naive), "truth": _clone(truth)})
+    return out
+
+
+def check_data_parallel(
+    lib_name: str = "splitgrad.impl",
+    *,
+    n_microbatches: int = 3,
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,),
+    timeout_s: float = 600.0,
+) -> DistributedReport:
+    """P16 alone, on 2 gloo replicas: fused and plain, no_sync() and num_microbatches."""
+    from splitgrad.properties.budgets import data_parallel_tolerance
+
+    configs = [
+        {"fused": f, "mode": m, "n_mb": n_microbatches, "dtype": d}
+        for f in (False, True)
+        for m in ("no_sync", "count")
+        for d in dtypes
+    ]
+    world = 2
+    results = run_ranks(_dp_rank, world, lib_name, configs, timeout_s=timeout_s)
+    (truth,) = run_ranks(_dp_truth, 1, lib_name, configs, world, timeout_s=timeout_s)
+    report = DistributedReport(f"P16 {lib_name} on {world} replicas")
+    for k, cfg in enumerate(configs):
+        label = f"{'fused' if cfg['fused'] else 'plain'} {cfg['mode']} {cfg['dtype']}"
+        for rank, per_rank in enumerate(results):
+            got = per_rank[k]
+            where = f"{label} rank {rank}"
+            if got["error"]:
+                report.failures.append(f"{where}: finish() raised: {got['error']}")
+            _check_launches(report, where, got)
+            for name, g in got["grads"].items():
+                report.bitwise(
+                    f"{where} {name} vs (replica0 + replica1) / 2", g, truth[k]["emulated"][name]
+                )
+                want, naive = truth[k]["truth"][name], truth[k]["naive"][name]
+                naive_err = float((naive.double() - want).abs().max())
+                tol = data_parallel_tolerance(g.dtype, naive_err, float(want.abs().max()))
+                report.within(f"{where} {name} vs the float64 global batch", g, want, tol)
+    return report
+
+
+def _check_launches(report: DistributedReport, where: str, got: dict) -> None:
+    """Every bucket launched once, all before finish(), and (where backward_dw ran late) the
+    first block's buckets before the second block's wgrad finished: overlap."""
+    launched = [b for b, *_ in got["launches"]]
+    report.compared += 1
+    if sorted(launched) != list(range(len(got["buckets"]))):
+        report.failures.append(
+            f"{where}: buckets launched {launched}, expected each of {len(got['buckets'])} once"
+        )
+    if got["launches"] and got["finish"] is not None:
+        late = [b for b, *rest in got["launches"] if rest[-1] > got["finish"]]
+        if late:
+            report.failures.append(f"{where}: buckets {late} launched after finish() was called")
+    if len(got.get("dw_times", ())) >= 2:
+        # the last block's entries run first; the first launch must precede the last drain
+        if not got["launches"] or got["launches"][0][-1] >= got["dw_times"][-1]:
+            report.failures.append(f"{where}: no reduction started before the last backward_dw()")
+
+
+# ---- P14 (and P16 next to it): expert parallel --------------------------------------------
+
+
+def _moe_data(seed: int, world: int, tokens: int, hidden: int, experts: int):
+    gen = torch.Generator().manual_seed(seed)
+    proj_w = torch.randn(hidden, hidden, generator=gen) * 0.3
+    proj_b = torch.randn(hidden, generator=gen) * 0.1
+    expert_w = [torch.randn(hidden, hidden, generator=gen) * 0.3 for _ in range(experts)]
+    expert_b = [torch.randn(hidden, generator=gen) * 0.1 for _ in range(experts)]
+    xs = [torch.randn(tokens, hidden, generator=gen) for _ in range(world)]
+    # rank 0 never routes to the last expert: an empty group on purpose
+    assign = [torch.arange(tokens) % (experts - 1)] + [
+        torch.randint(0, experts, (tokens,), generator=gen) for _ in range(world - 1)
+    ]
+    dys = [torch.randn(tokens, hidden, generator=gen) for _ in range(world)]
+    return proj_w, proj_b, expert_w, expert_b, xs, assign, dys
+
+
+def _load(module, values: dict) -> None:
+    with torch.no_grad():
+        for name, value in values.items():
+            getattr(module, name).copy_(value)
+
+
+_MOE = {"tokens": 12, "hidden": 16, "experts": 4}
+
+
+def _moe_rank(rank: int, world: int, lib_name: str) -> dict:
+    lib = importlib.import_module(lib_name)
+    tokens, hidden, experts = _MOE["tokens"], _MOE["hidden"], _MOE["experts"]
+    local = experts // world
+    proj_w, proj_b, expert_w, expert_b, xs, assign, dys = _moe_data(
+        0, world, tokens, hidden, experts
+    )
+    proj = lib.Linear(hidden, hidden, delay_wgrad_compute=True)
+    _load(proj, {"weight": proj_w, "bias": proj_b})
+    mine = range(rank * local, (rank + 1) * local)
+    grouped = lib.GroupedLinear(local, hidden, hidden, delay_wgrad_compute=True)
+    _load(grouped, {f"weight{i}": expert_w[e] for i, e in enumerate(mine)})
+    _load(grouped, {f"bias{i}": expert_b[e] for i, e in enumerate(mine)})
+    moe = ExpertParallelMoE(grouped)
+    model = torch.nn.ModuleDict({"proj": proj, "moe": moe})
+    # data parallel for the replicated projection, the experts left to expert parallelism
+    reducer = GradientReducer(
+        model, ignore=[n for n, _ in model.named_parameters() if n.startswith("moe.")]
+    )
+    x = xs[rank].clone().requires_grad_()
+    y = moe(proj(x), assign[rank])
+    y.backward(dys[rank])
+    import time
+
+    dw_start = time.perf_counter()
+    proj.backward_dw()
+    reducer.finish()
+    return {
+        "y": y.detach(),
+        "x.grad": x.grad,
+        "proj": {"weight": proj.weight.grad, "bias": proj.bias.grad},
+        "experts": {
+            e: (getattr(grouped, f"weight{i}").grad, getattr(grouped, f"bias{i}").grad)
+            for i, e in enumerate(mine)
+        },
+        "overlap_log": list(moe.overlap_log),
+        "pending": (proj.pending_wgrad_count, grouped.pending_wgrad_count),
+        "launches": [t for *_, t in ((e["bucket"], e["time"]) for e in reducer.launch_log)],
+        "dw_start": dw_start,
+        "finish": reducer.finish_time,
+    }
+
+
+def _moe_truth(rank: int, world: int, lib_name: str, nranks: int) -> dict:
+    lib = importlib.import_module(lib_name)
+    tokens, hidden, experts = _MOE["tokens"], _MOE["hidden"], _MOE["experts"]
+    proj_w, proj_b, expert_w, expert_b, xs, assign, dys = _moe_data(
+        0, nranks, tokens, hidden, experts
+    )
+    proj = lib.Linear(hidden, hidden)
+    _load(proj, {"weight": proj_w, "bias": proj_b})
+    grouped = lib.GroupedLinear(experts, hidden, hidden)
+    _load(grouped, {f"weight{e}": expert_w[e] for e in range(experts)})
+    _load(grouped, {f"bias{e}": expert_b[e] for e in range(experts)})
+    x = torch.cat(xs).requires_grad_()
+    a = torch.cat(assign)
+    order = torch.argsort(a, stable=True)  # rank 0's tokens before rank 1's within an expert
+    # the projection per rank's tokens: its gradient is then replica 0's + replica 1's, the sum
+    # the all-reduce forms (exact in either order for two)
+    h = torch.cat([proj(part) for part in x.split(tokens)])
+    y_sorted = grouped(h[order], torch.bincount(a, minlength=experts).tolist())
+    y = torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
+    y.backward(torch.cat(dys))
+    # the projection's data-parallel mean over the ranks
+    return {
+        "y": y.detach(),
+        "x.grad": x.grad,
+        "proj": {"weight": proj.weight.grad / nranks, "bias": proj.bias.grad / nranks},
+        "experts": {
+            e: (getattr(grouped, f"weight{e}").grad, getattr(grouped, f"bias{e}").grad)
+            for e in range(experts)
+        },
+    }
+
+
+def check_expert_parallel(
+    lib_name: str = "splitgrad.impl", *, timeout_s: float = 300.0
+) -> DistributedReport:
+    """P14 (and P16 beside it) on 2 gloo ranks."""
+    world = 2
+    results = run_ranks(_moe_rank, world, lib_name, timeout_s=timeout_s)
+    (truth,) = run_ranks(_moe_truth, 1, lib_name, world, timeout_s=timeout_s)
+    report = DistributedReport(f"P14 {lib_name} on {world} ranks")
+    tokens = _MOE["tokens"]
+    for rank, got in enumerate(results):
+        rows = slice(rank * tokens, (rank + 1) * tokens)
+        report.bitwise(f"rank {rank} output", got["y"], truth["y"][rows])
+        report.bitwise(f"rank {rank} x.grad", got["x.grad"], truth["x.grad"][rows])
+        for e, (w, b) in got["experts"].items():
+            tw, tb = truth["experts"][e]
+            report.bitwise(f"rank {rank} expert {e} weight.grad", w, tw)
+            report.bitwise(f"rank {rank} expert {e} bias.grad", b, tb)
+        report.compared += 1
+        if got["overlap_log"] != [1]:
+            report.failures.append(
+                f"rank {rank}: experts' backward_dw inside the dispatch all-to-all saw pending "
+                f"counts {got['overlap_log']}, expected [1] (one entry run while in flight)"
+            )
+        if got["pending"] != (0, 0):
+            report.failures.append(f"rank {rank}: entries left pending {got['pending']}")
+        for name, g in got["proj"].items():
+            report.bitwise(
+                f"rank {rank} proj.{name}.grad (replica0 + replica1) / 2", g, truth["proj"][name]
+            )
+        if not got["launches"] or max(got["launches"]) > got["finish"]:
+            report.failures.append(
+                f"rank {rank}: the projection's reduction was not launched before finish()"
+            )
+    report.bitwise(
+        "proj.weight.grad rank 0 vs rank 1",
+        results[0]["proj"]["weight"],
+        results[1]["proj"]["weight"],
+    )
+    return report
+
+
+# ---- P16 composed with P15: 2 pipeline stages x 2 data-parallel replicas ------------------
+
+
+def _pp_dp_rank(rank: int, world: int, lib_name: str, configs: list[PipelineConfig]) -> list:
+    """Ranks (0, 1) and (2, 3) are two pipelines; (0, 2) and (1, 3) reduce over replicas."""
+    lib = importlib.import_module(lib_name)
+    pp = 2
+    pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replica, pp_rank = divmod(rank, pp)
+    return [
+        _run_pipeline(
+            lib,
+            cfg,
+            pp_rank,
+            pp,
+            group=pp_groups[replica],
+            reducer_group=dp_groups[pp_rank],
+            data_seed=replica,
+        )
+        for cfg in configs
+    ]
+
+
+def _pp_dp_truth(rank: int, world: int, lib_name: str, configs: list[PipelineConfig]) -> list:
+    lib = importlib.import_module(lib_name)
+    out = []
+    for cfg in configs:
+        _, num_stages = stage_layout(cfg.schedule, 0, 2)
+        reps = [_single_pipeline(lib, cfg, num_stages, data_seeds=(r,)) for r in range(2)]
+        emulated = []
+        for i in range(num_stages):
+            g0, g1 = _gradients(reps[0]["blocks"][i]), _gradients(reps[1]["blocks"][i])
+            emulated.append({n: (g0[n] + g1[n]).div_(2).div_(cfg.n_microbatches) for n in g0})
+        out.append({"grads": _clone_list(emulated), "losses": [r["losses"] for r in reps]})
+    return out
+
+
+def _clone_list(items: list[dict]) -> list[dict]:
+    return [_clone(d) for d in items]
+
+
+def check_pipeline_data_parallel(
+    lib_name: str = "splitgrad.impl",
+    *,
+    schedules: tuple[str, ...] = ("ScheduleZBVZeroBubble",),
+    fused: tuple[bool, ...] = (False, True),
+    timeout_s: float = 600.0,
+) -> DistributedReport:
+    """P16 with P15 on 4 gloo ranks: 2 pipeline stages x 2 data-parallel replicas."""
+    configs = [PipelineConfig(s, f, None, torch.float32, 4) for s in schedules for f in fused]
+    results = run_ranks(_pp_dp_rank, 4, lib_name, configs, timeout_s=timeout_s)
+    (truth,) = run_ranks(_pp_dp_truth, 1, lib_name, configs, timeout_s=timeout_s)
+    report = DistributedReport(f"P16 x P15 {lib_name}: 2 stages x 2 replicas")
+    for k, cfg in enumerate(configs):
+        for rank, per_rank in enumerate(results):
+            got = per_rank[k]
+            replica = rank // 2
+            where = f"{cfg.label} rank {rank} (replica {replica})"
+            for i, grads in got["grads"].items():
+                for name, g in grads.items():
+                    report.bitwise(
+                        f"{where} stage {i} {name} vs (replica0 + replica1) / 2",
+                        g,
+                        truth[k]["grads"][i][name],
+                    )
+                launches = got["launches"][i]
+                report.compared += 1
+                if not launches:
+                    report.failures.append(f"{where} stage {i}: no reduction launched")
+                elif max(t for _, t in launches) > got["finish"][i]:
+                    report.failures.append(
+                        f"{where} stage {i}: a reduction launched after finish()"
+                    )
+                left = {n: c for n, c in got["pending"][i].items() if c}
+                if left:
+                    report.failures.append(f"{where} stage {i}: entries pending {left}")
+            for j, loss in enumerate(got["losses"]):
+                report.bitwise(f"{where} loss {j}", loss, truth[k]["losses"][replica][j])
+    return report
+
+
+def run_all(lib_name: str = "splitgrad.impl") -> list[DistributedReport]:
+    """Every distributed check with its default configuration (what ``ci`` runs)."""
+    return [
+        check_expert_parallel(lib_name),
+        check_data_parallel(lib_name),
+        check_pipeline(lib_name, world_size=2),
+        check_pipeline_data_parallel(lib_name),
+    ]
