@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import sys
 import tempfile
 import time
 import traceback
@@ -49,7 +50,6 @@ def _entry(
     import torch
 
     torch.set_num_threads(threads)
-    result_path = os.path.join(out_dir, f"rank{rank}.pkl")
     try:
         dist.init_process_group(
             backend,
@@ -58,16 +58,16 @@ def _entry(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_timeout_s),
         )
-        try:
-            result = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        with open(result_path, "wb") as f:
-            pickle.dump(("ok", result), f)
+        outcome = ("ok", fn(rank, world_size, *args))
     except BaseException:
-        with open(result_path, "wb") as f:
-            pickle.dump(("error", traceback.format_exc()), f)
-        raise
+        outcome = ("error", traceback.format_exc())
+    # The result is on disk before teardown, so a crash while tearing down is told apart.
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(outcome, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if outcome[0] == "error":
+        sys.exit(1)  # the parent sees the exit and stops the other ranks
 
 
 def run_ranks(
@@ -110,7 +110,8 @@ def run_ranks(
                     failure = f"timed out after {timeout_s:.0f} s"
                     break
         except ProcessException as exc:
-            failure = f"rank {getattr(exc, 'error_index', '?')} failed"
+            index, code = getattr(exc, "error_index", "?"), getattr(exc, "exit_code", "?")
+            failure = f"rank {index} failed (exit code {code})"
         finally:
             for p in ctx.processes:
                 if p.is_alive():
