@@ -11,6 +11,7 @@ measures against the truth uses (:mod:`.truth` applies it to the differential pr
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -35,8 +36,10 @@ __all__ = [
 ]
 
 
+@functools.cache
 def reference_backend() -> Backend:
-    """``splitgrad.reference``: the naive baseline and (upcast) the truth."""
+    """``splitgrad.reference``: the naive baseline and (upcast) the truth (one instance, so its
+    API probe runs once)."""
     return get_backend("reference")
 
 

@@ -22,6 +22,7 @@ import abc
 import collections
 import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -61,10 +62,27 @@ class Deviation:
     reference: str = ""
     applies: Callable[[Case], bool] = lambda case: True
     matches: str = ""
+    #: The module kinds / dtypes whose cells show it (empty: all), so that a test runner can
+    #: mark those cells as expected failures before running them.
+    kinds: tuple[str, ...] = ()
+    dtypes: tuple[str, ...] = ()
+    #: ``False``: the deviation shows only on some drawn cases (a test runner must not expect
+    #: every cell of those kinds to show it; it is still reported as a deviation when it does).
+    strict: bool = True
 
     def explains(self, case: Case, message: str) -> bool:
         """Whether a failure of this property on ``case`` with ``message`` is this deviation."""
         return self.applies(case) and self.matches in message
+
+    def expected_in(self, property_id: str, kind: str, dtype: str) -> bool:
+        """Whether a cell (property, module kind, dtype) is expected to show this deviation
+        (always ``False`` for a non-strict one)."""
+        return (
+            self.strict
+            and self.property_id == property_id
+            and (not self.kinds or kind in self.kinds)
+            and (not self.dtypes or dtype in self.dtypes)
+        )
 
 
 class Backend(abc.ABC):
@@ -261,7 +279,8 @@ def build_library_module(
     return cls(config.in_features, config.out_features, **kw)
 
 
-def _keywords(fn: Any) -> set[str] | None:
+@functools.lru_cache(maxsize=256)
+def _keywords(fn: Any) -> frozenset[str] | None:
     """The keyword arguments ``fn`` takes (``None``: any, it has ``**kwargs``, or unknown)."""
     try:
         sig = inspect.signature(fn)
@@ -269,7 +288,7 @@ def _keywords(fn: Any) -> set[str] | None:
         return None
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
         return None
-    return set(sig.parameters)
+    return frozenset(sig.parameters)
 
 
 def _spec_role(name: str, role_of: Callable[[str], str]) -> str | None:
@@ -585,6 +604,10 @@ class TorchSplitHandle:
     inputs: list[torch.Tensor] = dataclasses.field(default_factory=list)
     queue: collections.deque = dataclasses.field(default_factory=collections.deque)
     hooks: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+    routes: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+
+
+_NORM_KINDS = ("LayerNormLinear", "LayerNormMLP")
 
 
 def _delayed_norm_case(case: Case) -> bool:
@@ -619,8 +642,39 @@ class TorchSplitBackend(Backend):
             "torch.distributed.pipelining._backward",
             applies=_delayed_norm_case,
             matches="layer_norm_",
+            kinds=_NORM_KINDS,
+            strict=pid != "P17",
         )
-        for pid in ("P2", "P5", "P6")
+        for pid in ("P2", "P5", "P6", "P17")
+    ) + tuple(
+        Deviation(
+            pid,
+            "torch's CPU LayerNorm backward in bf16/fp16 (gamma and beta in the same low "
+            "precision, zero-centred gamma + 1 rounded to it) has several times the reference's "
+            "error on dx and dgamma (e.g. dx -0.115 vs truth -0.036 at in_features=3)",
+            "torch.nn.functional.layer_norm",
+            applies=lambda case: (
+                case.config.has_norm and case.config.dtype in ("bfloat16", "float16")
+            ),
+            matches=tag,
+            kinds=_NORM_KINDS,
+            dtypes=("bfloat16", "float16"),
+            strict=pid == "P2" and tag == "[dgrad budget]",
+        )
+        for pid in ("P2", "P4", "P5", "P6", "P7", "P8", "P17")
+        for tag in ("[dgrad budget]", "[norm_grad budget]")
+    ) + tuple(
+        Deviation(
+            pid,
+            "with every GEMM parameter frozen, the norm parameters' gradients still wait for "
+            "stage_backward_weight: one entry is queued per backward (SPEC §4: none)",
+            "torch.distributed.pipelining._backward",
+            applies=lambda case: case.config.has_norm and bool(case.frozen),
+            matches="pending_wgrad_count after ",
+            kinds=_NORM_KINDS,
+            strict=False,
+        )
+        for pid in ("P4", "P7")
     ) + (
         Deviation(
             "P7",
@@ -636,17 +690,8 @@ class TorchSplitBackend(Backend):
             "torch.distributed.pipelining._backward",
             applies=lambda case: case.variant == "tied-chain",
             matches="backward through the graph a second time",
-        ),
-        Deviation(
-            "P2",
-            "torch's CPU LayerNorm backward in bf16/fp16 (gamma and beta in the same low "
-            "precision, zero-centred gamma + 1 rounded to it) has several times the reference's "
-            "error on dx and dgamma (e.g. dx -0.115 vs truth -0.036 at in_features=3)",
-            "torch.nn.functional.layer_norm",
-            applies=lambda case: (
-                case.config.has_norm and case.config.dtype in ("bfloat16", "float16")
-            ),
-            matches="budget]",
+            kinds=_NORM_KINDS,
+            strict=False,
         ),
         Deviation(
             "P11",
@@ -655,6 +700,21 @@ class TorchSplitBackend(Backend):
             "torch.distributed.pipelining._backward",
             applies=lambda case: case.config.has_norm and case.delay,
             matches="still alive",
+            kinds=_NORM_KINDS,
+            strict=False,
+        ),
+        Deviation(
+            "P17",
+            "backward(inputs=[parameters]) without a stage input, under delay: "
+            "stage_backward_input builds its parameter groups from the stage inputs' gradients, "
+            "so with none asked stage_backward_weight writes nothing and the asked parameters "
+            "never get their gradient",
+            "torch.distributed.pipelining._backward",
+            applies=lambda case: (
+                case.delay and case.variant.startswith("inputs") and "inp" not in case.asked
+            ),
+            matches="P17 inputs: ",
+            strict=False,
         ),
         Deviation(
             "P10",
@@ -697,6 +757,13 @@ class TorchSplitBackend(Backend):
         # produced by this module itself (a chained, tied use) is part of the stage's graph.
         if x.grad_fn is None:
             module.inputs.append(x)
+        elif x._base is not None and x._base.is_leaf and x.requires_grad:
+            # A view of a leaf (P12 feeds the Linears torch.split views): the stage gets a
+            # detached copy, and its input gradient is sent back through the view.
+            leaf = x.detach().requires_grad_(True)
+            module.inputs.append(leaf)
+            module.routes.append((leaf, x))
+            x = leaf
         return module.twin(x, m_splits)
 
     def _trainable(self, module: TorchSplitHandle) -> list[torch.nn.Parameter]:
@@ -717,8 +784,10 @@ class TorchSplitBackend(Backend):
             for n, p in module.twin.named_parameters()
             if n in gemm
         )
+        routes, module.routes = module.routes, []
         if not module.delay:
             torch.autograd.backward(list(outputs), list(grads), inputs=inputs)
+            self._send_back(routes)
             if asked_gemm:
                 self._run_hooks(module)
             return
@@ -727,11 +796,19 @@ class TorchSplitBackend(Backend):
         _, param_groups = stage_backward_input(
             list(outputs), list(grads), stage_inputs, iter(weights)
         )
-        if asked_gemm:
+        self._send_back(routes)
+        # Norm parameters wait for stage_backward_weight too: queue whenever any weight trains.
+        if weights:
             module.queue.append((weights, param_groups))
 
+    @staticmethod
+    def _send_back(routes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for leaf, view in routes:
+            if leaf.grad is not None:
+                torch.autograd.backward([view], [leaf.grad])
+
     def grad(self, module: TorchSplitHandle, outputs, grads, inputs):
-        module.inputs = []  # a partial backward consumes the stage inputs seen so far
+        module.inputs, module.routes = [], []  # a partial backward consumes the stage inputs
         return super().grad(module, outputs, grads, inputs)
 
     def backward_dw(self, module: TorchSplitHandle) -> None:

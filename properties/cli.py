@@ -5,11 +5,30 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: splitgrad {verify,bench} [options]
+USAGE = """usage: splitgrad [--version] {verify,bench} [options]
 
+Split backward (deferred weight gradients) for PyTorch linear layers: check an implementation
+against the contract in SPEC.md, or measure splitgrad.impl.
+
+commands:
   verify   check an implementation against the reference and SPEC.md (splitgrad verify --help)
   bench    print speed and memory ratios of splitgrad.impl (splitgrad bench --help)
+
+options:
+  -h, --help  show this message and exit
+  --version   print the installed splitgrad version and exit
 """
+
+
+def version() -> str:
+    """The installed distribution's version (``unknown`` when run from a bare checkout)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("splitgrad")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0 if argv else 2
+    if argv[0] in ("--version", "-V"):
+        print(f"splitgrad {version()}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "verify":
         from .verify import main as verify_main

@@ -84,8 +84,8 @@ def check_p12(backend: Backend, case: Case) -> CheckResult:
         if bitwise:
             t.bitwise(f"output[micro-batch {k}] grouped vs linears", yg, y_lin)
             t.bitwise(f"inp.grad[micro-batch {k}] grouped vs linears", xg.grad, dx_lin)
-    norm = grouped.norm_snapshot()
     grouped.drain()
+    norm = grouped.norm_snapshot()
     for lin in linears:
         lin.drain()
     got = grouped.gemm_snapshot()

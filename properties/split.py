@@ -80,8 +80,8 @@ def check_p4(backend: Backend, case: Case) -> CheckResult:
         late.pending(),
         len(data) if trains else 0,
     )
-    norm = late.norm_snapshot()
     late.drain()
+    norm = late.norm_snapshot()
     t.equal("pending_wgrad_count after draining", late.pending(), 0)
     t.bitwise_all("", late.all_snapshot(), eager.all_snapshot())
     t.bitwise_all("after draining: ", late.fp8_snapshot(), eager.fp8_snapshot())
@@ -315,8 +315,8 @@ def check_p7(backend: Backend, case: Case) -> CheckResult:
         queued = late.pending()
         for i, (a, b) in enumerate(zip(xl, xe)):
             t.bitwise(f"inp.grad[use {i}]", a.grad, b.grad)
-        norm = late.norm_snapshot()
         late.drain()
+        norm = late.norm_snapshot()
         # Gradients first: a wrong gradient matters more than a wrong entry count.
         t.bitwise_all("tied, after draining: ", late.all_snapshot(), eager.all_snapshot())
         t.bitwise_all("tied, after draining: ", late.fp8_snapshot(), eager.fp8_snapshot())
@@ -346,8 +346,8 @@ def check_p7(backend: Backend, case: Case) -> CheckResult:
             late.pending(),
             (i + 1) if trains else 0,
         )
-    norm = late.norm_snapshot()
     late.drain()
+    norm = late.norm_snapshot()
     after = late.all_snapshot()
     for name in case.frozen:
         for key in (k for k in after if k.split(".")[0] == name):
@@ -393,8 +393,8 @@ def check_p8(backend: Backend, case: Case) -> CheckResult:
             for name in twin.weight_names:
                 twin.params[name].main_grad.zero_()
         twin.fb(d, first=None)
-    norm = run.norm_snapshot()
     run.drain()
+    norm = run.norm_snapshot()
     got, want = run.all_snapshot(), twin.all_snapshot()
     t.bitwise_all("is_first_microbatch vs none: ", run.fp8_snapshot(), twin.fp8_snapshot())
     flags = [d.spec.is_first_microbatch for d in data]

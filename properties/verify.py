@@ -1,27 +1,32 @@
 """``splitgrad verify``: run the property campaign against one backend and print a table.
 
-    splitgrad verify [--backend impl|reference|torch-split|transformer_engine]
+    splitgrad verify [--backend impl|reference|torch-split|transformer_engine|path:DIR|module:NAME]
                      [--module KIND ...] [--dtype DTYPE ...] [--device cpu|cuda]
                      [--recipe none|delayed|current|mxfp8|block|all ...]
-                     [--property P4 ...] [--examples N] [--profile dev|ci|nightly|gpu]
+                     [--impl-path none|grouped|scaled_mm|recompute|all ...]
+                     [--property P4 ...] [--examples N] [--profile dev|ci|nightly|gpu] [--seed N]
                      [--json PATH] [--junit PATH] [--case JSON]
 
-Each row is property x module x dtype (x FP8 recipe family when FP8 is on): examples run, worst
-error/budget ratio, result. A failure prints the shrunk case and one command line that replays
-it, and the exit status is 1. Known deviations that a backend declares are printed as
+Each row is property x module x dtype (x FP8 recipe family, x forced fast path): examples run,
+worst error/budget ratio, result. A failure prints the shrunk case and one command line that
+replays it, and the exit status is 1. Known deviations that a backend declares are printed as
 ``deviates`` with their description (they do not fail the run; they are never shown as a pass).
+A backend lacking part of SPEC's API is reported once, with the properties that need it
+(``blocked``); the others still run, and the exit status is 2 (1 if something also failed).
 Bad options exit with status 2 and a message.
 
-Without ``--recipe`` the run is the high-precision campaign plus a small FP8 slice (bf16, the
-recipe drawn from all of them per example, :data:`FP8_SLICE_EXAMPLES` examples per cell);
-``--recipe none`` leaves FP8 out, ``--recipe delayed,mxfp8`` runs full cells per family
-(``all``: every family).
+Without ``--recipe`` and ``--impl-path`` the run is the high-precision campaign plus two small
+slices (:mod:`.plan`): FP8 (bf16, the recipe drawn from all of them per example) and each fast
+path that is the default only on a GPU, forced on the CPU, for every module it applies to.
+``--recipe`` / ``--impl-path`` replace the slices with full cells for the families / paths named
+(``none``: leave them out).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -29,21 +34,60 @@ from collections.abc import Sequence
 from pathlib import Path
 from xml.etree import ElementTree as ET
 
-from .campaign import DEVIATION, ERROR, FAIL, NA, PASS, CellResult, run_case, run_cell
-from .registry import PROPERTIES, applicable
-from .strategies import DTYPES, KINDS, LOW_PRECISION_DTYPES, RECIPE_FAMILIES, RECIPES, Case
+from .campaign import (
+    BLOCKED,
+    DEVIATION,
+    ERROR,
+    FAIL,
+    NA,
+    PASS,
+    CellResult,
+    api_gaps,
+    run_case,
+    run_cell,
+)
+from .plan import (
+    DEFAULT_EXAMPLES,
+    FP8_SLICE_EXAMPLES,
+    PATH_CHOICES,
+    PATH_SLICE_EXAMPLES,
+    RECIPE_CHOICES,
+    plan_cells,
+)
+from .registry import PROPERTIES
+from .strategies import DTYPES, KINDS, LOW_PRECISION_DTYPES, Case
 
-__all__ = ["main", "build_parser", "DEFAULT_EXAMPLES", "FP8_SLICE_EXAMPLES", "RECIPE_CHOICES"]
+__all__ = [
+    "main",
+    "build_parser",
+    "DEFAULT_EXAMPLES",
+    "FP8_SLICE_EXAMPLES",
+    "PATH_SLICE_EXAMPLES",
+    "RECIPE_CHOICES",
+    "format_table",
+]
 
-# About two minutes for the default campaign on 2 CPU cores (see README).
-DEFAULT_EXAMPLES = 60
 _PROFILES = ("dev", "ci", "nightly", "gpu")
-RECIPE_CHOICES = ("none", *RECIPE_FAMILIES, "all")
-# The FP8 slice of the default run: few examples, bf16, every recipe drawn in one cell, the
-# properties FP8 changes most (accuracy, delayed == non-delayed, bad shapes, grouped, quantizers).
-FP8_SLICE_EXAMPLES = 10
-FP8_SLICE_PROPERTIES = ("P1", "P2", "P3", "P4", "P6", "P10", "P12", "P13")
-FP8_SLICE_DTYPES = ("bfloat16",)
+
+DESCRIPTION = """\
+Check a split-backward implementation against SPEC.md: a hypothesis campaign of the properties
+P1-P17, against the reference's float64 truth and against the implementation itself, printed as
+one table row per property x module x dtype (x FP8 recipe, x forced fast path)."""
+EPILOG = """\
+exit status: 0 every cell passed (or deviates as the backend declares); 1 a cell failed;
+2 bad options, an unavailable backend, or a backend lacking part of SPEC's API (reported once,
+with the properties it blocks; the others still run).
+
+default run: the high-precision campaign, plus small slices under FP8 (bf16, every recipe)
+and on each fast path that is the default only on a GPU, forced on the CPU (grouped GEMM,
+_scaled_mm FP8 GEMMs, recomputed MLP activation). --recipe / --impl-path replace the slices.
+
+examples:
+  splitgrad verify                                   # impl, default run (about a minute)
+  splitgrad verify --backend module:mypkg --junit out.xml
+  splitgrad verify --impl-path grouped --module GroupedLinear
+  splitgrad verify --recipe delayed,mxfp8 --property P1,P4
+"""
 
 
 class _UsageError(Exception):
@@ -74,11 +118,17 @@ def _split_list(values: Sequence[str] | None, allowed: Sequence[str], what: str)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="splitgrad verify", description=__doc__.split("\n\n")[0])
+    p = _Parser(
+        prog="splitgrad verify",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument(
         "--backend",
         default="impl",
-        help="impl (default), reference, torch-split, transformer_engine, or path:DIR",
+        help="what to check: impl, reference, torch-split, transformer_engine, path:DIR (a "
+        "package directory with SPEC's API) or module:NAME (an importable one) (default: impl)",
     )
     p.add_argument(
         "--module",
@@ -102,29 +152,51 @@ def build_parser() -> argparse.ArgumentParser:
         "comma-separated (default: high precision plus a small FP8 slice; none: no FP8)",
     )
     p.add_argument(
-        "--property", action="append", metavar="PID", help="property id(s) P1..P13 (default: all)"
+        "--impl-path",
+        action="append",
+        metavar="PATH",
+        help=f"force a fast path on the backend's modules: {', '.join(PATH_CHOICES)}, "
+        "repeatable or comma-separated (default: a small slice of each; none: leave them out)",
+    )
+    p.add_argument(
+        "--property",
+        action="append",
+        metavar="PID",
+        help=f"property id(s) among {', '.join(PROPERTIES)} (default: all)",
     )
     p.add_argument(
         "--examples",
         type=int,
         default=None,
-        help=f"hypothesis examples per cell (default {DEFAULT_EXAMPLES}; "
-        "the profile's with --profile)",
+        help=f"hypothesis examples per cell (default {DEFAULT_EXAMPLES}, {FP8_SLICE_EXAMPLES} in "
+        "the FP8 and forced-path slices; the profile's with --profile)",
     )
     p.add_argument(
         "--profile", default=None, choices=_PROFILES, help="hypothesis profile (default ci)"
+    )
+    p.add_argument(
+        "--seed", type=int, default=None, help="hypothesis seed (default: the profile's)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: the campaign's tensors are tiny, and more "
+        "threads than free cores slow a shared CI machine down several times)",
     )
     p.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
     p.add_argument("--junit", type=Path, metavar="PATH", help="write the results as JUnit XML")
     p.add_argument("--case", metavar="JSON", help="replay one case (needs exactly one --property)")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first failing cell")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress (a bar on a terminal, one line per finished cell otherwise)",
+    )
     return p
 
 
-def _progress(done: int, total: int, label: str, enabled: bool) -> None:
-    if not enabled:
-        return
+def _progress_bar(done: int, total: int, label: str) -> None:
     width = 28
     filled = int(width * done / max(total, 1))
     sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}")
@@ -133,12 +205,21 @@ def _progress(done: int, total: int, label: str, enabled: bool) -> None:
         sys.stderr.write("\r" + " " * (width + 60) + "\r")
 
 
+def _progress_line(done: int, total: int, cell: CellResult) -> None:
+    n = "-" if cell.status in (NA, BLOCKED) else f"{cell.examples} examples"
+    sys.stderr.write(f"[{done}/{total}] {cell.label}: {cell.status} ({n}, {cell.seconds:.1f} s)\n")
+    sys.stderr.flush()
+
+
 def format_table(cells: list[CellResult]) -> str:
-    """The property x module x dtype table, with a recipe column when some cell runs FP8."""
+    """The property x module x dtype table, with a recipe column when some cell runs FP8 and a
+    path column when some cell runs a forced fast path."""
     fp8 = any(c.recipe != "none" for c in cells)
+    paths = any(c.path != "default" for c in cells)
     header = ("property", "module", "dtype", *(("recipe",) if fp8 else ()))
+    header += ("path",) if paths else ()
     header += ("examples", "worst/budget", "result")
-    left = {0, 1, 2, len(header) - 1} | ({3} if fp8 else set())
+    left = {0, 1, 2, len(header) - 1} | ({3} if fp8 else set()) | ({3 + fp8} if paths else set())
     rows = [header]
     for c in cells:
         rows.append(
@@ -147,7 +228,8 @@ def format_table(cells: list[CellResult]) -> str:
                 c.kind,
                 c.dtype,
                 *((c.recipe,) if fp8 else ()),
-                str(c.examples) if c.status != NA else "-",
+                *((c.path,) if paths else ()),
+                str(c.examples) if c.status not in (NA, BLOCKED) else "-",
                 c.ratio_text,
                 c.status,
             )
@@ -172,15 +254,17 @@ def _write_junit(path: Path, backend: str, cells: list[CellResult], elapsed: flo
         tests=str(len(cells)),
         failures=str(sum(c.status == FAIL for c in cells)),
         errors=str(sum(c.status == ERROR for c in cells)),
-        skipped=str(sum(c.status in (NA, DEVIATION) for c in cells)),
+        skipped=str(sum(c.status in (NA, DEVIATION, BLOCKED) for c in cells)),
         time=f"{elapsed:.3f}",
     )
     for c in cells:
+        name = f"{c.kind}[{c.dtype}]" + (f"[{c.recipe}]" if c.recipe != "none" else "")
+        name += f"[path={c.path}]" if c.path != "default" else ""
         tc = ET.SubElement(
             suite,
             "testcase",
             classname=f"splitgrad.verify.{c.property_id}",
-            name=f"{c.kind}[{c.dtype}]" + (f"[{c.recipe}]" if c.recipe != "none" else ""),
+            name=name,
             time=f"{c.seconds:.3f}",
         )
         if c.status == FAIL:
@@ -192,8 +276,8 @@ def _write_junit(path: Path, backend: str, cells: list[CellResult], elapsed: flo
             ET.SubElement(tc, "error", message=c.message[:500])
         elif c.status == DEVIATION:
             ET.SubElement(tc, "skipped", message=f"KNOWN DEVIATION: {c.deviation}").text = c.message
-        elif c.status == NA:
-            ET.SubElement(tc, "skipped", message=c.message)
+        elif c.status in (NA, BLOCKED):
+            ET.SubElement(tc, "skipped", message=f"{c.status}: {c.message}")
         else:
             ET.SubElement(
                 tc, "system-out"
@@ -244,43 +328,74 @@ def main(argv: Sequence[str]) -> int:
         return 2
 
 
-def _main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+def _load_backend(name: str):
+    """(backend, why it is unavailable or None)."""
     from .backends import BACKEND_NAMES, BackendUnavailable, get_backend
-    from .profiles import active_profile_name
 
-    name = args.backend
-    if name not in BACKEND_NAMES and not name.startswith("path:"):
-        raise _UsageError(f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}")
+    if name not in BACKEND_NAMES and not name.startswith(("path:", "module:")):
+        raise _UsageError(
+            f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}, path:DIR "
+            "or module:NAME"
+        )
     try:
         backend = get_backend(name)
-        why = backend.unavailable_reason()
+        return backend, backend.unavailable_reason()
     except BackendUnavailable as exc:
-        why = str(exc)
-    if why:
-        print(f"splitgrad verify: backend {name!r} is not available: {why}", file=sys.stderr)
-        return 2
-    device = args.device or ("cuda" if name == "transformer_engine" else "cpu")
-    if device == "cuda":
-        import torch
+        return None, str(exc)
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
 
-        if not torch.cuda.is_available():
-            print(
-                "splitgrad verify: --device cuda, but torch.cuda.is_available() is False",
-                file=sys.stderr,
-            )
-            return 2
+
+def _header(backend, device: str, profile: str, cells) -> str:
+    """What the run is: backend, device, profile, and how many examples each kind of cell runs."""
+    groups: dict[str, dict] = {}
+    for c in cells:
+        if c.path != "default":
+            key = "on forced paths"
+        elif c.recipe_label != "none":
+            key = "under FP8"
+        else:
+            key = "high precision"
+        g = groups.setdefault(key, {"n": 0, "examples": set()})
+        g["n"] += 1
+        g["examples"].add("profile default" if c.examples is None else str(c.examples))
+    parts = [
+        f"{g['n']} {key} at {'/'.join(sorted(g['examples']))} examples each"
+        for key, g in groups.items()
+    ]
+    return (
+        f"splitgrad verify: backend {backend.name}, device {device}, profile {profile}; "
+        f"{len(cells)} cells: " + ", ".join(parts)
+    )
+
+
+def _main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
     kinds = _split_list(args.module, KINDS, "module") or list(KINDS)
     dtypes = _split_list(args.dtype, DTYPES, "dtype") or ["float32", "bfloat16"]
     properties = _split_list(args.property, list(PROPERTIES), "property") or list(PROPERTIES)
     families = _split_list(args.recipe, RECIPE_CHOICES, "recipe")
-    if "all" in families:
-        families = [f for f in families if f != "all"] + [
-            f for f in RECIPE_FAMILIES if f not in families
-        ]
+    impl_paths = _split_list(args.impl_path, PATH_CHOICES, "impl path")
     if args.examples is not None and args.examples < 1:
         raise _UsageError(f"--examples must be at least 1, got {args.examples}")
-    from .profiles import load_profile
+    if args.threads < 1:
+        raise _UsageError(f"--threads must be at least 1, got {args.threads}")
+    name = args.backend
+    backend, why = _load_backend(name)
+    if why:
+        print(f"splitgrad verify: backend {name!r} is not available: {why}", file=sys.stderr)
+        return 2
+    device = args.device or ("cuda" if name == "transformer_engine" else "cpu")
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        print(
+            "splitgrad verify: --device cuda, but torch.cuda.is_available() is False",
+            file=sys.stderr,
+        )
+        return 2
+    torch.set_num_threads(args.threads)
+    from .profiles import active_profile_name, load_profile
 
     load_profile()
     profile = args.profile or (
@@ -289,83 +404,98 @@ def _main(argv: list[str]) -> int:
     examples = (
         args.examples if args.examples is not None else (None if args.profile else DEFAULT_EXAMPLES)
     )
+    from .paths import ForcedPathBackend
+
+    forced: dict[str, ForcedPathBackend] = {}
     if args.case:
+        if len(impl_paths) > 1 or "all" in impl_paths:
+            raise _UsageError("--case replays on one --impl-path at most")
+        if impl_paths and impl_paths[0] != "none":
+            backend = ForcedPathBackend(backend, impl_paths[0])
         return _replay(backend, properties, args.case)
 
-    # (property, kind, dtype, recipe label, recipes drawn, examples per cell)
-    plan: list[tuple[str, str, str, str, tuple, int | None]] = []
-    slices: list[tuple[str, tuple, tuple[str, ...], tuple[str, ...], int | None]] = []
-    if not families or "none" in families:
-        slices.append(("none", (None,), tuple(properties), tuple(dtypes), examples))
-    for family in families:
-        if family != "none":
-            slices.append(
-                (family, RECIPE_FAMILIES[family], tuple(properties), tuple(dtypes), examples)
-            )
-    if not families:
-        # The default run's small FP8 slice (explicit --property/--dtype narrow it further).
-        slice_props = tuple(p for p in properties if p in FP8_SLICE_PROPERTIES)
-        slice_dtypes = tuple(d for d in dtypes if d in FP8_SLICE_DTYPES) or FP8_SLICE_DTYPES
-        n = min(examples, FP8_SLICE_EXAMPLES) if examples is not None else None
-        slices.append(("all", tuple(RECIPES), slice_props, slice_dtypes, n))
-    for label, recipes, props, cell_dtypes, n in slices:
-        for pid in props:
-            if pid == "P13" and label == "none" and len(properties) > 1:
-                continue  # P13 needs FP8: only listed when asked for alone
-            for kind in kinds:
-                if not applicable(pid, kind):
-                    continue
-                for dtype in cell_dtypes:
-                    plan.append((pid, kind, dtype, label, recipes, n))
-    show = not args.quiet and sys.stderr.isatty()
-    fp8_cells = sum(1 for p in plan if p[3] != "none")
-    print(
-        f"splitgrad verify: backend {backend.name}, device {device}, profile {profile}, "
-        f"{examples or 'profile default'} examples per cell, {len(plan)} cells"
-        + (f" ({fp8_cells} under FP8)" if fp8_cells else "")
+    explicit = bool(families) or bool(impl_paths)
+    plan = plan_cells(
+        kinds,
+        dtypes,
+        properties,
+        families,
+        impl_paths if impl_paths else (None if not explicit else ["none"]),
+        examples,
     )
+    # Forced paths need the implementation's knob: a backend without it has no such path.
+    unforceable: dict[str, str] = {}
+    for cell in plan:
+        if cell.path != "default" and cell.path not in forced:
+            forced[cell.path] = ForcedPathBackend(backend, cell.path)
+    kept = []
+    for cell in plan:
+        if cell.path != "default":
+            why_not = forced[cell.path].knob_missing(cell.kind)
+            if why_not:
+                unforceable.setdefault(cell.path, why_not)
+                continue
+        kept.append(cell)
+    if impl_paths and unforceable and not any(c.path != "default" for c in kept):
+        reasons = "; ".join(f"{p}: {w}" for p, w in unforceable.items())
+        raise _UsageError(f"--impl-path on backend {backend.name!r}: {reasons}")
+    plan = kept
+    fp8_asked = any(f != "none" for f in families) or any(
+        c.recipe_label != "none" for c in plan if c.path != "default"
+    )
+    gaps = api_gaps(backend, properties, fp8_asked)
+    tty = sys.stderr.isatty()
+    print(_header(backend, device, profile, plan))
     for note in backend.notes:
         print(f"  note: {note}")
+    for what, blocked in gaps.values():
+        print(f"  missing API: {what}" + (f" (blocks {', '.join(blocked)})" if blocked else ""))
+    sys.stdout.flush()
     cells: list[CellResult] = []
     start = time.perf_counter()
-    for i, (pid, kind, dtype, label, recipes, n) in enumerate(plan):
-        _progress(i, len(plan), f"{pid} {kind} {dtype} {label}", show)
-        if pid in ("P1", "P2", "P3") and dtype not in LOW_PRECISION_DTYPES:
+    for i, pc in enumerate(plan):
+        if not args.quiet and tty:
+            _progress_bar(i, len(plan), pc.test_id)
+        cell_backend = forced[pc.path] if pc.path != "default" else backend
+        if pc.property_id in ("P1", "P2", "P3") and pc.dtype not in LOW_PRECISION_DTYPES:
             cell = CellResult(
-                pid,
-                kind,
-                dtype,
-                label,
+                pc.property_id,
+                pc.kind,
+                pc.dtype,
+                pc.recipe_label,
                 status=NA,
                 message="no wider dtype to measure error against",
+                path=pc.path,
             )
         else:
             cell = run_cell(
-                backend,
-                pid,
-                kind,
-                dtype,
+                cell_backend,
+                pc.property_id,
+                pc.kind,
+                pc.dtype,
                 device=device,
-                examples=n,
+                examples=pc.examples,
                 profile=profile,
-                recipes=recipes,
-                recipe_label=label,
+                recipes=pc.recipes,
+                recipe_label=pc.recipe_label,
+                seed=args.seed,
             )
         cells.append(cell)
+        if not args.quiet and not tty:
+            _progress_line(i + 1, len(plan), cell)
         if args.fail_fast and cell.status in (FAIL, ERROR):
             break
-    _progress(len(plan), len(plan), "", show)
+    if not args.quiet and tty:
+        _progress_bar(len(plan), len(plan), "")
     elapsed = time.perf_counter() - start
     print(format_table(cells))
     failed = [c for c in cells if c.status in (FAIL, ERROR)]
     deviating = [c for c in cells if c.status == DEVIATION]
+    blocked = [c for c in cells if c.status == BLOCKED]
     for c in failed:
         mbs = c.case.micro_batches if c.case is not None else ()
-        print(
-            f"\n{c.status} {c.property_id} {c.kind} {c.dtype}"
-            + (f" {c.recipe}" if c.recipe != "none" else "")
-            + f" after {c.first_failure_at} example(s):"
-        )
+        where = f" after {c.first_failure_at} example(s)" if c.first_failure_at else ""
+        print(f"\n{c.status} {c.label}{where}:")
         print("  " + c.message.replace("\n", "\n  "))
         if c.case is not None:
             print(
@@ -374,17 +504,13 @@ def _main(argv: list[str]) -> int:
                 + (f"; schedule {list(c.case.schedule)}" if c.case.schedule else "")
                 + (f"; variant {c.case.variant}" if c.case.variant else "")
                 + (f"; frozen {list(c.case.frozen)}" if c.case.frozen else "")
+                + (f"; asked {list(c.case.asked)}" if c.case.asked else "")
             )
             print(f"  reproduce: {c.repro}")
     if deviating:
         print("\nknown deviations from SPEC.md (declared by the backend, shown, not excused):")
         for c in deviating:
-            print(
-                f"  {c.property_id} {c.kind} {c.dtype}"
-                + (f" {c.recipe}" if c.recipe != "none" else "")
-                + f": {c.deviation}\n"
-                f"    observed: {c.message.splitlines()[0][:300]}"
-            )
+            print(f"  {c.label}: {c.deviation}\n    observed: {c.message.splitlines()[0][:300]}")
             print(f"    reproduce: {c.repro}")
     ran = {c.property_id for c in cells if c.status in (PASS, DEVIATION, FAIL)}
     for dev in backend.deviations:
@@ -395,19 +521,36 @@ def _main(argv: list[str]) -> int:
                 "\nnote: declared deviation not observed in this run: "
                 f"{dev.property_id}: {dev.summary}"
             )
-    rejected = sum(c.rejected for c in cells)
+    if gaps:
+        print(f"\n{backend.name} lacks part of SPEC's API (reported once; exit status 2):")
+        for part, (what, props) in gaps.items():
+            cells_of = [c for c in blocked if what in c.message]
+            also = f"; {len(cells_of)} cell(s) blocked" if cells_of else ""
+            print(
+                f"  {what}: "
+                + (f"blocks {', '.join(props)}" if props else "nothing blocked outright")
+                + also
+                + (" (the other properties run without it)" if part in _OPTIONAL_PARTS else "")
+            )
+    rejected = [c for c in cells if c.rejected]
     if rejected:
+        where = ", ".join(f"{c.label} ({c.rejected})" for c in rejected)
         print(
-            f"\nnote: {rejected} drawn example(s) could not be judged and were not counted "
-            "(relu pre-activations within rounding distance of 0; see properties/kink.py)"
+            f"\nnote: {sum(c.rejected for c in rejected)} drawn example(s) could not be judged and "
+            f"were not counted (relu pre-activations within rounding distance of 0; see "
+            f"properties/kink.py): {where}"
         )
+    for path, why_not in unforceable.items():
+        print(f"\nnote: forced path {path} not run on {backend.name}: {why_not}")
     fp8_na = sorted({c.message for c in cells if c.status == NA and c.recipe != "none"})
-    for why in fp8_na:
-        print(f"\nnote: FP8 cells n/a: {why}")
+    for why_na in fp8_na:
+        print(f"\nnote: FP8 cells n/a: {why_na}")
     n_pass = sum(c.status == PASS for c in cells)
     print(
         f"\n{n_pass} passed, {len(failed)} failed, {len(deviating)} known deviations, "
-        f"{sum(c.status == NA for c in cells)} n/a in {elapsed:.1f}s"
+        f"{sum(c.status == NA for c in cells)} n/a"
+        + (f", {len(blocked)} blocked" if blocked else "")
+        + f" in {elapsed:.1f}s"
     )
     payload = {
         "backend": backend.name,
@@ -416,14 +559,26 @@ def _main(argv: list[str]) -> int:
         "examples_per_cell": examples,
         "elapsed_s": round(elapsed, 3),
         "notes": list(backend.notes),
+        "missing_api": {part: {"what": w, "blocks": b} for part, (w, b) in gaps.items()},
         "cells": [c.as_dict() for c in cells],
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2, default=str))
+        args.json.write_text(json.dumps(payload, indent=2, default=_json_default))
     if args.junit:
         _write_junit(args.junit, backend.name, cells, elapsed)
-    return 1 if failed else 0
+    if failed:
+        return 1
+    return 2 if gaps else 0
+
+
+_OPTIONAL_PARTS = ("delay", "fused", "first_microbatch", "hooks")
+
+
+def _json_default(value):
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    return str(value)
 
 
 if __name__ == "__main__":

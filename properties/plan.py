@@ -1,0 +1,159 @@
+"""Which cells a campaign runs: property x module x dtype x FP8 recipe family x forced path.
+
+``splitgrad verify`` and the pytest plugin both take their cells from :func:`plan_cells`, so a
+CI job running the plugin sees the same cells (and test ids) as a ``verify`` run with the same
+options.
+
+The default run is the high-precision campaign plus two small slices:
+
+* FP8: bf16, the recipe drawn from all of them per example, :data:`FP8_SLICE_EXAMPLES`
+  examples per cell, the properties FP8 changes most (:data:`FP8_SLICE_PROPERTIES`);
+* forced fast paths (:mod:`.paths`): each path that runs on the CPU, for every module it
+  applies to, :data:`PATH_SLICE_EXAMPLES` examples per cell, every property that runs modules
+  (:data:`PATH_SLICE_PROPERTIES`), in the dtypes of :data:`PATH_SLICE_DTYPES`.
+
+``recipes`` (families) and ``impl_paths`` replace the slices by full cells: ``["delayed"]`` runs
+every property under delayed scaling, ``["grouped"]`` every property on the forced grouped GEMM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from .paths import IMPL_PATHS
+from .registry import SPECS, applicable
+from .strategies import LOW_PRECISION_DTYPES, RECIPE_FAMILIES, RECIPES
+
+__all__ = [
+    "PlannedCell",
+    "plan_cells",
+    "DEFAULT_EXAMPLES",
+    "FP8_SLICE_EXAMPLES",
+    "FP8_SLICE_PROPERTIES",
+    "FP8_SLICE_DTYPES",
+    "PATH_SLICE_EXAMPLES",
+    "PATH_SLICE_PROPERTIES",
+    "PATH_SLICE_DTYPES",
+    "RECIPE_CHOICES",
+    "PATH_CHOICES",
+]
+
+# About a minute for the default campaign on 2 shared CPU cores (see README).
+DEFAULT_EXAMPLES = 60
+RECIPE_CHOICES = ("none", *RECIPE_FAMILIES, "all")
+PATH_CHOICES = ("none", *IMPL_PATHS, "all")
+FP8_SLICE_EXAMPLES = 10
+FP8_SLICE_PROPERTIES = ("P1", "P2", "P3", "P4", "P6", "P10", "P12", "P13", "P17")
+FP8_SLICE_DTYPES = ("bfloat16",)
+PATH_SLICE_EXAMPLES = 10
+PATH_SLICE_PROPERTIES = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "P11", "P12", "P17")
+PATH_SLICE_DTYPES = {"grouped": ("float32", "bfloat16"), "recompute": ("float32", "bfloat16")}
+_PATH_SLICE_FP8 = ("P1", "P2", "P3", "P4", "P6", "P12", "P13", "P17")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedCell:
+    """One cell: ``recipes`` are the FP8 recipe names drawn (``(None,)``: high precision),
+    ``recipe_label`` names them in the table, ``examples`` is ``None`` for the profile's
+    count, ``path`` the forced fast path (``"default"``: the implementation's own choice)."""
+
+    property_id: str
+    kind: str
+    dtype: str
+    recipe_label: str
+    recipes: tuple[str | None, ...]
+    examples: int | None
+    path: str = "default"
+
+    @property
+    def test_id(self) -> str:
+        """``P4-Linear-bfloat16-none`` (``-path=grouped`` appended for a forced path)."""
+        base = f"{self.property_id}-{self.kind}-{self.dtype}-{self.recipe_label}"
+        return base if self.path == "default" else f"{base}-path={self.path}"
+
+
+def _families(recipes: Sequence[str]) -> list[str]:
+    out = [r for r in recipes if r != "all"]
+    if "all" in recipes:
+        out += [f for f in RECIPE_FAMILIES if f not in out]
+    return out
+
+
+def plan_cells(
+    kinds: Sequence[str],
+    dtypes: Sequence[str],
+    properties: Sequence[str],
+    recipes: Sequence[str] = (),
+    impl_paths: Sequence[str] | None = None,
+    examples: int | None = DEFAULT_EXAMPLES,
+) -> list[PlannedCell]:
+    """The cells of a campaign (see the module docstring). ``recipes``: FP8 families from
+    :data:`RECIPE_CHOICES` (empty: the default high precision + FP8 slice); ``impl_paths``:
+    forced paths from :data:`PATH_CHOICES` (``None``: the default slices; ``["none"]``:
+    none)."""
+    families = _families(recipes)
+    paths = list(IMPL_PATHS) if impl_paths and "all" in impl_paths else list(impl_paths or ())
+    paths = [p for p in paths if p != "none"]
+    only_paths = bool(paths)
+    slices: list[tuple[str, tuple, tuple[str, ...], tuple[str, ...], int | None, str]] = []
+    if not only_paths:
+        if not families or "none" in families:
+            slices.append(("none", (None,), tuple(properties), tuple(dtypes), examples, "default"))
+        for family in families:
+            if family != "none":
+                slices.append(
+                    (
+                        family,
+                        RECIPE_FAMILIES[family],
+                        tuple(properties),
+                        tuple(dtypes),
+                        examples,
+                        "default",
+                    )
+                )
+        if not families:
+            props = tuple(p for p in properties if p in FP8_SLICE_PROPERTIES)
+            slice_dtypes = tuple(d for d in dtypes if d in FP8_SLICE_DTYPES) or FP8_SLICE_DTYPES
+            n = min(examples, FP8_SLICE_EXAMPLES) if examples is not None else None
+            slices.append(("all", tuple(RECIPES), props, slice_dtypes, n, "default"))
+        if impl_paths is None:
+            n = min(examples, PATH_SLICE_EXAMPLES) if examples is not None else None
+            for name, path in IMPL_PATHS.items():
+                if path.recipes is None:
+                    wanted = PATH_SLICE_DTYPES.get(name, ("bfloat16",))
+                    ds = tuple(d for d in dtypes if d in wanted and d in path.dtypes) or wanted
+                    props = tuple(p for p in properties if p in PATH_SLICE_PROPERTIES)
+                    slices.append(("none", (None,), props, ds, n, name))
+                else:
+                    ds = tuple(d for d in dtypes if d in FP8_SLICE_DTYPES) or FP8_SLICE_DTYPES
+                    props = tuple(p for p in properties if p in _PATH_SLICE_FP8)
+                    slices.append(("all", path.recipes, props, ds, n, name))
+    for name in paths:
+        path = IMPL_PATHS[name]
+        ds = tuple(d for d in dtypes if d in path.dtypes) or path.dtypes[:1]
+        if path.recipes is None:
+            slices.append(("none", (None,), tuple(properties), ds, examples, name))
+        else:
+            chosen = [f for f in families if f != "none"] or ["delayed", "current"]
+            for family in chosen:
+                rs = tuple(r for r in RECIPE_FAMILIES[family] if r in path.recipes)
+                if rs:
+                    slices.append((family, rs, tuple(properties), ds, examples, name))
+    cells: list[PlannedCell] = []
+    for label, rs, props, cell_dtypes, n, path_name in slices:
+        path = IMPL_PATHS.get(path_name)
+        for pid in props:
+            spec = SPECS[pid]
+            if spec.fp8_only and label == "none":
+                if len(properties) > 1 or path_name != "default":
+                    continue  # P13 needs FP8: only listed when asked for alone
+            for kind in kinds:
+                if not applicable(pid, kind) or (path is not None and not path.applies(kind)):
+                    continue
+                for dtype in cell_dtypes:
+                    if pid in ("P1", "P2", "P3") and dtype not in LOW_PRECISION_DTYPES:
+                        if path_name != "default":
+                            continue
+                    cells.append(PlannedCell(pid, kind, dtype, label, rs, n, path_name))
+    return cells
