@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-
 from splitgrad.properties.pytest_plugin import options_of
 
 
@@ -26,7 +25,6 @@ def _split(text: str) -> list[str]:
 def _setup(frozen_options: tuple[tuple[str, str], ...]):
     """(backend, forced-path backends, planned cells, profile, settings) for the options."""
     import torch
-
     from splitgrad.properties.backends import get_backend
     from splitgrad.properties.paths import IMPL_PATHS, ForcedPathBackend
     from splitgrad.properties.plan import plan_cells

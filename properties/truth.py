@@ -272,9 +272,7 @@ def _prefills(case: Case, prefill_grads: bool, frozen: Sequence[str]) -> dict[st
 
 
 def _only(run: AccuracyRun, keep: Callable[[str], bool]) -> AccuracyRun:
-    xgrads = [
-        g if keep(f"inp.grad[micro-batch {i}]") else None for i, g in enumerate(run.xgrads)
-    ]
+    xgrads = [g if keep(f"inp.grad[micro-batch {i}]") else None for i, g in enumerate(run.xgrads)]
     norm = {k: v for k, v in run.norm.items() if keep(k)}
     gemm = {k: v for k, v in run.gemm.items() if keep(k)}
     return AccuracyRun(list(run.outputs), xgrads, norm, gemm)
