@@ -952,9 +952,11 @@ BACKEND_NAMES = ("impl", "reference", "torch-split", "transformer_engine")
 
 def get_backend(name: str) -> Backend:
     """The backend called ``name``: one of :data:`BACKEND_NAMES`, ``path:DIR`` (a package
-    directory with SPEC §2's API, e.g. a mutated copy of impl) or ``module:NAME`` (an importable
-    package with that API, e.g. ``module:mypkg.modules``). Raises ``ValueError`` naming unknown
-    backends and :class:`BackendUnavailable` when the package cannot be imported."""
+    directory with SPEC §2's API, e.g. a mutated copy of impl), ``module:NAME`` (an importable
+    package with that API, e.g. ``module:mypkg.modules``) or ``class:MODULE:ATTR`` (a
+    :class:`Backend` subclass, built without arguments, for an API that differs from SPEC's).
+    Raises ``ValueError`` naming unknown backends and :class:`BackendUnavailable` when the
+    package cannot be imported."""
     if name == "impl":
         return ImplBackend()
     if name == "reference":
@@ -986,9 +988,24 @@ def get_backend(name: str) -> Backend:
                 f"cannot import {module_name}: {type(exc).__name__}: {exc}"
             ) from exc
         return LibraryBackend(name, module_name, lib=lib)
+    if name.startswith("class:"):
+        module_name, _, attr = name[len("class:") :].rpartition(":")
+        if not module_name or not attr:
+            raise ValueError(f"class:MODULE:ATTR needs a module and a class, got {name!r}")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except Exception as exc:
+            raise BackendUnavailable(
+                f"cannot load {module_name}:{attr}: {type(exc).__name__}: {exc}"
+            ) from exc
+        if not (isinstance(cls, type) and issubclass(cls, Backend)):
+            raise ValueError(f"{name}: {attr} is not a splitgrad.properties Backend subclass")
+        backend = cls()
+        backend.name = name
+        return backend
     raise ValueError(
-        f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}, path:DIR or "
-        "module:NAME"
+        f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}, path:DIR, "
+        "module:NAME or class:MODULE:ATTR"
     )
 
 

@@ -66,7 +66,12 @@ def optimized_constructor_results(backend_name: str, kinds: tuple[str, ...]) -> 
             capture_output=True,
             text=True,
             timeout=300,
-            env={**os.environ, "PYTHONOPTIMIZE": "1"},
+            # The backend may live on a path this process added (a test, a conftest).
+            env={
+                **os.environ,
+                "PYTHONOPTIMIZE": "1",
+                "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+            },
         )
         if proc.returncode != 0:
             raise PropertyViolation(

@@ -64,6 +64,9 @@ class ModuleRun:
                 module, state if state is not None else make_state(self.config, case.seed)
             )
         self.module = module
+        #: Whether the backend has SPEC §4's queue at all (a module built without delay needs
+        #: none: nothing is ever pending).
+        self.split_api = "delay" not in backend.missing_api()
         self.params = backend.parameters(self.module)
         # Roles come from SPEC §2's parameter names, never from the implementation.
         self.weight_names = [n for n in gemm_weight_names(self.config) if n in self.params]
@@ -120,7 +123,8 @@ class ModuleRun:
         self.backend.backward(self.module, outputs, grads)
 
     def dw(self) -> None:
-        self.backend.backward_dw(self.module)
+        if self.split_api or self.delay:
+            self.backend.backward_dw(self.module)
 
     def drain(self) -> None:
         """``backward_dw()`` until nothing is pending (at most 64 times)."""
@@ -130,6 +134,8 @@ class ModuleRun:
             self.dw()
 
     def pending(self) -> int:
+        if not self.split_api and not self.delay:
+            return 0
         return self.backend.pending_wgrad_count(self.module)
 
     def zero_grads(self) -> None:

@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         default="impl",
         help="what to check: impl, reference, torch-split, transformer_engine, path:DIR (a "
-        "package directory with SPEC's API) or module:NAME (an importable one) (default: impl)",
+        "package directory with SPEC's API), module:NAME (an importable one) or "
+        "class:MODULE:ATTR (a splitgrad.properties.backends.Backend subclass) (default: impl)",
     )
     p.add_argument(
         "--module",
@@ -332,10 +333,10 @@ def _load_backend(name: str):
     """(backend, why it is unavailable or None)."""
     from .backends import BACKEND_NAMES, BackendUnavailable, get_backend
 
-    if name not in BACKEND_NAMES and not name.startswith(("path:", "module:")):
+    if name not in BACKEND_NAMES and not name.startswith(("path:", "module:", "class:")):
         raise _UsageError(
-            f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}, path:DIR "
-            "or module:NAME"
+            f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}, path:DIR, "
+            "module:NAME or class:MODULE:ATTR"
         )
     try:
         backend = get_backend(name)
@@ -526,9 +527,12 @@ def _main(argv: list[str]) -> int:
         for part, (what, props) in gaps.items():
             cells_of = [c for c in blocked if what in c.message]
             also = f"; {len(cells_of)} cell(s) blocked" if cells_of else ""
+            blocks = f"blocks {', '.join(props)}" if props else "blocks no property outright"
+            if part.startswith("module:"):
+                blocks = f"blocks every {part[len('module:') :]} cell"
             print(
                 f"  {what}: "
-                + (f"blocks {', '.join(props)}" if props else "nothing blocked outright")
+                + blocks
                 + also
                 + (" (the other properties run without it)" if part in _OPTIONAL_PARTS else "")
             )
