@@ -1,32 +1,57 @@
-"""What every impl module shares: options, validation (SPEC §5), gradient routing (§3), the
-queue and its hooks (§4), and ``backward_dw(stream=None)``.
+"""What every impl module shares on top of the contract
+(:class:`splitgrad.reference.contract.ModuleContract`: options, parameters, validation, §5
+errors): gradient routing (SPEC §3), the queue and its hooks (§4), and
+``backward_dw(stream=None)``.
 
-Each autograd Function builds one :class:`~.store.WgradEntry` per backward whose closure writes
-every GEMM-parameter gradient itself (the Function returns ``None`` for them, in both modes).
-Without delay the entry runs inside backward; with delay it is queued. The closure is the same
-object either way, so delayed and non-delayed execute the same instructions and their gradients
-are bitwise identical on any device (tied weights included: autograd never sums two uses).
-Hooks fire after each entry's gradients are written: in :meth:`backward_dw` under delay, at the
-end of the module's backward otherwise (GEMM gradients never reach autograd's AccumulateGrad, so
-these hooks are the only signal a data-parallel wrapper gets).
+Each autograd Function builds one wgrad closure per backward that writes every GEMM-parameter
+gradient itself (the Function returns ``None`` for them, in both modes). Without delay the
+closure runs inside backward; with delay it is queued as a :class:`~.store.WgradEntry`. It is the
+same closure either way, so delayed and non-delayed execute the same instructions and their
+gradients are bitwise identical on any device (tied weights included: autograd never sums two
+uses). Hooks fire after each entry's gradients are written: in :meth:`backward_dw` under delay,
+at the end of the module's backward otherwise (GEMM gradients never reach autograd's
+AccumulateGrad, so these hooks are the only signal a data-parallel wrapper gets).
+
+Per-call cost (``splitgrad bench``, small-shape rows): a Function's backward learns where each
+parameter's gradient goes from its own autograd edges (``ctx.next_functions``, one engine query
+per parameter) instead of building a gradient edge per parameter, and without delay the closure
+runs directly, with no entry object and no grad-mode switch (a backward already runs without
+grad). Under ``torch.compile`` the backward runs through :mod:`.compiled`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Callable, Sequence
 
 import torch
-from splitgrad.reference.base import check_not_under_ddp
-from splitgrad.reference.fp8 import Recipe, fp8_active_recipe
+from splitgrad.reference.contract import ModuleContract, node_destination
 
-from . import gemm
+from . import compiled, gemm
 from .fp8 import Float8Tensor
 from .fp8_gemm import fp8_wgrad_write, pack, unpack
 from .store import WeightGradStore, WgradEntry
 
-__all__ = ["SplitBackwardModule", "FP8WgradPart", "check_positive"]
+__all__ = ["SplitBackwardModule", "FP8WgradPart", "edge_destinations"]
+
+
+def edge_destinations(ctx, present: Sequence[bool]) -> list[str | None]:
+    """Where the running backward wants the gradients of the Function's parameters: the inputs
+    after ``x``, ``present[i]`` telling whether parameter ``i`` was a tensor (``None``, e.g. no
+    bias, has no autograd edge). Each is
+    :func:`~splitgrad.reference.contract.node_destination` of that input's autograd edge (the
+    same node ``torch.autograd.graph.get_gradient_edge`` finds, without building a view to find
+    it). Call it inside the Function's backward."""
+    edges = ctx.next_functions
+    out: list[str | None] = []
+    i = 1  # edge 0 is x
+    for is_tensor in present:
+        if is_tensor:
+            out.append(node_destination(edges[i][0]))
+            i += 1
+        else:
+            out.append(None)
+    return out
 
 
 @dataclasses.dataclass
@@ -41,132 +66,17 @@ class FP8WgradPart:
     db: torch.Tensor | None
 
 
-def check_positive(name: str, value: object) -> None:
-    """Raise ``ValueError`` unless ``value`` is a positive int."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-class SplitBackwardModule(torch.nn.Module):
+class SplitBackwardModule(ModuleContract):
     """Base of the four impl modules."""
 
     #: How FP8 GEMMs run: ``"auto"``, ``"scaled_mm"`` or ``"dequantize"`` (see :mod:`.fp8_gemm`).
     fp8_gemm: str = "auto"
 
-    def __init__(
-        self,
-        *,
-        bias: bool,
-        params_dtype: torch.dtype,
-        device: torch.device | str,
-        fuse_wgrad_accumulation: bool,
-        delay_wgrad_compute: bool,
-        ub_bulk_wgrad: bool = False,
-    ) -> None:
-        super().__init__()
-        if not isinstance(params_dtype, torch.dtype) or not params_dtype.is_floating_point:
-            raise ValueError(
-                f"params_dtype must be a floating-point torch.dtype, got {params_dtype!r}"
-            )
-        # An exception, not an assert: it must hold under `python -O`.
-        if ub_bulk_wgrad and delay_wgrad_compute:
-            raise ValueError(
-                "ub_bulk_wgrad is not supported when enabling delay_wgrad_compute "
-                f"(got ub_bulk_wgrad={ub_bulk_wgrad!r}, "
-                f"delay_wgrad_compute={delay_wgrad_compute!r})"
-            )
-        self.use_bias = bool(bias)
-        self.params_dtype = params_dtype
-        self._device = torch.device(device)
-        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
-        self.delay_wgrad_compute = bool(delay_wgrad_compute)
-        # Userbuffers bulk overlap only matters across GPUs; in one process it changes nothing.
-        self.ub_bulk_wgrad = bool(ub_bulk_wgrad)
-        # FP8 delayed-scaling state (amax history and scale) by tensor role, e.g. "input" or
-        # "fc1.grad_output" (same keys and layout as the reference's).
-        self.fp8_states: dict = {}
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
         self._wgrad_store = WeightGradStore()
-        self._wgrad_hooks: list[Callable[[], None]] = []
-
-    # ---- parameters ---------------------------------------------------------------------
-
-    def gemm_weight_names(self) -> list[str]:
-        """Names of the GEMM weights (the parameters that use ``main_grad`` when fused)."""
-        raise NotImplementedError
-
-    def gemm_bias_names(self) -> list[str]:
-        """Names of the GEMM biases (empty when built with ``bias=False``)."""
-        raise NotImplementedError
-
-    def _init_gemm_parameter_flags(self) -> None:
-        if self.delay_wgrad_compute:
-            for name in self.gemm_weight_names() + self.gemm_bias_names():
-                getattr(self, name).skip_backward_post_hook = True
-
-    # ---- validation (§5) ----------------------------------------------------------------
-
-    def _check_input(self, inp: object, in_features: int) -> tuple[torch.Tensor, Recipe | None]:
-        """Validate ``inp``; return it flattened to (rows, in_features) and the active FP8
-        recipe (``None`` outside an enabled ``fp8_autocast``)."""
-        if not isinstance(inp, torch.Tensor):
-            raise TypeError(f"inp must be a torch.Tensor, got {type(inp).__name__}")
-        if inp.dim() < 1 or inp.shape[-1] != in_features:
-            raise ValueError(
-                f"inp's last dimension must be in_features={in_features}, "
-                f"got shape {tuple(inp.shape)}"
-            )
-        if inp.dtype != self.params_dtype:
-            raise TypeError(
-                f"inp must have dtype {self.params_dtype} (params_dtype), got {inp.dtype}"
-            )
-        device = next(self.parameters()).device
-        if inp.device != device:
-            raise ValueError(f"inp must be on the module's device {device}, got {inp.device}")
-        check_not_under_ddp(self)
-        return inp.reshape(-1, in_features), fp8_active_recipe()
-
-    def _check_main_grads(self, named_weights: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
-        """Fused accumulation needs a usable ``main_grad`` on each weight; raise before writing.
-
-        Called at the start of backward and again at the start of every wgrad closure.
-        """
-        if not self.fuse_wgrad_accumulation:
-            return
-        for name, w in named_weights:
-            mg = getattr(w, "main_grad", None)
-            if not isinstance(mg, torch.Tensor):
-                raise RuntimeError(
-                    f"fuse_wgrad_accumulation=True but {name} has no main_grad tensor "
-                    f"(got {type(mg).__name__}); attach an fp32 tensor of shape {tuple(w.shape)}"
-                )
-            if mg.shape != w.shape:
-                raise RuntimeError(
-                    f"{name}.main_grad has shape {tuple(mg.shape)}, expected {tuple(w.shape)}"
-                )
-            wide = w.dtype == torch.float64
-            allowed = (torch.float32, torch.float64) if wide else (torch.float32,)
-            if mg.dtype not in allowed:
-                raise RuntimeError(f"{name}.main_grad has dtype {mg.dtype}, expected torch.float32")
-            if mg.device != w.device:
-                raise RuntimeError(f"{name}.main_grad is on {mg.device}, expected {w.device}")
-
-    @staticmethod
-    def _check_m_splits(m_splits: object, num_gemms: int, rows: int) -> list[int]:
-        if not isinstance(m_splits, Sequence) or isinstance(m_splits, (str, bytes)):
-            raise ValueError(f"m_splits must be a list of {num_gemms} ints, got {m_splits!r}")
-        try:
-            splits = [operator.index(s) for s in m_splits]
-        except TypeError:
-            raise ValueError(f"m_splits entries must be ints, got {list(m_splits)!r}") from None
-        if len(splits) != num_gemms:
-            raise ValueError(
-                f"m_splits must have num_gemms={num_gemms} entries, got {len(splits)}: {splits}"
-            )
-        if any(isinstance(s, bool) for s in m_splits) or min(splits) < 0:
-            raise ValueError(f"m_splits entries must be non-negative ints, got {splits}")
-        if sum(splits) != rows:
-            raise ValueError(f"m_splits {splits} sum to {sum(splits)}, but inp has {rows} rows")
-        return splits
+        # Names this module to the opaque ops of a compiled backward (see .compiled).
+        self._handle = compiled.register(self)
 
     # ---- gradient routing (§3) ------------------------------------------------------------
 
@@ -226,7 +136,7 @@ class SplitBackwardModule(torch.nn.Module):
                     self._write_bias_value(bias, saved[n + i])
 
         params = tuple(p for pair in targets for p in pair if p is not None)
-        self._submit_wgrad(WgradEntry(wgrad_closure, tensors + dbs, params))
+        self._submit_wgrad(wgrad_closure, tensors + dbs, params)
 
     # ---- the queue (§4) -----------------------------------------------------------------
 
@@ -234,17 +144,6 @@ class SplitBackwardModule(torch.nn.Module):
     def pending_wgrad_count(self) -> int:
         """How many weight-gradient entries wait for :meth:`backward_dw`."""
         return len(self._wgrad_store)
-
-    def need_backward_dw(self) -> bool:
-        """``True`` iff this module defers weight gradients (``delay_wgrad_compute=True``)."""
-        return self.delay_wgrad_compute
-
-    def register_wgrad_accumulation_and_reduce_hooks(self, fn: Callable[[], None]) -> None:
-        """Register ``fn()``, called with no arguments after each entry's gradients are written,
-        in registration order."""
-        if not callable(fn):
-            raise TypeError(f"hook must be callable, got {fn!r}")
-        self._wgrad_hooks.append(fn)
 
     def backward_dw(self, stream: torch.cuda.Stream | None = None) -> None:
         """Run the oldest queued weight-gradient entry (FIFO), then the hooks.
@@ -264,10 +163,7 @@ class SplitBackwardModule(torch.nn.Module):
         if not self.delay_wgrad_compute:
             return
         if not len(self._wgrad_store):
-            raise RuntimeError(
-                f"{type(self).__name__}.backward_dw(): nothing is pending "
-                "(pending_wgrad_count=0); call it once per backward() of this module"
-            )
+            raise self._nothing_pending()
         entry = self._wgrad_store.head()
         if stream is not None and _on_cuda(entry):
             _run_on_side_stream(entry, stream)
@@ -277,18 +173,28 @@ class SplitBackwardModule(torch.nn.Module):
         del entry
         self._run_hooks()
 
-    def _submit_wgrad(self, entry: WgradEntry) -> None:
-        """Called at the end of the autograd backward: queue the entry, or run it now."""
+    def _submit_wgrad(
+        self,
+        closure: Callable[..., None],
+        saved: tuple[torch.Tensor | None, ...],
+        params: tuple[torch.nn.Parameter, ...],
+        own_copies: bool = False,
+    ) -> None:
+        """Called at the end of the autograd backward: queue ``closure(*saved)`` as an entry
+        writing ``params``, or run it now (then the hooks). ``own_copies``: the entry keeps
+        copies of ``saved`` (a compiled backward, see :mod:`.compiled`)."""
         if self.delay_wgrad_compute:
-            self._wgrad_store.push(entry)
+            if own_copies:
+                saved = tuple(None if t is None else t.clone() for t in saved)
+            self._wgrad_store.push(WgradEntry(closure, saved, params))
             return
-        entry.run()
-        entry.release()
-        self._run_hooks()
-
-    def _run_hooks(self) -> None:
-        for hook in list(self._wgrad_hooks):
-            hook()
+        if torch.is_grad_enabled():  # backward(create_graph=True)
+            with torch.no_grad():
+                closure(*saved)
+        else:
+            closure(*saved)
+        if self._wgrad_hooks:
+            self._run_hooks()
 
 
 def _on_cuda(entry: WgradEntry) -> bool:

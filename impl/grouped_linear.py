@@ -30,13 +30,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from splitgrad.reference.base import ACCUMULATE, RETURN, gradient_destinations
+from splitgrad.reference.contract import ACCUMULATE, RETURN, GroupedLinearContract
 
-from . import gemm
-from .base import FP8WgradPart, SplitBackwardModule, check_positive
-from .fp8 import check_fp8_gemm_shape, update_delayed_scaling
+from . import compiled, gemm
+from .base import FP8WgradPart, SplitBackwardModule, edge_destinations
+from .fp8 import update_delayed_scaling
 from .fp8_gemm import FP8GemmOperands, fp8_wgrad_value
-from .store import WgradEntry
 
 __all__ = ["GroupedLinear"]
 
@@ -71,26 +70,68 @@ def _stacked(weights: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([w.detach() for w in weights])
 
 
-def _returned_grads(to_w, to_b, dy, x, m_splits, with_bias) -> list[torch.Tensor | None]:
+def _returned_grads(to_w, to_b, dy, x, m_splits) -> list[torch.Tensor | None]:
     """The gradients ``torch.autograd.grad`` asked for (``RETURN``), computed now: one per
     weight, then one per bias (none without biases)."""
     n = len(to_w)
-    out: list[torch.Tensor | None] = [None] * (2 * n if with_bias else n)
+    out: list[torch.Tensor | None] = [None] * (n + len(to_b))
     if RETURN not in to_w and RETURN not in to_b:
         return out
     for i, (dy_g, x_g) in enumerate(zip(dy.split(m_splits), x.split(m_splits))):
         if to_w[i] == RETURN:
             out[i] = gemm.wgrad(dy_g, x_g)
-        if to_b[i] == RETURN:
+        if to_b and to_b[i] == RETURN:
             out[n + i] = dy_g.sum(dim=0)
     return out
+
+
+def _backward(module, dy, x, weights, m_splits, use_grouped, need_x, dest, overwrite,
+              compiled_graph=False):
+    """``(dx, *weight grads, *bias grads)``: dgrad now; one wgrad closure for all groups run
+    now or queued; the gradients ``torch.autograd.grad`` asked for returned. ``dest``: the
+    destinations of weight0..n-1, then of bias0..n-1 (none without biases). The body of both
+    the eager Function's backward and the compiled op."""
+    n = module.num_gemms
+    p = module._parameters
+    weight_params = [p[name] for name in module._gemm_weight_names]
+    bias_params = [p[name] for name in module._gemm_bias_names] or [None] * n
+    to_w, to_b = dest[:n], dest[n:]
+    need_w = [d == ACCUMULATE for d in to_w]
+    need_b = [d == ACCUMULATE for d in to_b] or [False] * n
+    named_weights = [(f"weight{i}", weight_params[i]) for i in range(n) if need_w[i]]
+    module._check_main_grads(named_weights)
+    dx = None
+    if need_x:
+        if use_grouped:
+            dx = gemm.grouped_mm_dgrad(dy, _stacked(weights), m_splits)
+        else:
+            dx = torch.cat(
+                [torch.mm(dy_g, weights[i]) for i, dy_g in enumerate(dy.split(m_splits))]
+            )
+    if any(need_w) or any(need_b):
+
+        def wgrad_closure(dy, x=None):
+            module._check_main_grads(named_weights)
+            xs = x.split(m_splits) if x is not None else (None,) * n
+            for i, (dy_g, x_g) in enumerate(zip(dy.split(m_splits), xs)):
+                if need_w[i]:
+                    module._write_weight_grad(weight_params[i], dy_g, x_g, overwrite)
+                if need_b[i]:
+                    module._write_bias_grad(bias_params[i], dy_g)
+
+        saved = (dy, x.detach()) if any(need_w) else (dy,)
+        written = tuple(q for q, f in zip(weight_params, need_w) if f) + tuple(
+            q for q, f in zip(bias_params, need_b) if f
+        )
+        module._submit_wgrad(wgrad_closure, saved, written, compiled_graph)
+    return (dx, *_returned_grads(to_w, to_b, dy, x, m_splits))
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, m_splits, module, overwrite, use_grouped, *params):
         n = module.num_gemms
-        weights, biases = list(params[:n]), (list(params[n:]) or None)
+        weights, biases = params[:n], (params[n:] or None)
         ctx.module, ctx.m_splits, ctx.overwrite, ctx.use_grouped = (
             module,
             m_splits,
@@ -109,50 +150,52 @@ class _GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        module: GroupedLinear = ctx.module
-        n, m_splits = module.num_gemms, ctx.m_splits
         x, *weights = ctx.saved_tensors
-        weight_params = [getattr(module, f"weight{i}") for i in range(n)]
-        bias_params = [getattr(module, f"bias{i}") for i in range(n)]
-        to_w = gradient_destinations(*weight_params)
-        to_b = gradient_destinations(*bias_params)
-        need_w = [d == ACCUMULATE for d in to_w]
-        need_b = [d == ACCUMULATE for d in to_b]
-        named_weights = [(f"weight{i}", weight_params[i]) for i in range(n) if need_w[i]]
-        module._check_main_grads(named_weights)
-        dx = None
-        if ctx.needs_input_grad[0]:
-            if ctx.use_grouped:
-                dx = gemm.grouped_mm_dgrad(dy, _stacked(weights), m_splits)
-            else:
-                dx = torch.cat(
-                    [torch.mm(dy_g, weights[i]) for i, dy_g in enumerate(dy.split(m_splits))]
-                )
-        if any(need_w) or any(need_b):
-            overwrite = ctx.overwrite
-
-            def wgrad_closure(dy, x=None):
-                module._check_main_grads(named_weights)
-                xs = x.split(m_splits) if x is not None else (None,) * n
-                for i, (dy_g, x_g) in enumerate(zip(dy.split(m_splits), xs)):
-                    if need_w[i]:
-                        module._write_weight_grad(weight_params[i], dy_g, x_g, overwrite)
-                    if need_b[i]:
-                        module._write_bias_grad(bias_params[i], dy_g)
-
-            saved = (dy, x.detach()) if any(need_w) else (dy,)
-            params = tuple(p for p, f in zip(weight_params, need_w) if f) + tuple(
-                p for p, f in zip(bias_params, need_b) if f
+        need_x = ctx.needs_input_grad[0]
+        if torch.compiler.is_compiling():
+            out = torch.ops.splitgrad.grouped_linear_backward(
+                ctx.module._handle,
+                dy,
+                x,
+                weights,
+                ctx.m_splits,
+                ctx.overwrite,
+                ctx.use_grouped,
+                need_x,
             )
-            module._submit_wgrad(WgradEntry(wgrad_closure, saved, params))
-        return (
-            dx,
-            None,
-            None,
-            None,
-            None,
-            *_returned_grads(to_w, to_b, dy, x, m_splits, module.use_bias),
+            n_params = len(ctx.needs_input_grad) - 5
+            return ((out[0] if need_x else None), None, None, None, None, *(None,) * n_params)
+        dest = edge_destinations(ctx, (True,) * (len(ctx.needs_input_grad) - 5))
+        dx, *returned = _backward(
+            ctx.module, dy, x, weights, ctx.m_splits, ctx.use_grouped, need_x, dest, ctx.overwrite
         )
+        return (dx, None, None, None, None, *returned)
+
+
+@torch.library.custom_op("splitgrad::grouped_linear_backward", mutates_args=())
+def _grouped_linear_backward_op(
+    handle: int,
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    m_splits: list[int],
+    overwrite: bool,
+    use_grouped: bool,
+    need_x: bool,
+) -> list[torch.Tensor]:
+    """The backward of a compiled ``GroupedLinear`` (see :mod:`.compiled`): ``[dx]`` or ``[]``."""
+    module = compiled.module_of(handle)
+    p = module._parameters
+    names = module._gemm_weight_names + module._gemm_bias_names
+    dest = compiled.destinations(*(p[name] for name in names))
+    compiled.no_returned_gemm_grads(module, zip(names, dest))
+    dx = _backward(module, dy, x, weights, m_splits, use_grouped, need_x, dest, overwrite, True)[0]
+    return [dx] if need_x else []
+
+
+@_grouped_linear_backward_op.register_fake
+def _(handle, dy, x, weights, m_splits, overwrite, use_grouped, need_x):
+    return [x.new_empty(x.shape)] if need_x else []
 
 
 class _GroupedLinearFP8Function(torch.autograd.Function):
@@ -183,8 +226,8 @@ class _GroupedLinearFP8Function(torch.autograd.Function):
         need_x = ctx.needs_input_grad[0]
         weight_params = [getattr(module, f"weight{i}") for i in range(n)]
         bias_params = [getattr(module, f"bias{i}") for i in range(n)]
-        to_w = gradient_destinations(*weight_params)
-        to_b = gradient_destinations(*bias_params)
+        dest = edge_destinations(ctx, (True,) * (len(ctx.needs_input_grad) - 5))
+        to_w, to_b = dest[:n], dest[n:] or [None] * n
         need_w = [d == ACCUMULATE for d in to_w]
         need_b = [d == ACCUMULATE for d in to_b]
         returned = [None] * (2 * n if module.use_bias else n)
@@ -212,61 +255,28 @@ class _GroupedLinearFP8Function(torch.autograd.Function):
         return (dx, None, None, None, None, *returned)
 
 
-class GroupedLinear(SplitBackwardModule):
+class GroupedLinear(GroupedLinearContract, SplitBackwardModule):
     """``num_gemms`` independent Linears applied to consecutive row blocks of one input.
 
-    Same constructor, parameters and behaviour as ``splitgrad.reference.GroupedLinear``:
-    ``weight0`` ... ``weight{n-1}`` (out_features, in_features) and, with ``bias``, ``bias0``
-    ... ``bias{n-1}``. Forward: ``module(inp, m_splits, is_first_microbatch=None)``. One
-    deferrable entry per backward covers all groups. See the module docstring for the GEMM paths.
+    Same constructor, parameters and behaviour as ``splitgrad.reference.GroupedLinear`` (the
+    shared contract: :class:`~splitgrad.reference.contract.GroupedLinearContract`); the weights
+    live in 64-byte aligned slots of one storage (see the module docstring). Forward:
+    ``module(inp, m_splits, is_first_microbatch=None)``. One deferrable entry per backward
+    covers all groups. See the module docstring for the GEMM paths.
     """
 
-    def __init__(
-        self,
-        num_gemms: int,
-        in_features: int,
-        out_features: int,
-        *,
-        bias: bool = True,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        fuse_wgrad_accumulation: bool = False,
-        delay_wgrad_compute: bool = False,
-    ) -> None:
-        check_positive("num_gemms", num_gemms)
-        check_positive("in_features", in_features)
-        check_positive("out_features", out_features)
-        super().__init__(
-            bias=bias,
-            params_dtype=params_dtype,
-            device=device,
-            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-            delay_wgrad_compute=delay_wgrad_compute,
-        )
-        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
-        #: ``"auto"``, ``"grouped"`` or ``"loop"``: which GEMM path forward and dgrad take.
-        self.grouped_gemm = "auto"
-        kw = {"dtype": params_dtype, "device": device}
-        # One storage for all weights, so the grouped path can view them as (G, M, K).
-        slot = _slot_elements(out_features, in_features, params_dtype)
-        storage = torch.empty(num_gemms * slot, **kw)
-        for i in range(num_gemms):
-            start = i * slot
-            w = torch.nn.Parameter(
-                storage[start : start + out_features * in_features].view(out_features, in_features)
-            )
-            torch.nn.init.normal_(w, std=0.02)
-            self.register_parameter(f"weight{i}", w)
-        for i in range(num_gemms):
-            b = torch.nn.Parameter(torch.zeros(out_features, **kw)) if self.use_bias else None
-            self.register_parameter(f"bias{i}", b)
-        self._init_gemm_parameter_flags()
+    #: ``"auto"``, ``"grouped"`` or ``"loop"``: which GEMM path forward and dgrad take (set it
+    #: on an instance to choose per module).
+    grouped_gemm: str = "auto"
 
-    def gemm_weight_names(self) -> list[str]:
-        return [f"weight{i}" for i in range(self.num_gemms)]
-
-    def gemm_bias_names(self) -> list[str]:
-        return [f"bias{i}" for i in range(self.num_gemms)] if self.use_bias else []
+    def _group_weight_tensors(self, n: int, out_features: int, in_features: int):
+        """Slots of one storage, each starting on a 64-byte boundary, so the grouped path can
+        view the weights as (G, M, K) and the loop path runs a ``Linear``'s GEMM."""
+        slot = _slot_elements(out_features, in_features, self.params_dtype)
+        storage = torch.empty(n * slot, dtype=self.params_dtype, device=self._device)
+        size = out_features * in_features
+        shape = (out_features, in_features)
+        return [storage[i * slot : i * slot + size].view(shape) for i in range(n)]
 
     def _use_grouped(self, x: torch.Tensor) -> bool:
         if self.grouped_gemm not in _PATHS:
@@ -282,13 +292,20 @@ class GroupedLinear(SplitBackwardModule):
         self, inp: torch.Tensor, m_splits: Sequence[int], is_first_microbatch: bool | None = None
     ) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.in_features)
-        splits = self._check_m_splits(m_splits, self.num_gemms, x.shape[0])
+        splits = self._check_m_splits(m_splits, x.shape[0])
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
-        params = [getattr(self, n) for n in self.gemm_weight_names() + self.gemm_bias_names()]
-        if recipe is not None:
-            for i, rows in enumerate(splits):
-                check_fp8_gemm_shape(recipe, f"gemm{i}", rows, self.in_features, self.out_features)
-            y = _GroupedLinearFP8Function.apply(x, splits, self, overwrite, recipe, *params)
-            return y.reshape(*inp.shape[:-1], self.out_features)
-        y = _GroupedLinearFunction.apply(x, splits, self, overwrite, self._use_grouped(x), *params)
-        return y.reshape(*inp.shape[:-1], self.out_features)
+        p = self._parameters
+        params = [p[name] for name in self._gemm_weight_names + self._gemm_bias_names]
+        if recipe is None:
+            use_grouped = self._use_grouped(x)
+            y = _GroupedLinearFunction.apply(x, splits, self, overwrite, use_grouped, *params)
+        else:
+            self._check_fp8_shapes(recipe, splits)
+            y = _fp8_forward(x, splits, self, overwrite, recipe, *params)
+        return y if x is inp else y.reshape(*inp.shape[:-1], self.out_features)
+
+
+@torch.compiler.disable
+def _fp8_forward(*args):
+    # FP8 runs eagerly inside a compiled graph (one graph break), see impl.linear.
+    return _GroupedLinearFP8Function.apply(*args)

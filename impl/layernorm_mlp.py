@@ -14,28 +14,98 @@ nothing the non-delayed backward would not have kept.
 from __future__ import annotations
 
 import torch
-from splitgrad.reference.base import ACCUMULATE, RETURN, gradient_destinations
+from splitgrad.reference.contract import ACCUMULATE, RETURN, LayerNormMLPContract
 
-from . import gemm
-from .activation import ACTIVATIONS, GATED, act_bwd, act_fwd
-from .base import FP8WgradPart, SplitBackwardModule, check_positive
-from .fp8 import check_fp8_gemm_shape, update_delayed_scaling
+from . import compiled, gemm
+from .activation import act_bwd, act_fwd
+from .base import FP8WgradPart, SplitBackwardModule, edge_destinations
+from .fp8 import update_delayed_scaling
 from .fp8_gemm import FP8GemmOperands, fp8_wgrad_value
-from .norm import check_normalization, create_norm_parameters, norm_bwd, norm_fwd
-from .store import WgradEntry
+from .norm import norm_bwd, norm_fwd
 
 __all__ = ["LayerNormMLP"]
+
+
+def _backward(module, dy, saved, need_x, dest, overwrite, compiled_graph=False):
+    """``(dx, d_layer_norm_weight, d_layer_norm_bias, dW1, db1, dW2, db2)`` from the forward's
+    ``saved`` tensors: fc2 dgrad, activation, fc1 dgrad and norm backward now; one wgrad
+    closure for fc2 and fc1 run now or queued; the gradients ``torch.autograd.grad`` asked for
+    returned. The body of both the eager Function's backward and the compiled op."""
+    x, ln_weight, ln_bias, ln_out, fc1_weight, fc1_out, act_out, fc2_weight, *stats = saved
+    to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2 = dest
+    need_lnw, need_lnb = to_lnw is not None, to_lnb is not None
+    need_w1, need_b1, need_w2, need_b2 = (d == ACCUMULATE for d in dest[2:])
+    p = module._parameters
+    w1, b1, w2, b2 = p["fc1_weight"], p["fc1_bias"], p["fc2_weight"], p["fc2_bias"]
+    named_weights = [("fc2_weight", w2)] if need_w2 else []
+    if need_w1:
+        named_weights.append(("fc1_weight", w1))
+    module._check_main_grads(named_weights)
+
+    need_norm = need_x or need_lnw or need_lnb
+    dx = d_lnw = d_lnb = d_fc1_out = None
+    if need_norm or to_w1 is not None or to_b1 is not None:
+        d_act = torch.mm(dy, fc2_weight)
+        d_fc1_out, recomputed = act_bwd(
+            d_act, fc1_out, module.activation, want_out=to_w2 is not None and act_out is None
+        )
+        del d_act
+        if recomputed is not None:
+            act_out = recomputed
+    elif to_w2 is not None and act_out is None:
+        act_out = act_fwd(fc1_out, module.activation)
+    if need_norm:
+        d_ln_out = torch.mm(d_fc1_out, fc1_weight)
+        dx, d_lnw, d_lnb = norm_bwd(
+            module, d_ln_out, x, ln_weight, ln_bias, stats, (need_x, need_lnw, need_lnb)
+        )
+        del d_ln_out
+
+    if named_weights or need_b1 or need_b2:
+
+        def wgrad_closure(dy, act_out, d_fc1_out, ln_out):
+            module._check_main_grads(named_weights)
+            if need_w2:
+                module._write_weight_grad(w2, dy, act_out, overwrite)
+            if need_b2:
+                module._write_bias_grad(b2, dy)
+            if need_w1:
+                module._write_weight_grad(w1, d_fc1_out, ln_out, overwrite)
+            if need_b1:
+                module._write_bias_grad(b1, d_fc1_out)
+
+        # Keep only what this entry reads; None for operands of frozen parameters.
+        saved = (
+            dy if (need_w2 or need_b2) else None,
+            act_out.detach() if need_w2 else None,
+            d_fc1_out if (need_w1 or need_b1) else None,
+            ln_out.detach() if need_w1 else None,
+        )
+        written = tuple(
+            q for q, n in ((w2, need_w2), (b2, need_b2), (w1, need_w1), (b1, need_b1)) if n
+        )
+        module._submit_wgrad(wgrad_closure, saved, written, compiled_graph)
+    # Asked for by torch.autograd.grad: returned now, nothing written or queued.
+    returned = (
+        gemm.wgrad(d_fc1_out, ln_out) if to_w1 == RETURN else None,
+        d_fc1_out.sum(dim=0) if to_b1 == RETURN else None,
+        gemm.wgrad(dy, act_out) if to_w2 == RETURN else None,
+        dy.sum(dim=0) if to_b2 == RETURN else None,
+    )
+    return dx, d_lnw, d_lnb, *returned
 
 
 class _LayerNormMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, module, ow):
         ctx.module, ctx.overwrite = module, ow
-        ctx.recompute = module.recompute_activation
+        ctx.present = tuple(
+            p is not None for p in (ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
+        )
         ln_out, stats = norm_fwd(module, x, ln_weight, ln_bias)
         fc1_out = gemm.linear_forward(ln_out, fc1_weight, fc1_bias)
         act_out = act_fwd(fc1_out, module.activation)
-        kept_act = None if ctx.recompute else act_out
+        kept_act = None if module.recompute_activation else act_out
         ctx.save_for_backward(
             x, ln_weight, ln_bias, ln_out, fc1_weight, fc1_out, kept_act, fc2_weight, *stats
         )
@@ -43,80 +113,48 @@ class _LayerNormMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        module: LayerNormMLP = ctx.module
-        x, ln_weight, ln_bias, ln_out, fc1_weight, fc1_out, act_out, fc2_weight, *stats = (
-            ctx.saved_tensors
-        )
+        saved = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
-        dest = gradient_destinations(
-            module.layer_norm_weight,
-            module.layer_norm_bias,
-            module.fc1_weight,
-            module.fc1_bias,
-            module.fc2_weight,
-            module.fc2_bias,
-        )
-        to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2 = dest
-        need_lnw, need_lnb = to_lnw is not None, to_lnb is not None
-        need_w1, need_b1, need_w2, need_b2 = (d == ACCUMULATE for d in dest[2:])
-        named_weights = [("fc2_weight", module.fc2_weight)] if need_w2 else []
-        if need_w1:
-            named_weights.append(("fc1_weight", module.fc1_weight))
-        module._check_main_grads(named_weights)
-
-        need_norm = need_x or need_lnw or need_lnb
-        dx = d_lnw = d_lnb = d_fc1_out = None
-        if need_norm or to_w1 is not None or to_b1 is not None:
-            d_act = torch.mm(dy, fc2_weight)
-            d_fc1_out, recomputed = act_bwd(
-                d_act, fc1_out, module.activation, want_out=to_w2 is not None and act_out is None
+        if torch.compiler.is_compiling():
+            needs = list(ctx.needs_input_grad[:3])
+            out = iter(
+                torch.ops.splitgrad.layernorm_mlp_backward(
+                    ctx.module._handle, dy, saved[:8], saved[8:], ctx.overwrite, needs
+                )
             )
-            del d_act
-            if recomputed is not None:
-                act_out = recomputed
-        elif to_w2 is not None and act_out is None:
-            act_out = act_fwd(fc1_out, module.activation)
-        if need_norm:
-            d_ln_out = torch.mm(d_fc1_out, fc1_weight)
-            dx, d_lnw, d_lnb = norm_bwd(
-                module, d_ln_out, x, ln_weight, ln_bias, stats, (need_x, need_lnw, need_lnb)
-            )
-            del d_ln_out
+            return (*(next(out) if n else None for n in needs), *(None,) * 6)
+        dest = edge_destinations(ctx, ctx.present)
+        return (*_backward(ctx.module, dy, saved, need_x, dest, ctx.overwrite), None, None)
 
-        if named_weights or need_b1 or need_b2:
-            w1, b1, w2, b2 = module.fc1_weight, module.fc1_bias, module.fc2_weight, module.fc2_bias
-            overwrite = ctx.overwrite
 
-            def wgrad_closure(dy, act_out, d_fc1_out, ln_out):
-                module._check_main_grads(named_weights)
-                if need_w2:
-                    module._write_weight_grad(w2, dy, act_out, overwrite)
-                if need_b2:
-                    module._write_bias_grad(b2, dy)
-                if need_w1:
-                    module._write_weight_grad(w1, d_fc1_out, ln_out, overwrite)
-                if need_b1:
-                    module._write_bias_grad(b1, d_fc1_out)
+@torch.library.custom_op("splitgrad::layernorm_mlp_backward", mutates_args=())
+def _layernorm_mlp_backward_op(
+    handle: int,
+    dy: torch.Tensor,
+    saved: list[torch.Tensor | None],
+    stats: list[torch.Tensor],
+    overwrite: bool,
+    needs: list[bool],
+) -> list[torch.Tensor]:
+    """The backward of a compiled ``LayerNormMLP`` (see :mod:`.compiled`): the gradients of
+    x, layer_norm_weight, layer_norm_bias for which ``needs`` is true. ``saved``: x, ln_weight,
+    ln_bias, ln_out, fc1_weight, fc1_out, act_out, fc2_weight (None where not kept)."""
+    module = compiled.module_of(handle)
+    p = module._parameters
+    names = ("layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias")
+    dest = compiled.destinations(*(p[n] for n in names), p["fc2_weight"], p["fc2_bias"])
+    gemm_names = ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")
+    compiled.no_returned_gemm_grads(module, zip(gemm_names, dest[2:]))
+    grads = _backward(module, dy, (*saved, *stats), needs[0], dest, overwrite, True)[:3]
+    likes = saved[:3]
+    return compiled.zeros_for_unwanted(
+        [g for g, n in zip(grads, needs) if n], [t for t, n in zip(likes, needs) if n]
+    )
 
-            # Keep only what this entry reads; None for operands of frozen parameters.
-            saved = (
-                dy if (need_w2 or need_b2) else None,
-                act_out.detach() if need_w2 else None,
-                d_fc1_out if (need_w1 or need_b1) else None,
-                ln_out.detach() if need_w1 else None,
-            )
-            params = tuple(
-                p for p, n in ((w2, need_w2), (b2, need_b2), (w1, need_w1), (b1, need_b1)) if n
-            )
-            module._submit_wgrad(WgradEntry(wgrad_closure, saved, params))
-        # Asked for by torch.autograd.grad: returned now, nothing written or queued.
-        returned = (
-            gemm.wgrad(d_fc1_out, ln_out) if to_w1 == RETURN else None,
-            d_fc1_out.sum(dim=0) if to_b1 == RETURN else None,
-            gemm.wgrad(dy, act_out) if to_w2 == RETURN else None,
-            dy.sum(dim=0) if to_b2 == RETURN else None,
-        )
-        return dx, d_lnw, d_lnb, *returned, None, None
+
+@_layernorm_mlp_backward_op.register_fake
+def _(handle, dy, saved, stats, overwrite, needs):
+    return [t.new_empty(t.shape) for t, n in zip(saved[:3], needs) if n]
 
 
 class _LayerNormMLPFP8Function(torch.autograd.Function):
@@ -150,6 +188,9 @@ class _LayerNormMLPFP8Function(torch.autograd.Function):
         y = fc2.fprop(act_out, fc2_weight, fc2_bias, keep_x=needs[5], keep_w=need_d_fc1)
         update_delayed_scaling(module, recipe, ("input", "weight"))
         ctx.module, ctx.overwrite, ctx.fp8 = module, overwrite, (fc1, fc2)
+        ctx.present = tuple(
+            p is not None for p in (ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
+        )
         ctx.save_for_backward(x, ln_weight, ln_bias, fc1_out, *stats)
         return y
 
@@ -159,14 +200,7 @@ class _LayerNormMLPFP8Function(torch.autograd.Function):
         (fc1, fc2), ctx.fp8 = ctx.fp8, None
         x, ln_weight, ln_bias, fc1_out, *stats = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
-        dest = gradient_destinations(
-            module.layer_norm_weight,
-            module.layer_norm_bias,
-            module.fc1_weight,
-            module.fc1_bias,
-            module.fc2_weight,
-            module.fc2_bias,
-        )
+        dest = edge_destinations(ctx, ctx.present)
         to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2 = dest
         need_lnw, need_lnb = to_lnw is not None, to_lnb is not None
         need_w1, need_b1, need_w2, need_b2 = (d == ACCUMULATE for d in dest[2:])
@@ -219,94 +253,42 @@ class _LayerNormMLPFP8Function(torch.autograd.Function):
         return dx, d_lnw, d_lnb, *returned, None, None, None
 
 
-class LayerNormMLP(SplitBackwardModule):
+class LayerNormMLP(LayerNormMLPContract, SplitBackwardModule):
     """``y = fc2(act(fc1(norm(x))))``.
 
-    Same constructor, parameters and behaviour as ``splitgrad.reference.LayerNormMLP``:
-    ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm only), ``fc1_weight`` (ffn or 2*ffn
-    for ``"swiglu"``/``"geglu"``, hidden), ``fc1_bias``, ``fc2_weight`` (hidden, ffn),
-    ``fc2_bias``. One deferrable entry per backward writes ``dW2``, ``db2``, ``dW1``, ``db1`` in
-    that order. See the module docstring for the saved-vs-recomputed activation choice.
+    Same constructor, parameters and behaviour as ``splitgrad.reference.LayerNormMLP`` (the
+    shared contract: :class:`~splitgrad.reference.contract.LayerNormMLPContract`). One
+    deferrable entry per backward writes ``dW2``, ``db2``, ``dW1``, ``db1`` in that order. See
+    the module docstring for the saved-vs-recomputed activation choice.
     """
 
     #: Recompute ``act(fc1_out)`` in backward instead of keeping it from the forward.
     recompute_activation: bool = False
 
-    def __init__(
-        self,
-        hidden_size: int,
-        ffn_hidden_size: int,
-        *,
-        eps: float = 1e-5,
-        normalization: str = "LayerNorm",
-        zero_centered_gamma: bool = False,
-        activation: str = "gelu",
-        bias: bool = True,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        fuse_wgrad_accumulation: bool = False,
-        delay_wgrad_compute: bool = False,
-        ub_bulk_wgrad: bool = False,
-    ) -> None:
-        check_positive("hidden_size", hidden_size)
-        check_positive("ffn_hidden_size", ffn_hidden_size)
-        check_normalization(normalization)
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-        super().__init__(
-            bias=bias,
-            params_dtype=params_dtype,
-            device=device,
-            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-            delay_wgrad_compute=delay_wgrad_compute,
-            ub_bulk_wgrad=ub_bulk_wgrad,
-        )
-        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
-        self.eps, self.normalization = float(eps), normalization
-        self.zero_centered_gamma = bool(zero_centered_gamma)
-        self.activation = activation
-        fc1_out = 2 * ffn_hidden_size if activation in GATED else ffn_hidden_size
-        kw = {"dtype": params_dtype, "device": device}
-        create_norm_parameters(self, hidden_size, self._device)
-        self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_out, hidden_size, **kw))
-        if self.use_bias:
-            self.fc1_bias = torch.nn.Parameter(torch.zeros(fc1_out, **kw))
-        else:
-            self.register_parameter("fc1_bias", None)
-        self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **kw))
-        if self.use_bias:
-            self.fc2_bias = torch.nn.Parameter(torch.zeros(hidden_size, **kw))
-        else:
-            self.register_parameter("fc2_bias", None)
-        torch.nn.init.normal_(self.fc1_weight, std=0.02)
-        torch.nn.init.normal_(self.fc2_weight, std=0.02)
-        self._init_gemm_parameter_flags()
-
-    def gemm_weight_names(self) -> list[str]:
-        return ["fc1_weight", "fc2_weight"]
-
-    def gemm_bias_names(self) -> list[str]:
-        return ["fc1_bias", "fc2_bias"] if self.use_bias else []
-
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.hidden_size)
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
+        p = self._parameters
         args = (
             x,
-            self.layer_norm_weight,
-            self.layer_norm_bias,
-            self.fc1_weight,
-            self.fc1_bias,
-            self.fc2_weight,
-            self.fc2_bias,
+            p["layer_norm_weight"],
+            p["layer_norm_bias"],
+            p["fc1_weight"],
+            p["fc1_bias"],
+            p["fc2_weight"],
+            p["fc2_bias"],
             self,
             overwrite,
         )
-        if recipe is not None:
-            rows, fc1_rows = x.shape[0], self.fc1_weight.shape[0]
-            check_fp8_gemm_shape(recipe, "fc1", rows, self.hidden_size, fc1_rows)
-            check_fp8_gemm_shape(recipe, "fc2", rows, self.ffn_hidden_size, self.hidden_size)
-            y = _LayerNormMLPFP8Function.apply(*args, recipe)
-        else:
+        if recipe is None:
             y = _LayerNormMLPFunction.apply(*args)
-        return y.reshape(*inp.shape[:-1], self.hidden_size)
+        else:
+            self._check_fp8_shapes(recipe, x.shape[0])
+            y = _fp8_forward(*args, recipe)
+        return y if x is inp else y.reshape(*inp.shape[:-1], self.hidden_size)
+
+
+@torch.compiler.disable
+def _fp8_forward(*args):
+    # FP8 runs eagerly inside a compiled graph (one graph break), see impl.linear.
+    return _LayerNormMLPFP8Function.apply(*args)

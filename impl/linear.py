@@ -3,51 +3,85 @@
 from __future__ import annotations
 
 import torch
-from splitgrad.reference.base import ACCUMULATE, RETURN, gradient_destinations
+from splitgrad.reference.contract import ACCUMULATE, RETURN, LinearContract
 
-from . import gemm
-from .base import FP8WgradPart, SplitBackwardModule, check_positive
-from .fp8 import check_fp8_gemm_shape, update_delayed_scaling
+from . import compiled, gemm
+from .base import FP8WgradPart, SplitBackwardModule, edge_destinations
+from .fp8 import update_delayed_scaling
 from .fp8_gemm import FP8GemmOperands, fp8_wgrad_value
-from .store import WgradEntry
 
 __all__ = ["Linear"]
+
+
+def _backward(module, dy, x, weight, need_x, to_w, to_b, overwrite, compiled_graph=False):
+    """``(dx, dW, db)``: dgrad now; the wgrad closure run now or queued (gradients it writes
+    are returned as ``None``); the gradients ``torch.autograd.grad`` asked for (``RETURN``)
+    computed and returned, nothing written or queued for them. The body of both the eager
+    Function's backward and the compiled op."""
+    need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
+    params = module._parameters
+    named_weights = [("weight", params["weight"])] if need_w else []
+    module._check_main_grads(named_weights)
+    dx = torch.mm(dy, weight) if need_x else None
+    if need_w or need_b:
+        w, b = params["weight"], params["bias"]
+
+        def wgrad_closure(dy, x=None):
+            module._check_main_grads(named_weights)
+            if need_w:
+                module._write_weight_grad(w, dy, x, overwrite)
+            if need_b:
+                module._write_bias_grad(b, dy)
+
+        saved = (dy, x.detach()) if need_w else (dy,)
+        written = (w,) * need_w + (b,) * need_b
+        module._submit_wgrad(wgrad_closure, saved, written, compiled_graph)
+    dw = gemm.wgrad(dy, x) if to_w == RETURN else None
+    db = dy.sum(dim=0) if to_b == RETURN else None
+    return dx, dw, db
 
 
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, module, overwrite):
-        ctx.module, ctx.overwrite = module, overwrite
+        ctx.module, ctx.overwrite, ctx.present = module, overwrite, (True, bias is not None)
         ctx.save_for_backward(x, weight)
         return gemm.linear_forward(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
-        module: Linear = ctx.module
         x, weight = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
-        to_w, to_b = gradient_destinations(module.weight, module.bias)
-        need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
-        named_weights = [("weight", module.weight)] if need_w else []
-        module._check_main_grads(named_weights)
-        dx = torch.mm(dy, weight) if need_x else None
-        if need_w or need_b:
-            w, b, overwrite = module.weight, module.bias, ctx.overwrite
-
-            def wgrad_closure(dy, x=None):
-                module._check_main_grads(named_weights)
-                if need_w:
-                    module._write_weight_grad(w, dy, x, overwrite)
-                if need_b:
-                    module._write_bias_grad(b, dy)
-
-            saved = (dy, x.detach()) if need_w else (dy,)
-            params = tuple(p for p, n in ((w, need_w), (b, need_b)) if n)
-            module._submit_wgrad(WgradEntry(wgrad_closure, saved, params))
-        # Asked for by torch.autograd.grad: returned now, nothing written or queued.
-        dw = gemm.wgrad(dy, x) if to_w == RETURN else None
-        db = dy.sum(dim=0) if to_b == RETURN else None
+        if torch.compiler.is_compiling():
+            out = torch.ops.splitgrad.linear_backward(
+                ctx.module._handle, dy, x, weight, ctx.overwrite, need_x
+            )
+            return (out[0] if need_x else None), None, None, None, None
+        to_w, to_b = edge_destinations(ctx, ctx.present)
+        dx, dw, db = _backward(ctx.module, dy, x, weight, need_x, to_w, to_b, ctx.overwrite)
         return dx, dw, db, None, None
+
+
+@torch.library.custom_op("splitgrad::linear_backward", mutates_args=())
+def _linear_backward_op(
+    handle: int,
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    overwrite: bool,
+    need_x: bool,
+) -> list[torch.Tensor]:
+    """The backward of a compiled ``Linear`` (see :mod:`.compiled`): ``[dx]`` or ``[]``."""
+    module = compiled.module_of(handle)
+    to_w, to_b = compiled.destinations(module.weight, module.bias)
+    compiled.no_returned_gemm_grads(module, [("weight", to_w), ("bias", to_b)])
+    dx, _, _ = _backward(module, dy, x, weight, need_x, to_w, to_b, overwrite, True)
+    return [dx] if need_x else []
+
+
+@_linear_backward_op.register_fake
+def _(handle, dy, x, weight, overwrite, need_x):
+    return [x.new_empty(x.shape)] if need_x else []
 
 
 class _LinearFP8Function(torch.autograd.Function):
@@ -60,6 +94,7 @@ class _LinearFP8Function(torch.autograd.Function):
         y = fp8.fprop(x, weight, bias, keep_x=need_w, keep_w=need_x)
         update_delayed_scaling(module, recipe, ("input", "weight"))
         ctx.module, ctx.overwrite, ctx.fp8 = module, overwrite, fp8
+        ctx.present = (True, bias is not None)
         return y
 
     @staticmethod
@@ -67,7 +102,7 @@ class _LinearFP8Function(torch.autograd.Function):
         module: Linear = ctx.module
         fp8, ctx.fp8 = ctx.fp8, None
         need_x = ctx.needs_input_grad[0]
-        to_w, to_b = gradient_destinations(module.weight, module.bias)
+        to_w, to_b = edge_destinations(ctx, ctx.present)
         need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
         named_weights = [("weight", module.weight)] if need_w else []
         module._check_main_grads(named_weights)
@@ -88,59 +123,30 @@ class _LinearFP8Function(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-class Linear(SplitBackwardModule):
+class Linear(LinearContract, SplitBackwardModule):
     """``y = x @ weight^T + bias`` over the last dimension of ``inp``.
 
-    Same constructor, parameters and behaviour as ``splitgrad.reference.Linear``: ``weight``
-    (out_features, in_features), ``bias`` (out_features) if ``bias``. Backward computes
-    ``dx = dy @ W`` now; ``dW = dy^T x`` and ``db = sum(dy)`` run now or, with
-    ``delay_wgrad_compute=True``, at :meth:`backward_dw`.
+    Same constructor, parameters and behaviour as ``splitgrad.reference.Linear`` (the
+    constructor, parameters and input checks are the shared contract,
+    :class:`~splitgrad.reference.contract.LinearContract`). Backward computes ``dx = dy @ W``
+    now; ``dW = dy^T x`` and ``db = sum(dy)`` run now or, with ``delay_wgrad_compute=True``, at
+    :meth:`backward_dw`.
     """
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        bias: bool = True,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        fuse_wgrad_accumulation: bool = False,
-        delay_wgrad_compute: bool = False,
-        ub_bulk_wgrad: bool = False,
-    ) -> None:
-        check_positive("in_features", in_features)
-        check_positive("out_features", out_features)
-        super().__init__(
-            bias=bias,
-            params_dtype=params_dtype,
-            device=device,
-            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-            delay_wgrad_compute=delay_wgrad_compute,
-            ub_bulk_wgrad=ub_bulk_wgrad,
-        )
-        self.in_features, self.out_features = in_features, out_features
-        kw = {"dtype": params_dtype, "device": device}
-        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, **kw))
-        torch.nn.init.normal_(self.weight, std=0.02)
-        if self.use_bias:
-            self.bias = torch.nn.Parameter(torch.zeros(out_features, **kw))
-        else:
-            self.register_parameter("bias", None)
-        self._init_gemm_parameter_flags()
-
-    def gemm_weight_names(self) -> list[str]:
-        return ["weight"]
-
-    def gemm_bias_names(self) -> list[str]:
-        return ["bias"] if self.use_bias else []
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.in_features)
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
-        if recipe is not None:
-            check_fp8_gemm_shape(recipe, "", x.shape[0], self.in_features, self.out_features)
-            y = _LinearFP8Function.apply(x, self.weight, self.bias, self, overwrite, recipe)
+        params = self._parameters
+        if recipe is None:
+            y = _LinearFunction.apply(x, params["weight"], params["bias"], self, overwrite)
         else:
-            y = _LinearFunction.apply(x, self.weight, self.bias, self, overwrite)
-        return y.reshape(*inp.shape[:-1], self.out_features)
+            self._check_fp8_shapes(recipe, x.shape[0])
+            y = _fp8_forward(x, params["weight"], params["bias"], self, overwrite, recipe)
+        return y if x is inp else y.reshape(*inp.shape[:-1], self.out_features)
+
+
+@torch.compiler.disable
+def _fp8_forward(*args):
+    # FP8 runs eagerly inside a compiled graph (one graph break): its quantized operands and
+    # delayed-scaling state live in Python objects the compiled backward op cannot take.
+    return _LinearFP8Function.apply(*args)

@@ -34,32 +34,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = [
-    "NORMALIZATIONS",
-    "check_normalization",
-    "create_norm_parameters",
-    "norm_fwd",
-    "norm_bwd",
-]
-
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-
-
-def check_normalization(normalization: object) -> None:
-    """Raise ``ValueError`` for anything but ``"LayerNorm"`` / ``"RMSNorm"``."""
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
-
-
-def create_norm_parameters(module: torch.nn.Module, features: int, device: torch.device) -> None:
-    """Register ``layer_norm_weight`` (and ``layer_norm_bias`` for LayerNorm) on ``module``."""
-    kw = {"dtype": module.params_dtype, "device": device}
-    init = torch.zeros if module.zero_centered_gamma else torch.ones
-    module.layer_norm_weight = torch.nn.Parameter(init(features, **kw))
-    if module.normalization == "LayerNorm":
-        module.layer_norm_bias = torch.nn.Parameter(torch.zeros(features, **kw))
-    else:
-        module.register_parameter("layer_norm_bias", None)
+__all__ = ["norm_fwd", "norm_bwd"]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -80,8 +55,13 @@ def norm_fwd(
     gamma = _gamma(weight, module.zero_centered_gamma, cdt)
     k = x.shape[-1]
     if module.normalization == "LayerNorm":
-        # Mixed-dtype kernel: x stays in its dtype, gamma/beta in fp32.
         beta = bias.to(cdt)
+        if x.dtype != cdt and torch.compiler.is_compiling():
+            # Traced, native_layer_norm returns its statistics in x's dtype (eager's CPU kernel:
+            # fp32), so the graph normalizes an fp32 copy; it fuses the casts.
+            y, mean, rstd = torch.native_layer_norm(x.to(cdt), [k], gamma, beta, module.eps)
+            return y.to(x.dtype), (mean, rstd)
+        # Mixed-dtype kernel: x stays in its dtype, gamma/beta in fp32.
         y, mean, rstd = torch.native_layer_norm(x, [k], gamma, beta, module.eps)
         if x.dtype == cdt and _ill_conditioned(x, mean, rstd):
             # Any value near the row mean centres well enough: the fused kernel's own mean.
@@ -101,10 +81,16 @@ def norm_fwd(
 def _ill_conditioned(x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor) -> bool:
     """Whether CPU's LayerNorm kernels would amplify their fp32 rounding error by more than 2x on
     some row (``|mean| * rstd > 1``); see the module docstring. Never on CUDA (its kernels
-    centre, and the test would cost a device sync)."""
+    centre, and the test would cost a device sync). Always inside a ``torch.compile``-d graph:
+    the answer is data the graph cannot branch on without a break, and centring well-conditioned
+    rows costs one fused subtraction and changes no derivative."""
     if x.device.type != "cpu" or mean.numel() == 0:
         return False
-    return bool((mean.abs() * rstd).amax() > 1)
+    if torch.compiler.is_compiling():
+        return True
+    # rstd > 0, so max |mean * rstd| > 1 iff the product leaves [-1, 1] (NaN: neither).
+    lo, hi = torch.aminmax(mean * rstd)
+    return lo.item() < -1 or hi.item() > 1
 
 
 def norm_bwd(

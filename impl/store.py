@@ -37,9 +37,14 @@ class WgradEntry:
         self.params = params
 
     def run(self) -> None:
-        """Compute and write this entry's gradients (under ``torch.no_grad``)."""
-        with torch.no_grad():
+        """Compute and write this entry's gradients (with grad mode off, as ``torch.no_grad``
+        does; set directly, which costs a tenth of the context manager)."""
+        enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
             self.closure(*self.saved)
+        finally:
+            torch._C._set_grad_enabled(enabled)
 
     def release(self) -> None:
         """Drop every tensor the entry holds; its storage is freed unless referenced elsewhere."""

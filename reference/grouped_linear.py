@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
 
 from . import functional as F
-from .base import (
-    ACCUMULATE,
-    RETURN,
-    SplitBackwardModule,
-    WgradEntry,
-    _check_positive,
-    detached,
-    gradient_destinations,
-)
-from .fp8_gemm import FP8Gemm, check_fp8_gemm_shape, update_delayed_scaling
+from .base import SplitBackwardModule, WgradEntry, detached
+from .contract import ACCUMULATE, RETURN, GroupedLinearContract, gradient_destinations
+from .fp8_gemm import FP8Gemm, update_delayed_scaling
 
 __all__ = ["GroupedLinear"]
 
@@ -92,7 +84,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         return (dx, None, None, None, None, *returned)
 
 
-class GroupedLinear(SplitBackwardModule):
+class GroupedLinear(GroupedLinearContract, SplitBackwardModule):
     """``num_gemms`` independent Linears applied to consecutive row blocks of one input.
 
     Parameters ``weight0`` ... ``weight{n-1}`` (out_features, in_features) and, with ``bias``,
@@ -104,60 +96,13 @@ class GroupedLinear(SplitBackwardModule):
     entry per backward covers all groups (written group by group, weight then bias).
     """
 
-    def __init__(
-        self,
-        num_gemms: int,
-        in_features: int,
-        out_features: int,
-        *,
-        bias: bool = True,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        fuse_wgrad_accumulation: bool = False,
-        delay_wgrad_compute: bool = False,
-    ) -> None:
-        _check_positive("num_gemms", num_gemms)
-        _check_positive("in_features", in_features)
-        _check_positive("out_features", out_features)
-        super().__init__(
-            bias=bias,
-            params_dtype=params_dtype,
-            device=device,
-            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-            delay_wgrad_compute=delay_wgrad_compute,
-        )
-        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
-        for i in range(num_gemms):
-            self._add_gemm_weight(f"weight{i}", out_features, in_features)
-        for i in range(num_gemms):
-            self._add_gemm_bias(f"bias{i}", out_features)
-
-    def _check_m_splits(self, m_splits: object, rows: int) -> list[int]:
-        if not isinstance(m_splits, Sequence) or isinstance(m_splits, (str, bytes)):
-            raise ValueError(f"m_splits must be a list of {self.num_gemms} ints, got {m_splits!r}")
-        try:
-            splits = [operator.index(s) for s in m_splits]
-        except TypeError:
-            raise ValueError(f"m_splits entries must be ints, got {list(m_splits)!r}") from None
-        if len(splits) != self.num_gemms:
-            raise ValueError(
-                f"m_splits must have num_gemms={self.num_gemms} entries, "
-                f"got {len(splits)}: {splits}"
-            )
-        if any(isinstance(s, bool) for s in m_splits) or min(splits) < 0:
-            raise ValueError(f"m_splits entries must be non-negative ints, got {splits}")
-        if sum(splits) != rows:
-            raise ValueError(f"m_splits {splits} sum to {sum(splits)}, but inp has {rows} rows")
-        return splits
-
     def forward(
         self, inp: torch.Tensor, m_splits: Sequence[int], is_first_microbatch: bool | None = None
     ) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.in_features)
         splits = self._check_m_splits(m_splits, x.shape[0])
         if recipe is not None:
-            for i, rows in enumerate(splits):
-                check_fp8_gemm_shape(recipe, f"gemm{i}", rows, self.in_features, self.out_features)
+            self._check_fp8_shapes(recipe, splits)
         params = [getattr(self, n) for n in self.gemm_weight_names() + self.gemm_bias_names()]
         y = _GroupedLinearFunction.apply(x, splits, self, is_first_microbatch, recipe, *params)
         return y.reshape(*inp.shape[:-1], self.out_features)

@@ -5,17 +5,10 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
-from .base import (
-    ACCUMULATE,
-    RETURN,
-    SplitBackwardModule,
-    WgradEntry,
-    _check_positive,
-    detached,
-    gradient_destinations,
-)
-from .fp8_gemm import FP8Gemm, check_fp8_gemm_shape, update_delayed_scaling
-from .norm import check_normalization, create_norm_parameters, norm_bwd, norm_fwd
+from .base import SplitBackwardModule, WgradEntry, detached
+from .contract import ACCUMULATE, RETURN, LayerNormLinearContract, gradient_destinations
+from .fp8_gemm import FP8Gemm, update_delayed_scaling
+from .norm import norm_bwd, norm_fwd
 
 __all__ = ["LayerNormLinear"]
 
@@ -82,7 +75,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         )
 
 
-class LayerNormLinear(SplitBackwardModule):
+class LayerNormLinear(LayerNormLinearContract, SplitBackwardModule):
     """``y = norm(x) @ weight^T + bias``.
 
     Parameters: ``layer_norm_weight`` (in_features), ``layer_norm_bias`` (in_features, LayerNorm
@@ -93,43 +86,10 @@ class LayerNormLinear(SplitBackwardModule):
     ``db = sum(dy)`` are the deferrable part (see :mod:`.base`).
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        eps: float = 1e-5,
-        normalization: str = "LayerNorm",
-        zero_centered_gamma: bool = False,
-        bias: bool = True,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        fuse_wgrad_accumulation: bool = False,
-        delay_wgrad_compute: bool = False,
-        ub_bulk_wgrad: bool = False,
-    ) -> None:
-        _check_positive("in_features", in_features)
-        _check_positive("out_features", out_features)
-        check_normalization(normalization)
-        super().__init__(
-            bias=bias,
-            params_dtype=params_dtype,
-            device=device,
-            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-            delay_wgrad_compute=delay_wgrad_compute,
-            ub_bulk_wgrad=ub_bulk_wgrad,
-        )
-        self.in_features, self.out_features = in_features, out_features
-        self.eps, self.normalization = float(eps), normalization
-        self.zero_centered_gamma = bool(zero_centered_gamma)
-        create_norm_parameters(self, in_features)
-        self._add_gemm_weight("weight", out_features, in_features)
-        self._add_gemm_bias("bias", out_features)
-
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.in_features)
         if recipe is not None:
-            check_fp8_gemm_shape(recipe, "", x.shape[0], self.in_features, self.out_features)
+            self._check_fp8_shapes(recipe, x.shape[0])
         y = _LayerNormLinearFunction.apply(
             x,
             self.layer_norm_weight,

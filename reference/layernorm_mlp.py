@@ -5,17 +5,10 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
-from .base import (
-    ACCUMULATE,
-    RETURN,
-    SplitBackwardModule,
-    WgradEntry,
-    _check_positive,
-    detached,
-    gradient_destinations,
-)
-from .fp8_gemm import FP8Gemm, check_fp8_gemm_shape, update_delayed_scaling
-from .norm import check_normalization, create_norm_parameters, norm_bwd, norm_fwd
+from .base import SplitBackwardModule, WgradEntry, detached
+from .contract import ACCUMULATE, RETURN, LayerNormMLPContract, gradient_destinations
+from .fp8_gemm import FP8Gemm, update_delayed_scaling
+from .norm import norm_bwd, norm_fwd
 
 __all__ = ["LayerNormMLP"]
 
@@ -134,7 +127,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         )
 
 
-class LayerNormMLP(SplitBackwardModule):
+class LayerNormMLP(LayerNormMLPContract, SplitBackwardModule):
     """``y = fc2(act(fc1(norm(x))))``.
 
     Parameters: ``layer_norm_weight`` (hidden), ``layer_norm_bias`` (hidden, LayerNorm only),
@@ -149,52 +142,10 @@ class LayerNormMLP(SplitBackwardModule):
     skipped while the other one still gets its gradient.
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        ffn_hidden_size: int,
-        *,
-        eps: float = 1e-5,
-        normalization: str = "LayerNorm",
-        zero_centered_gamma: bool = False,
-        activation: str = "gelu",
-        bias: bool = True,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        fuse_wgrad_accumulation: bool = False,
-        delay_wgrad_compute: bool = False,
-        ub_bulk_wgrad: bool = False,
-    ) -> None:
-        _check_positive("hidden_size", hidden_size)
-        _check_positive("ffn_hidden_size", ffn_hidden_size)
-        check_normalization(normalization)
-        if activation not in F.ACTIVATIONS:
-            raise ValueError(f"activation must be one of {F.ACTIVATIONS}, got {activation!r}")
-        super().__init__(
-            bias=bias,
-            params_dtype=params_dtype,
-            device=device,
-            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-            delay_wgrad_compute=delay_wgrad_compute,
-            ub_bulk_wgrad=ub_bulk_wgrad,
-        )
-        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
-        self.eps, self.normalization = float(eps), normalization
-        self.zero_centered_gamma = bool(zero_centered_gamma)
-        self.activation = activation
-        fc1_out = 2 * ffn_hidden_size if activation in F.GATED_ACTIVATIONS else ffn_hidden_size
-        create_norm_parameters(self, hidden_size)
-        self._add_gemm_weight("fc1_weight", fc1_out, hidden_size)
-        self._add_gemm_bias("fc1_bias", fc1_out)
-        self._add_gemm_weight("fc2_weight", hidden_size, ffn_hidden_size)
-        self._add_gemm_bias("fc2_bias", hidden_size)
-
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.hidden_size)
         if recipe is not None:
-            fc1_out = self.fc1_weight.shape[0]
-            check_fp8_gemm_shape(recipe, "fc1", x.shape[0], self.hidden_size, fc1_out)
-            check_fp8_gemm_shape(recipe, "fc2", x.shape[0], self.ffn_hidden_size, self.hidden_size)
+            self._check_fp8_shapes(recipe, x.shape[0])
         y = _LayerNormMLPFunction.apply(
             x,
             self.layer_norm_weight,

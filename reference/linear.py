@@ -5,16 +5,9 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
-from .base import (
-    ACCUMULATE,
-    RETURN,
-    SplitBackwardModule,
-    WgradEntry,
-    _check_positive,
-    detached,
-    gradient_destinations,
-)
-from .fp8_gemm import FP8Gemm, check_fp8_gemm_shape, update_delayed_scaling
+from .base import SplitBackwardModule, WgradEntry, detached
+from .contract import ACCUMULATE, RETURN, LinearContract, gradient_destinations
+from .fp8_gemm import FP8Gemm, update_delayed_scaling
 
 __all__ = ["Linear"]
 
@@ -64,7 +57,7 @@ class _LinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-class Linear(SplitBackwardModule):
+class Linear(LinearContract, SplitBackwardModule):
     """``y = x @ weight^T + bias`` over the last dimension of ``inp``.
 
     Parameters: ``weight`` (out_features, in_features), ``bias`` (out_features) if ``bias``.
@@ -75,35 +68,9 @@ class Linear(SplitBackwardModule):
     ``ub_bulk_wgrad=True`` with delay raises ``ValueError``; without delay it changes nothing.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        bias: bool = True,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        fuse_wgrad_accumulation: bool = False,
-        delay_wgrad_compute: bool = False,
-        ub_bulk_wgrad: bool = False,
-    ) -> None:
-        _check_positive("in_features", in_features)
-        _check_positive("out_features", out_features)
-        super().__init__(
-            bias=bias,
-            params_dtype=params_dtype,
-            device=device,
-            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-            delay_wgrad_compute=delay_wgrad_compute,
-            ub_bulk_wgrad=ub_bulk_wgrad,
-        )
-        self.in_features, self.out_features = in_features, out_features
-        self._add_gemm_weight("weight", out_features, in_features)
-        self._add_gemm_bias("bias", out_features)
-
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.in_features)
         if recipe is not None:
-            check_fp8_gemm_shape(recipe, "", x.shape[0], self.in_features, self.out_features)
+            self._check_fp8_shapes(recipe, x.shape[0])
         y = _LinearFunction.apply(x, self.weight, self.bias, self, is_first_microbatch, recipe)
         return y.reshape(*inp.shape[:-1], self.out_features)

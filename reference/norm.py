@@ -4,6 +4,8 @@
 ``"RMSNorm"`` has ``layer_norm_weight`` only. With ``zero_centered_gamma=True`` the stored weight
 is ``gamma - 1`` (initialised to zeros), otherwise gamma itself (initialised to ones).
 The norm parameters always get their gradients through ``.grad`` during ``backward()``.
+Their names, shapes and initial values are part of the shared contract
+(:meth:`.contract.ModuleContract._add_norm_parameters`).
 """
 
 from __future__ import annotations
@@ -11,24 +13,6 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
-
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-
-
-def check_normalization(normalization: object) -> None:
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
-
-
-def create_norm_parameters(module: torch.nn.Module, features: int) -> None:
-    """Register ``layer_norm_weight`` (and ``layer_norm_bias`` for LayerNorm) on ``module``."""
-    kw = {"dtype": module.params_dtype, "device": module._device}
-    init = torch.zeros if module.zero_centered_gamma else torch.ones
-    module.layer_norm_weight = torch.nn.Parameter(init(features, **kw))
-    if module.normalization == "LayerNorm":
-        module.layer_norm_bias = torch.nn.Parameter(torch.zeros(features, **kw))
-    else:
-        module.register_parameter("layer_norm_bias", None)
 
 
 def norm_fwd(module, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:

@@ -1,0 +1,85 @@
+"""How an impl module's backward runs inside a ``torch.compile``-d graph.
+
+Dynamo traces each module's forward (the autograd ``Function``'s forward) into the graph and
+speculates its backward. The backward of a split-backward module has effects that no traced
+graph can hold: it asks the autograd engine where each gradient goes (SPEC §3), writes ``.grad``
+and ``main_grad``, queues entries, fires hooks. So under tracing the Function's backward is one
+call to an opaque custom op per module (``splitgrad::linear_backward`` …, defined next to each
+Function), which at run time executes the same eager backward body as the uncompiled module:
+delayed ≡ non-delayed still holds bitwise, ``backward_dw()`` runs the queued closure, and the
+hooks fire where they do in eager mode.
+
+What the compiled graph fixes at trace time, and so differs from eager mode:
+
+* The op's outputs are the gradients of the Function's non-parameter inputs (and of the norm
+  parameters, which go through autograd), as ``needs_input_grad`` said at trace time; one that
+  the running backward does not want comes back as zeros and autograd discards it.
+* A GEMM parameter's gradient can never be *returned* through the graph (it is written outside
+  autograd), so ``torch.autograd.grad`` asking for a GEMM parameter of a compiled module raises
+  ``RuntimeError`` instead of returning it; ``backward(inputs=[...])`` and ``torch.autograd.grad``
+  on other tensors work as in eager mode.
+* A queued entry keeps its own copies of its operands: inductor may reuse the memory of a
+  buffer after the op that last reads it, and the entry reads it later.
+
+Modules are named to the op by an integer handle (custom ops take tensors and scalars, not
+modules); :func:`register` hands one out and :func:`module_of` looks it up (weakly held, so the
+registry keeps no module alive).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+from splitgrad.reference.contract import RETURN, gradient_destinations
+
+__all__ = ["register", "module_of", "destinations", "zeros_for_unwanted", "no_returned_gemm_grads"]
+
+_modules: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+_handles = itertools.count()
+
+
+def register(module: torch.nn.Module) -> int:
+    """A new handle naming ``module`` to the compiled backward ops."""
+    handle = next(_handles)
+    _modules[handle] = module
+    return handle
+
+
+def module_of(handle: int) -> torch.nn.Module:
+    """The module registered under ``handle``."""
+    return _modules[handle]
+
+
+def destinations(*params: torch.Tensor | None) -> list[str | None]:
+    """:func:`~splitgrad.reference.contract.gradient_destination` of ``params``, called from
+    inside a custom op's kernel. The dispatcher runs a kernel with autograd's keys excluded,
+    and finding a leaf's ``AccumulateGrad`` node needs them (it records a view), so they are
+    re-enabled for the lookup only."""
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    # Removing one backend's autograd key clears autograd's functionality bit for all of them.
+    for key in (torch._C.DispatchKey.AutogradCPU, torch._C.DispatchKey.ADInplaceOrView):
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
+        return gradient_destinations(*params)
+
+
+def no_returned_gemm_grads(module: torch.nn.Module, names_and_dests) -> None:
+    """Raise ``RuntimeError`` when ``torch.autograd.grad`` asks a compiled backward for a GEMM
+    parameter's gradient (see the module docstring)."""
+    asked = [name for name, dest in names_and_dests if dest == RETURN]
+    if asked:
+        raise RuntimeError(
+            f"torch.autograd.grad asked a torch.compile-d {type(module).__name__} for the "
+            f"gradient of {', '.join(asked)}: a compiled graph cannot return GEMM-parameter "
+            "gradients (they are written outside autograd). Run this module uncompiled "
+            "(torch.compiler.disable) for that backward, or ask for other inputs only."
+        )
+
+
+def zeros_for_unwanted(grads, likes) -> list[torch.Tensor]:
+    """The op's outputs: each gradient, or zeros shaped like its input where the running
+    backward did not compute it (autograd discards those)."""
+    return [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, likes)]

@@ -1,0 +1,570 @@
+"""The contract every splitgrad module keeps, written once: constructor options and their
+validation, parameter names, shapes and initial values, input validation, where the running
+backward wants each gradient, and the error messages of SPEC §4–§5.
+
+This is API, not math (STYLE.md): ``splitgrad.impl`` builds its modules on these classes and
+imports these functions, so the two packages cannot drift apart on names, options or messages.
+The numerics — formulas, rounding points, quantizers, the queue's implementation — are never
+shared. The harness checks this contract on its own (P9, P10), so sharing it hides nothing.
+
+Options (SPEC §2), keyword-only, every module: ``bias=True``, ``params_dtype=torch.float32`` (a
+floating-point dtype), ``device="cpu"``, ``fuse_wgrad_accumulation=False``,
+``delay_wgrad_compute=False``; ``Linear``, ``LayerNormLinear``, ``LayerNormMLP`` also take
+``ub_bulk_wgrad=False``, and ``ub_bulk_wgrad=True`` with ``delay_wgrad_compute=True`` raises
+``ValueError`` ("ub_bulk_wgrad is not supported when enabling delay_wgrad_compute"; an exception,
+so it holds under ``python -O``). The norm modules take ``eps=1e-5``,
+``normalization="LayerNorm" | "RMSNorm"`` and ``zero_centered_gamma=False``; ``LayerNormMLP``
+takes ``activation`` in :data:`ACTIVATIONS`.
+
+Parameters, in registration order (so ``named_parameters()`` and state dicts match):
+
+* ``layer_norm_weight`` (features; ones, or zeros when ``zero_centered_gamma`` stores
+  ``gamma - 1``) and ``layer_norm_bias`` (zeros; LayerNorm only, ``None`` for RMSNorm);
+* GEMM weights ``(out_features, in_features)`` drawn from N(0, 0.02²) — ``weight``,
+  ``fc1_weight`` / ``fc2_weight``, ``weight0`` … ``weight{n-1}`` — each followed by, or (for
+  ``GroupedLinear``) after all weights, its zero bias (``None`` with ``bias=False``).
+  ``LayerNormMLP``'s ``fc1_weight`` is ``(2 * ffn, hidden)`` for the gated activations.
+* Under ``delay_wgrad_compute`` every GEMM parameter carries ``skip_backward_post_hook = True``.
+
+Bad input (§5) raises before anything is written or queued:
+
+* ``inp`` not a tensor, or of the wrong dtype (it must be ``params_dtype``) -> ``TypeError``;
+  wrong last dimension or device -> ``ValueError``. Each message names expected and actual.
+* ``m_splits`` of the wrong length, with negative or non-int entries, or not summing to the row
+  count -> ``ValueError`` naming the values.
+* A missing or unusable ``main_grad`` under fused accumulation -> ``RuntimeError`` naming the
+  parameter, at the start of ``backward()`` (nothing written, nothing queued) and again at the
+  start of the queued wgrad (the entry then stays queued).
+* Non-positive sizes, ``num_gemms < 1``, unknown ``normalization`` or ``activation`` ->
+  ``ValueError`` from the constructor. Under FP8, a shape the recipe cannot quantize ->
+  ``ValueError`` naming the recipe, the dimension and the multiple it needs
+  (:func:`check_fp8_gemm_shape`).
+* ``backward_dw()`` with nothing pending on a delayed module -> ``RuntimeError`` saying so.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .fp8 import Float8BlockScaling, MXFP8BlockScaling, Recipe, fp8_active_recipe
+
+__all__ = [
+    "ACCUMULATE",
+    "RETURN",
+    "ACTIVATIONS",
+    "GATED_ACTIVATIONS",
+    "NORMALIZATIONS",
+    "gradient_destination",
+    "gradient_destinations",
+    "node_destination",
+    "check_positive",
+    "check_not_under_ddp",
+    "check_fp8_gemm_shape",
+    "ModuleContract",
+    "LinearContract",
+    "LayerNormLinearContract",
+    "LayerNormMLPContract",
+    "GroupedLinearContract",
+]
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+#: ``"gelu"`` is the tanh approximation; the gated ones split fc1's output in two halves.
+ACTIVATIONS = ("gelu", "relu", "swiglu", "geglu")
+GATED_ACTIVATIONS = frozenset({"swiglu", "geglu"})
+
+# ---- where the running backward wants a gradient (SPEC §3) ---------------------------------
+
+#: The running backward accumulates this parameter's gradient (``.grad`` / ``main_grad``).
+ACCUMULATE = "accumulate"
+#: ``torch.autograd.grad`` asked for this input: its gradient is returned, nothing is written.
+RETURN = "return"
+
+
+def node_destination(node: torch.autograd.graph.Node | None) -> str | None:
+    """Where the running backward sends what reaches ``node``, the autograd node a parameter's
+    gradient goes to (a leaf's ``AccumulateGrad``; ``None`` for a parameter that needs none):
+    :data:`ACCUMULATE`, :data:`RETURN`, or ``None`` when this backward does not compute it.
+
+    ``requires_grad`` only says a parameter is trainable; what *this* backward computes is the
+    engine's execution plan, ``torch._C._will_engine_execute_node``: false for a node that
+    ``backward(inputs=[...])`` or ``torch.autograd.grad`` leaves out. Asked about a leaf that
+    ``torch.autograd.grad`` *captures* (returns instead of accumulating), the engine raises:
+    that is :data:`RETURN`. A non-leaf (a parameter seen through a parametrization) passes its
+    gradient on through the graph, so it is returned too.
+    """
+    if node is None:
+        return None
+    try:
+        executes = torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return RETURN  # a leaf captured by torch.autograd.grad()
+    if not executes:
+        return None
+    return ACCUMULATE if type(node).__name__ == "AccumulateGrad" else RETURN
+
+
+def gradient_destination(param: torch.Tensor | None) -> str | None:
+    """:func:`node_destination` of ``param``'s gradient edge
+    (``torch.autograd.graph.get_gradient_edge``). Call it inside a backward."""
+    if param is None or not param.requires_grad:
+        return None
+    return node_destination(torch.autograd.graph.get_gradient_edge(param).node)
+
+
+def gradient_destinations(*params: torch.Tensor | None) -> list[str | None]:
+    """:func:`gradient_destination` of each of ``params``."""
+    return [gradient_destination(p) for p in params]
+
+
+# ---- validation -----------------------------------------------------------------------------
+
+
+def check_positive(name: str, value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is a positive int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+
+
+def check_fp8_gemm_shape(recipe: Recipe, gemm: str, tokens: int, k: int, m: int) -> None:
+    """Raise ``ValueError`` if ``recipe`` cannot quantize the operands of a (tokens, k) x (m, k)
+    GEMM, naming the recipe, the dimension and the multiple it needs: MXFP8 scales blocks of 32
+    values and Float8BlockScaling tiles of 128 along each GEMM's reduction axis, and every one
+    of the three dimensions is the reduction axis of one of the three GEMMs."""
+    if isinstance(recipe, MXFP8BlockScaling):
+        multiple = 32
+    elif isinstance(recipe, Float8BlockScaling):
+        multiple = 128
+    else:
+        return  # per-tensor scales quantize any shape
+    prefix = f"{gemm}." if gemm else ""
+    for name, size in (("in_features", k), ("out_features", m), ("tokens", tokens)):
+        if size % multiple:
+            raise ValueError(
+                f"{type(recipe).__name__} cannot quantize {prefix}{name}={size}: it must be a "
+                f"multiple of {multiple}"
+            )
+
+
+def check_not_under_ddp(module: ModuleContract) -> None:
+    """Raise ``RuntimeError`` when ``module`` runs inside the forward of torch's
+    ``DistributedDataParallel`` that would have to reduce gradients it never sees (SPEC §8).
+
+    DDP reduces a parameter from a hook on autograd's ``AccumulateGrad``, which runs during
+    ``backward()``. A split-backward module writes its GEMM-parameter gradients itself: plain and
+    non-delayed, ``.grad`` is written before that hook runs, so DDP reduces it correctly; but
+    under ``delay_wgrad_compute`` the gradient arrives later in ``backward_dw()``, and under
+    ``fuse_wgrad_accumulation`` it goes to ``main_grad``, which DDP never reads. Either way the
+    replicas would silently train on unreduced gradients, so the module refuses to run. Parameters
+    DDP is told to ignore (``_ddp_params_and_buffers_to_ignore``) are left to the caller.
+    """
+    if not (module.delay_wgrad_compute or module.fuse_wgrad_accumulation):
+        return
+    ddp = torch.nn.parallel.DistributedDataParallel._active_ddp_module
+    if ddp is None:
+        return
+    reduced = {id(p) for p in getattr(ddp, "_module_parameters", ())}
+    names = [
+        name
+        for name, p in module.named_parameters(recurse=False)
+        if p.requires_grad and id(p) in reduced and not name.startswith("layer_norm")
+    ]
+    if names:
+        mode = "delay_wgrad_compute=True" if module.delay_wgrad_compute else ""
+        if module.fuse_wgrad_accumulation:
+            mode = " and ".join(m for m in (mode, "fuse_wgrad_accumulation=True") if m)
+        raise RuntimeError(
+            f"{type(module).__name__} with {mode} runs inside torch.nn.parallel."
+            f"DistributedDataParallel, which cannot reduce {', '.join(names)}: their gradients "
+            "are written outside autograd (by backward_dw() under delay, into main_grad when "
+            "fused), after DDP's hooks have run, so the replicas would silently diverge. Use "
+            "splitgrad.distributed.GradientReducer(model, process_group) instead of DDP, or list "
+            "these parameters in the wrapped module's _ddp_params_and_buffers_to_ignore and "
+            "reduce them yourself from register_wgrad_accumulation_and_reduce_hooks"
+        )
+
+
+# ---- the module contract --------------------------------------------------------------------
+
+
+class ModuleContract(torch.nn.Module):
+    """Options, parameters, validation and hook registration of every splitgrad module.
+
+    The reference's and impl's ``SplitBackwardModule`` add the queue and the gradient routing on
+    top; the four module contracts below add each module's constructor. A module class is
+    ``class Linear(LinearContract, SplitBackwardModule)``: the contract first, so its
+    ``__init__`` (the public signature) runs and hands the options on.
+    """
+
+    def __init__(
+        self,
+        *,
+        bias: bool,
+        params_dtype: torch.dtype,
+        device: torch.device | str,
+        fuse_wgrad_accumulation: bool,
+        delay_wgrad_compute: bool,
+        ub_bulk_wgrad: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(params_dtype, torch.dtype) or not params_dtype.is_floating_point:
+            raise ValueError(
+                f"params_dtype must be a floating-point torch.dtype, got {params_dtype!r}"
+            )
+        # Not an assert: the check must hold under `python -O`.
+        if ub_bulk_wgrad and delay_wgrad_compute:
+            raise ValueError(
+                "ub_bulk_wgrad is not supported when enabling delay_wgrad_compute "
+                f"(got ub_bulk_wgrad={ub_bulk_wgrad!r}, "
+                f"delay_wgrad_compute={delay_wgrad_compute!r})"
+            )
+        self.use_bias = bool(bias)
+        self._device = torch.device(device)
+        self.params_dtype = params_dtype
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
+        self.delay_wgrad_compute = bool(delay_wgrad_compute)
+        # Userbuffers bulk overlap is a multi-GPU communication optimisation; in one process it
+        # changes no value, so it is accepted and otherwise ignored.
+        self.ub_bulk_wgrad = bool(ub_bulk_wgrad)
+        self._gemm_weight_names: list[str] = []
+        self._gemm_bias_names: list[str] = []
+        # FP8 delayed-scaling state (amax histories and scales) of this module, by tensor role
+        # ("input", "fc1.grad_output", ...).
+        self.fp8_states: dict = {}
+        self._wgrad_hooks: list[Callable[[], None]] = []
+
+    # ---- parameters ---------------------------------------------------------------------
+
+    def gemm_weight_names(self) -> list[str]:
+        """Names of the GEMM weights (the parameters that use ``main_grad`` when fused)."""
+        return list(self._gemm_weight_names)
+
+    def gemm_bias_names(self) -> list[str]:
+        """Names of the GEMM biases (empty when built with ``bias=False``)."""
+        return list(self._gemm_bias_names)
+
+    def _new_tensor(self, *shape: int) -> torch.Tensor:
+        return torch.empty(*shape, dtype=self.params_dtype, device=self._device)
+
+    def _add_gemm_weight(self, name: str, value: torch.Tensor) -> None:
+        """Register ``value`` (out, in) as a GEMM weight, initialised N(0, 0.02^2) in place."""
+        self._add_gemm_parameter(name, torch.nn.init.normal_(value, std=0.02))
+        self._gemm_weight_names.append(name)
+
+    def _add_gemm_bias(self, name: str, out_features: int) -> None:
+        """Register a zero GEMM bias (out,), or ``None`` when built with ``bias=False``."""
+        if not self.use_bias:
+            self.register_parameter(name, None)
+            return
+        self._add_gemm_parameter(name, self._new_tensor(out_features).zero_())
+        self._gemm_bias_names.append(name)
+
+    def _add_gemm_parameter(self, name: str, value: torch.Tensor) -> None:
+        param = torch.nn.Parameter(value)
+        if self.delay_wgrad_compute:
+            # A DDP wrapper reads this to reduce from the module hooks instead of autograd's.
+            param.skip_backward_post_hook = True
+        self.register_parameter(name, param)
+
+    def _add_norm_parameters(self, features: int) -> None:
+        """``layer_norm_weight`` (gamma, or ``gamma - 1`` when zero-centred) and, for LayerNorm,
+        ``layer_norm_bias``."""
+        gamma = self._new_tensor(features)
+        gamma.fill_(0.0 if self.zero_centered_gamma else 1.0)
+        self.layer_norm_weight = torch.nn.Parameter(gamma)
+        if self.normalization == "LayerNorm":
+            self.layer_norm_bias = torch.nn.Parameter(self._new_tensor(features).zero_())
+        else:
+            self.register_parameter("layer_norm_bias", None)
+
+    def _name_of(self, param: torch.nn.Parameter) -> str:
+        for name, p in self.named_parameters():
+            if p is param:
+                return name
+        return "<parameter>"
+
+    # ---- validation (§5) ----------------------------------------------------------------
+
+    @property
+    def fp8_device(self) -> torch.device:
+        """The module's device: where its parameters are (the first one registered)."""
+        return next(iter(self._parameters.values())).device
+
+    def _check_input(self, inp: object, in_features: int) -> tuple[torch.Tensor, Recipe | None]:
+        """Validate ``inp``; return it flattened to (rows, in_features) and the active FP8
+        recipe (``None`` outside an enabled ``fp8_autocast``)."""
+        if not isinstance(inp, torch.Tensor):
+            raise TypeError(f"inp must be a torch.Tensor, got {type(inp).__name__}")
+        shape = inp.shape
+        if not shape or shape[-1] != in_features:
+            raise ValueError(
+                f"inp's last dimension must be in_features={in_features}, "
+                f"got shape {tuple(shape)}"
+            )
+        if inp.dtype != self.params_dtype:
+            raise TypeError(
+                f"inp must have dtype {self.params_dtype} (params_dtype), got {inp.dtype}"
+            )
+        device = self.fp8_device
+        if inp.device != device:
+            raise ValueError(f"inp must be on the module's device {device}, got {inp.device}")
+        check_not_under_ddp(self)
+        return (inp if len(shape) == 2 else inp.reshape(-1, in_features)), fp8_active_recipe()
+
+    def _check_main_grads(self, named_weights: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
+        """Fused accumulation needs a usable ``main_grad`` on each weight (float32, or float64
+        for float64 parameters; same shape and device); raise before anything is written."""
+        if not self.fuse_wgrad_accumulation:
+            return
+        for name, w in named_weights:
+            mg = getattr(w, "main_grad", None)
+            if not isinstance(mg, torch.Tensor):
+                raise RuntimeError(
+                    f"fuse_wgrad_accumulation=True but {name} has no main_grad tensor "
+                    f"(got {type(mg).__name__}); attach an fp32 tensor of shape {tuple(w.shape)}"
+                )
+            if mg.shape != w.shape:
+                raise RuntimeError(
+                    f"{name}.main_grad has shape {tuple(mg.shape)}, expected {tuple(w.shape)}"
+                )
+            wide = w.dtype == torch.float64
+            allowed = (torch.float32, torch.float64) if wide else (torch.float32,)
+            if mg.dtype not in allowed:
+                raise RuntimeError(f"{name}.main_grad has dtype {mg.dtype}, expected torch.float32")
+            if mg.device != w.device:
+                raise RuntimeError(f"{name}.main_grad is on {mg.device}, expected {w.device}")
+
+    def _nothing_pending(self) -> RuntimeError:
+        """The error of ``backward_dw()`` on a delayed module with an empty queue (§4)."""
+        return RuntimeError(
+            f"{type(self).__name__}.backward_dw(): nothing is pending (pending_wgrad_count=0); "
+            "call it once per backward() of this module"
+        )
+
+    # ---- split backward API (§4) ----------------------------------------------------------
+
+    def need_backward_dw(self) -> bool:
+        """``True`` iff this module defers weight gradients (``delay_wgrad_compute=True``)."""
+        return self.delay_wgrad_compute
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, fn: Callable[[], None]) -> None:
+        """Register ``fn()``, called with no arguments after each entry's gradients are written,
+        in registration order."""
+        if not callable(fn):
+            raise TypeError(f"hook must be callable, got {fn!r}")
+        self._wgrad_hooks.append(fn)
+
+    def _run_hooks(self) -> None:
+        for hook in list(self._wgrad_hooks):
+            hook()
+
+
+class LinearContract(ModuleContract):
+    """``Linear(in_features, out_features, *, bias=True, params_dtype=torch.float32,
+    device="cpu", fuse_wgrad_accumulation=False, delay_wgrad_compute=False,
+    ub_bulk_wgrad=False)``: parameters ``weight`` (out_features, in_features) and ``bias``
+    (out_features)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
+        ub_bulk_wgrad: bool = False,
+    ) -> None:
+        check_positive("in_features", in_features)
+        check_positive("out_features", out_features)
+        super().__init__(
+            bias=bias,
+            params_dtype=params_dtype,
+            device=device,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            delay_wgrad_compute=delay_wgrad_compute,
+            ub_bulk_wgrad=ub_bulk_wgrad,
+        )
+        self.in_features, self.out_features = in_features, out_features
+        self._add_gemm_weight("weight", self._new_tensor(out_features, in_features))
+        self._add_gemm_bias("bias", out_features)
+
+    def _check_fp8_shapes(self, recipe: Recipe, rows: int) -> None:
+        check_fp8_gemm_shape(recipe, "", rows, self.in_features, self.out_features)
+
+
+class _NormContract(ModuleContract):
+    """The norm options shared by ``LayerNormLinear`` and ``LayerNormMLP``."""
+
+    def _set_norm_options(
+        self, features: int, eps: float, normalization: str, zero_centered_gamma: bool
+    ) -> None:
+        self.eps, self.normalization = float(eps), normalization
+        self.zero_centered_gamma = bool(zero_centered_gamma)
+        self._add_norm_parameters(features)
+
+
+class LayerNormLinearContract(_NormContract):
+    """``LayerNormLinear(in_features, out_features, *, eps=1e-5, normalization="LayerNorm",
+    zero_centered_gamma=False, bias=True, params_dtype=torch.float32, device="cpu",
+    fuse_wgrad_accumulation=False, delay_wgrad_compute=False, ub_bulk_wgrad=False)``:
+    parameters ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm only), ``weight``
+    (out_features, in_features), ``bias`` (out_features)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        eps: float = 1e-5,
+        normalization: str = "LayerNorm",
+        zero_centered_gamma: bool = False,
+        bias: bool = True,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
+        ub_bulk_wgrad: bool = False,
+    ) -> None:
+        check_positive("in_features", in_features)
+        check_positive("out_features", out_features)
+        _check_choice("normalization", normalization, NORMALIZATIONS)
+        super().__init__(
+            bias=bias,
+            params_dtype=params_dtype,
+            device=device,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            delay_wgrad_compute=delay_wgrad_compute,
+            ub_bulk_wgrad=ub_bulk_wgrad,
+        )
+        self.in_features, self.out_features = in_features, out_features
+        self._set_norm_options(in_features, eps, normalization, zero_centered_gamma)
+        self._add_gemm_weight("weight", self._new_tensor(out_features, in_features))
+        self._add_gemm_bias("bias", out_features)
+
+    def _check_fp8_shapes(self, recipe: Recipe, rows: int) -> None:
+        check_fp8_gemm_shape(recipe, "", rows, self.in_features, self.out_features)
+
+
+class LayerNormMLPContract(_NormContract):
+    """``LayerNormMLP(hidden_size, ffn_hidden_size, *, eps=1e-5, normalization="LayerNorm",
+    zero_centered_gamma=False, activation="gelu", bias=True, params_dtype=torch.float32,
+    device="cpu", fuse_wgrad_accumulation=False, delay_wgrad_compute=False,
+    ub_bulk_wgrad=False)``: parameters ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm
+    only), ``fc1_weight`` (ffn, hidden) — (2 * ffn, hidden) for the gated activations —
+    ``fc1_bias``, ``fc2_weight`` (hidden, ffn), ``fc2_bias`` (hidden)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        *,
+        eps: float = 1e-5,
+        normalization: str = "LayerNorm",
+        zero_centered_gamma: bool = False,
+        activation: str = "gelu",
+        bias: bool = True,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
+        ub_bulk_wgrad: bool = False,
+    ) -> None:
+        check_positive("hidden_size", hidden_size)
+        check_positive("ffn_hidden_size", ffn_hidden_size)
+        _check_choice("normalization", normalization, NORMALIZATIONS)
+        _check_choice("activation", activation, ACTIVATIONS)
+        super().__init__(
+            bias=bias,
+            params_dtype=params_dtype,
+            device=device,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            delay_wgrad_compute=delay_wgrad_compute,
+            ub_bulk_wgrad=ub_bulk_wgrad,
+        )
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.activation = activation
+        self._set_norm_options(hidden_size, eps, normalization, zero_centered_gamma)
+        fc1_out = 2 * ffn_hidden_size if activation in GATED_ACTIVATIONS else ffn_hidden_size
+        self._add_gemm_weight("fc1_weight", self._new_tensor(fc1_out, hidden_size))
+        self._add_gemm_bias("fc1_bias", fc1_out)
+        self._add_gemm_weight("fc2_weight", self._new_tensor(hidden_size, ffn_hidden_size))
+        self._add_gemm_bias("fc2_bias", hidden_size)
+
+    def _check_fp8_shapes(self, recipe: Recipe, rows: int) -> None:
+        fc1_out = self.fc1_weight.shape[0]
+        check_fp8_gemm_shape(recipe, "fc1", rows, self.hidden_size, fc1_out)
+        check_fp8_gemm_shape(recipe, "fc2", rows, self.ffn_hidden_size, self.hidden_size)
+
+
+class GroupedLinearContract(ModuleContract):
+    """``GroupedLinear(num_gemms, in_features, out_features, *, bias=True,
+    params_dtype=torch.float32, device="cpu", fuse_wgrad_accumulation=False,
+    delay_wgrad_compute=False)``: parameters ``weight0`` … ``weight{n-1}`` (out_features,
+    in_features), then ``bias0`` … ``bias{n-1}`` (out_features). Forward takes ``m_splits``:
+    ``num_gemms`` non-negative ints summing to the row count (:meth:`_check_m_splits`)."""
+
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
+    ) -> None:
+        check_positive("num_gemms", num_gemms)
+        check_positive("in_features", in_features)
+        check_positive("out_features", out_features)
+        super().__init__(
+            bias=bias,
+            params_dtype=params_dtype,
+            device=device,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            delay_wgrad_compute=delay_wgrad_compute,
+        )
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        for i, w in enumerate(self._group_weight_tensors(num_gemms, out_features, in_features)):
+            self._add_gemm_weight(f"weight{i}", w)
+        for i in range(num_gemms):
+            self._add_gemm_bias(f"bias{i}", out_features)
+
+    def _group_weight_tensors(self, n: int, out_features: int, in_features: int):
+        """The ``n`` uninitialised (out, in) weight tensors; where they live in memory is an
+        implementation's choice (impl packs them into one storage)."""
+        return [self._new_tensor(out_features, in_features) for _ in range(n)]
+
+    def _check_m_splits(self, m_splits: object, rows: int) -> list[int]:
+        """``m_splits`` as a list of ints, or ``ValueError`` naming the values."""
+        n = self.num_gemms
+        if not isinstance(m_splits, Sequence) or isinstance(m_splits, (str, bytes)):
+            raise ValueError(f"m_splits must be a list of {n} ints, got {m_splits!r}")
+        try:
+            splits = [operator.index(s) for s in m_splits]
+        except TypeError:
+            raise ValueError(f"m_splits entries must be ints, got {list(m_splits)!r}") from None
+        if len(splits) != n:
+            raise ValueError(
+                f"m_splits must have num_gemms={n} entries, got {len(splits)}: {splits}"
+            )
+        if any(isinstance(s, bool) for s in m_splits) or min(splits) < 0:
+            raise ValueError(f"m_splits entries must be non-negative ints, got {splits}")
+        if sum(splits) != rows:
+            raise ValueError(f"m_splits {splits} sum to {sum(splits)}, but inp has {rows} rows")
+        return splits
+
+    def _check_fp8_shapes(self, recipe: Recipe, splits: list[int]) -> None:
+        for i, rows in enumerate(splits):
+            check_fp8_gemm_shape(recipe, f"gemm{i}", rows, self.in_features, self.out_features)
