@@ -20,12 +20,13 @@ from .data_parallel import GradientReducer, reducer_of
 from .expert_parallel import ExpertParallelMoE, all_to_all
 from .launch import RankFailure, run_ranks
 from .modules import SplitModule, is_split_module, split_modules
-from .pipeline import DWBuilder, WStepRunner, dw_builder
+from .pipeline import DWBuilder, WStepRunner, dw_builder, in_shape_inference
 
 __all__ = [
     "dw_builder",
     "DWBuilder",
     "WStepRunner",
+    "in_shape_inference",
     "GradientReducer",
     "reducer_of",
     "ExpertParallelMoE",

@@ -37,7 +37,7 @@ from .data_parallel import GradientReducer
 from .expert_parallel import ExpertParallelMoE
 from .launch import run_ranks
 from .modules import split_modules
-from .pipeline import dw_builder
+from .pipeline import dw_builder, in_shape_inference
 
 __all__ = [
     "SCHEDULES",
@@ -116,15 +116,38 @@ def _diff(got: torch.Tensor, want: torch.Tensor) -> str:
     return f"max |diff| {float(d.max()):.3g} at flat index {i}: {a!r} vs {b!r}"
 
 
+def load_package(name: str):
+    """The package under test: an import name (``"splitgrad.impl"``, ``"mypkg"``) or
+    ``"module:attribute"`` for a namespace object inside a module (imported by each rank)."""
+    module, _, attribute = name.partition(":")
+    loaded = importlib.import_module(module)
+    return getattr(loaded, attribute) if attribute else loaded
+
+
 # ---- the model the checks build ------------------------------------------------------------
 
 
 class Block(torch.nn.Module):
     """``x + proj(tanh(gate(mlp(x))))``: a ``LayerNormMLP`` and a ``Linear`` of the package under
-    test (delayed, plain or fused) around a ``torch.nn.Linear`` (reduced from autograd's hooks)."""
+    test (delayed, plain or fused) around a ``torch.nn.Linear`` (reduced from autograd's hooks).
+
+    ``microbatches_per_step``: pass ``is_first_microbatch=True`` to the first forward of every
+    step (counting forwards, pipelining's shape-inference pass excluded), as a training loop with
+    fused accumulation does; ``main_grad`` then starts from ``prefill_seed``'s random values,
+    which the first micro-batch must overwrite."""
 
     def __init__(
-        self, lib, hidden: int, ffn: int, seed: int, *, fused: bool, dtype, value_dtype=None
+        self,
+        lib,
+        hidden: int,
+        ffn: int,
+        seed: int,
+        *,
+        fused: bool,
+        dtype,
+        value_dtype=None,
+        microbatches_per_step: int | None = None,
+        prefill_seed: int = 0,
     ) -> None:
         super().__init__()
         kw = dict(params_dtype=dtype, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
@@ -137,14 +160,26 @@ class Block(torch.nn.Module):
                 # values rounded to value_dtype first, so a float64 twin holds the same numbers
                 value = (torch.randn(p.shape, generator=gen) * 0.3).to(value_dtype or dtype)
                 p.copy_(value.to(dtype))
+        self.microbatches_per_step = microbatches_per_step
+        self._forwards = 0
         if fused:
+            noise = torch.Generator().manual_seed(2000 + prefill_seed)
             for sm in split_modules(self):
                 for name, p in sm.gemm_params:
                     if name in _WEIGHT_NAMES:
-                        p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+                        p.main_grad = (
+                            torch.randn(p.shape, generator=noise)
+                            if microbatches_per_step
+                            else torch.zeros(p.shape)
+                        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.proj(torch.tanh(self.gate(self.mlp(x))))
+        first = None
+        if self.microbatches_per_step and not in_shape_inference():
+            first = self._forwards % self.microbatches_per_step == 0
+            self._forwards += 1
+        h = self.mlp(x, is_first_microbatch=first)
+        return x + self.proj(torch.tanh(self.gate(h)), is_first_microbatch=first)
 
 
 def _gradients(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
@@ -253,7 +288,19 @@ def _run_pipeline(
 
     hidden, ffn, rows = _sizes(cfg.recipe)
     indices, num_stages = stage_layout(cfg.schedule, rank, pp)
-    blocks = {i: Block(lib, hidden, ffn, i, fused=cfg.fused, dtype=cfg.dtype) for i in indices}
+    blocks = {
+        i: Block(
+            lib,
+            hidden,
+            ffn,
+            i,
+            fused=cfg.fused,
+            dtype=cfg.dtype,
+            microbatches_per_step=cfg.n_microbatches if cfg.fused else None,
+            prefill_seed=rank + 1,
+        )
+        for i in indices
+    }
     reducers = {}
     if reducer_group is not None:
         for i, b in blocks.items():
@@ -300,7 +347,17 @@ def _single_pipeline(lib, cfg: PipelineConfig, num_stages: int, data_seeds=(0,))
     drained before the next, gradients divided by the micro-batch count at the end."""
     hidden, ffn, rows = _sizes(cfg.recipe)
     blocks = [
-        Block(lib, hidden, ffn, i, fused=cfg.fused, dtype=cfg.dtype) for i in range(num_stages)
+        Block(
+            lib,
+            hidden,
+            ffn,
+            i,
+            fused=cfg.fused,
+            dtype=cfg.dtype,
+            microbatches_per_step=cfg.n_microbatches if cfg.fused else None,
+            prefill_seed=99,
+        )
+        for i in range(num_stages)
     ]
     losses = []
     recipe = _make_recipe(lib, cfg.recipe)
@@ -320,12 +377,12 @@ def _single_pipeline(lib, cfg: PipelineConfig, num_stages: int, data_seeds=(0,))
 
 
 def _pipeline_rank(rank: int, world: int, lib_name: str, configs: list[PipelineConfig]) -> list:
-    lib = importlib.import_module(lib_name)
+    lib = load_package(lib_name)
     return [_run_pipeline(lib, cfg, rank, world) for cfg in configs]
 
 
 def _pipeline_truth(rank: int, world: int, lib_name: str, configs, pp: int) -> list:
-    lib = importlib.import_module(lib_name)
+    lib = load_package(lib_name)
     out = []
     for cfg in configs:
         _, num_stages = stage_layout(cfg.schedule, 0, pp)
@@ -432,7 +489,7 @@ def _nullcontext():
 
 
 def _dp_rank(rank: int, world: int, lib_name: str, configs: list[dict]) -> list:
-    lib = importlib.import_module(lib_name)
+    lib = load_package(lib_name)
     return [_dp_step(lib, rank, **cfg) for cfg in configs]
 
 
@@ -440,7 +497,7 @@ def _dp_truth(rank: int, _: int, lib_name: str, configs: list[dict], world: int)
     """Per config: the replicas emulated in one process (their sum, then the two divisions the
     distributed run does), the global batch through one model in the same dtype (the naive
     yardstick) and in float64 (the truth)."""
-    lib = importlib.import_module(lib_name)
+    lib = load_package(lib_name)
     hidden, ffn, rows = _sizes(None)
 
     def run(dtype, seeds, value_dtype):
@@ -561,7 +618,7 @@ _MOE = {"tokens": 12, "hidden": 16, "experts": 4}
 
 
 def _moe_rank(rank: int, world: int, lib_name: str) -> dict:
-    lib = importlib.import_module(lib_name)
+    lib = load_package(lib_name)
     tokens, hidden, experts = _MOE["tokens"], _MOE["hidden"], _MOE["experts"]
     local = experts // world
     proj_w, proj_b, expert_w, expert_b, xs, assign, dys = _moe_data(
@@ -604,7 +661,7 @@ def _moe_rank(rank: int, world: int, lib_name: str) -> dict:
 
 
 def _moe_truth(rank: int, world: int, lib_name: str, nranks: int) -> dict:
-    lib = importlib.import_module(lib_name)
+    lib = load_package(lib_name)
     tokens, hidden, experts = _MOE["tokens"], _MOE["hidden"], _MOE["experts"]
     proj_w, proj_b, expert_w, expert_b, xs, assign, dys = _moe_data(
         0, nranks, tokens, hidden, experts
@@ -681,7 +738,7 @@ def check_expert_parallel(
 
 def _pp_dp_rank(rank: int, world: int, lib_name: str, configs: list[PipelineConfig]) -> list:
     """Ranks (0, 1) and (2, 3) are two pipelines; (0, 2) and (1, 3) reduce over replicas."""
-    lib = importlib.import_module(lib_name)
+    lib = load_package(lib_name)
     pp = 2
     pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -701,7 +758,7 @@ def _pp_dp_rank(rank: int, world: int, lib_name: str, configs: list[PipelineConf
 
 
 def _pp_dp_truth(rank: int, world: int, lib_name: str, configs: list[PipelineConfig]) -> list:
-    lib = importlib.import_module(lib_name)
+    lib = load_package(lib_name)
     out = []
     for cfg in configs:
         _, num_stages = stage_layout(cfg.schedule, 0, 2)

@@ -46,7 +46,7 @@ import torch
 
 from .modules import SplitModule, gradient_tensor, split_modules
 
-__all__ = ["dw_builder", "DWBuilder", "WStepRunner"]
+__all__ = ["dw_builder", "DWBuilder", "WStepRunner", "in_shape_inference"]
 
 
 class WStepRunner:
@@ -111,7 +111,7 @@ class DWBuilder:
 
     def _before_forward(self, module: torch.nn.Module, args) -> None:
         """Keep pipelining's shape-inference forward out of the FP8 amax histories."""
-        if _in_metadata_inference():
+        if in_shape_inference():
             if self._fp8_snapshot is None:
                 self._fp8_snapshot = [
                     (sm.module, copy.deepcopy(sm.module.fp8_states))
@@ -201,10 +201,12 @@ class DWBuilder:
             frame = frame.f_back
 
 
-def _in_metadata_inference() -> bool:
-    """Whether torch.distributed.pipelining's shape inference is running this forward."""
-    frame = sys._getframe(2)
-    for _ in range(8):
+def in_shape_inference() -> bool:
+    """Whether the forward being run is ``torch.distributed.pipelining``'s shape-inference pass
+    (a ``PipelineStage``'s first ``step()`` without static shapes runs the stage once on
+    placeholder tensors). Counters of micro-batches (``is_first_microbatch``) should skip it."""
+    frame = sys._getframe(1)
+    for _ in range(12):
         if frame is None:
             return False
         if frame.f_code.co_name == "_forward_metadata_inference":

@@ -1,0 +1,64 @@
+"""Packages with SPEC §2's API and one planted bug each that only distributed use shows, for
+the meta-tests of the P14-P16 checks (``test_distributed_meta.py``). Each is importable by name
+(``distributed_mutants.hooks_silent``), as the checks import the package under test inside
+their spawned ranks."""
+
+from __future__ import annotations
+
+import types
+
+import splitgrad.impl as _impl
+
+
+def _package(name: str, **overrides) -> types.ModuleType:
+    pkg = types.ModuleType(f"distributed_mutants.{name}")
+    for attr in _impl.__all__:
+        setattr(pkg, attr, getattr(_impl, attr))
+    for attr, cls in overrides.items():
+        setattr(pkg, attr, cls)
+    return pkg
+
+
+def _silent(cls):
+    """register_wgrad_accumulation_and_reduce_hooks accepts the hook and never calls it."""
+
+    class Silent(cls):
+        def register_wgrad_accumulation_and_reduce_hooks(self, fn):
+            return None
+
+    Silent.__name__ = cls.__name__
+    return Silent
+
+
+def _lying(cls):
+    """need_backward_dw() says False although the module defers its weight gradients."""
+
+    class Lying(cls):
+        def need_backward_dw(self):
+            return False
+
+    Lying.__name__ = cls.__name__
+    return Lying
+
+
+def _lifo(cls):
+    """backward_dw() runs the newest entry first."""
+
+    class Lifo(cls):
+        def backward_dw(self, *args, **kwargs):
+            store = self._wgrad_store._entries
+            if len(store) > 1:
+                store.rotate(1)  # newest to the head
+            return super().backward_dw(*args, **kwargs)
+
+    Lifo.__name__ = cls.__name__
+    return Lifo
+
+
+_KINDS = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
+
+hooks_silent = _package("hooks_silent", **{k: _silent(getattr(_impl, k)) for k in _KINDS})
+lying_need_backward_dw = _package(
+    "lying_need_backward_dw", **{k: _lying(getattr(_impl, k)) for k in _KINDS}
+)
+lifo = _package("lifo", **{k: _lifo(getattr(_impl, k)) for k in _KINDS})
