@@ -73,7 +73,10 @@ def test_campaign_prints_table_and_writes_json_and_junit(tmp_path: Path, capsys)
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "property" in out and "worst/budget" in out and "0 (bitwise)" in out
+    assert "property" in out and "worst/budget" in out
+    # P4 and P12 compare bitwise and judge the final gradients against the float64 truth.
+    p4 = [line for line in out.splitlines() if line.startswith("P4 ")]
+    assert p4 and all("bitwise; " in line for line in p4)
     assert "recipe" not in out.split("\n\n")[0]  # no FP8 cell: no recipe column
     assert "5 passed, 0 failed" in out
     data = json.loads(js.read_text())
@@ -189,3 +192,101 @@ def test_fp8_case_replays(capsys) -> None:
     case = dataclasses.replace(case, config=config)
     assert main(["--backend", "reference", "--property", "P12", "--case", case.to_json()]) == 0
     assert "P12 pass" in capsys.readouterr().out and "fp8:delayed-max-e4m3" in case.config.label()
+
+
+def test_header_says_what_each_kind_of_cell_runs(capsys) -> None:
+    argv = ["--backend", "reference", "--module", "Linear", "--property", "P4", "--examples", "12"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[0]
+    assert "2 high precision at 12 examples each" in header
+    assert "1 under FP8 at 10 examples each" in header
+
+
+def test_impl_header_counts_forced_path_cells(capsys) -> None:
+    argv = ["--module", "GroupedLinear", "--property", "P1", "--examples", "3", "--recipe", "none"]
+    assert main([*argv, "--impl-path", "grouped"]) == 0
+    out = capsys.readouterr().out
+    assert "2 on forced paths at 3 examples each" in out.splitlines()[0]
+    rows = [line.split() for line in out.splitlines() if line.startswith("P1 ")]
+    assert [r[3] for r in rows] == ["grouped", "grouped"]  # the path column
+
+
+def test_impl_path_on_a_backend_without_the_knob_is_a_usage_error(capsys) -> None:
+    argv = ["--backend", "reference", "--module", "GroupedLinear", "--impl-path", "grouped"]
+    assert main(argv) == 2
+    assert "has no grouped_gemm attribute" in capsys.readouterr().err
+
+
+def test_one_line_per_finished_cell_off_a_terminal(capsys) -> None:
+    argv = ["--backend", "reference", "--module", "Linear", "--property", "P1,P11"]
+    assert main([*argv, "--examples", "2", "--recipe", "none", "--dtype", "float32"]) == 0
+    err = capsys.readouterr().err.splitlines()  # captured: not a terminal
+    assert err == [line for line in err if line.startswith("[")] and len(err) == 2, err
+    assert err[0].startswith("[1/2] P1 Linear float32: pass (2 examples, ")
+    assert err[1].startswith("[2/2] P11 Linear float32: pass (2 examples, ")
+    assert main([*argv, "--examples", "2", "--recipe", "none", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_p9_p10_p11_say_what_they_checked(capsys) -> None:
+    argv = ["--backend", "reference", "--module", "Linear", "--dtype", "float32"]
+    assert main([*argv, "--property", "P9,P10,P11", "--examples", "2", "--recipe", "none"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("P")}
+    assert "raises (+ -O)" in rows["P9"] and "0 (bitwise)" not in rows["P9"]
+    assert "raises, unchanged" in rows["P10"]
+    assert "freed" in rows["P11"]
+
+
+def test_unjudged_examples_name_their_cell(capsys, monkeypatch) -> None:
+    import splitgrad.properties.accuracy as accuracy
+    from splitgrad.properties.kink import site_at
+
+    fake = site_at(example_case_for_kink(), 0, 0, 0)
+    real = accuracy.kink_sites
+    monkeypatch.setattr(
+        accuracy, "kink_sites", lambda case: [fake] * 4 if case.seed % 2 else real(case)
+    )
+    argv = ["--backend", "reference", "--module", "Linear", "--dtype", "bfloat16"]
+    assert main([*argv, "--property", "P2", "--examples", "6", "--recipe", "none"]) == 0
+    out = capsys.readouterr().out
+    note = next(line for line in out.splitlines() if "could not be judged" in line)
+    assert note.rstrip().endswith(")") and "P2 Linear bfloat16 (" in note
+
+
+def example_case_for_kink():
+    from splitgrad.properties.strategies import Case, MicroBatch, ModuleConfig
+
+    return Case(
+        ModuleConfig("LayerNormMLP", 8, 16, activation="relu", dtype="bfloat16"),
+        (MicroBatch((12,)),),
+        3,
+    )
+
+
+def test_help_texts_are_plain_and_complete() -> None:
+    def run(*args: str) -> str:
+        proc = subprocess.run(
+            [sys.executable, "-m", "splitgrad.properties.cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    verify_help = run("verify", "--help")
+    bench_help = run("bench", "--help")
+    top = run("--help")
+    for text in (verify_help, bench_help, top):
+        assert "``" not in text and ":func:" not in text and ":mod:" not in text
+    assert "exit status" in verify_help and "--impl-path" in verify_help
+    for option, default in (("--tokens", "2048"), ("--hidden", "1024"), ("--ffn", "4096")):
+        line = next(ln for ln in bench_help.splitlines() if ln.strip().startswith(option))
+        rest = bench_help.split(line, 1)[1].split("\n  --", 1)[0]
+        assert f"(default: {default})" in " ".join((line + rest).split()), (option, line)
+    assert "Split backward" in top and "--version" in top
+    from importlib.metadata import version
+
+    assert run("--version").strip() == f"splitgrad {version('splitgrad')}"
