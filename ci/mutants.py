@@ -37,6 +37,30 @@ class Mutant:
     edits: tuple[tuple[str, str, str], ...]
 
 
+_LINEAR_FORWARD = (
+    "    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> "
+    "torch.Tensor:\n"
+)
+
+
+def _ub_bulk_override(condition: str) -> str:
+    """A ``Linear.__init__`` that drops ``ub_bulk_wgrad`` under delay when ``condition``."""
+    return (
+        "    def __init__(self, *args, ub_bulk_wgrad=False, delay_wgrad_compute=False, **kw):\n"
+        f"        if ub_bulk_wgrad and delay_wgrad_compute and {condition}:\n"
+        "            ub_bulk_wgrad = False\n"
+        "        super().__init__(*args, ub_bulk_wgrad=ub_bulk_wgrad,\n"
+        "                         delay_wgrad_compute=delay_wgrad_compute, **kw)\n\n"
+    )
+
+
+_WRITE_WEIGHT = (
+    "        elif param.grad is None:\n"
+    "            param.grad = gemm.wgrad(dy, x)\n"
+    "        else:\n"
+    "            gemm.wgrad_accumulate_(param.grad, dy, x)\n"
+)
+
 MUTANTS = (
     Mutant(
         "dw-overwrites",
@@ -79,14 +103,14 @@ MUTANTS = (
         (
             (
                 "linear.py",
-                "                if need_b:\n                    module._write_bias_grad(b, dy)\n",
+                "            if need_b:\n                module._write_bias_grad(b, dy)\n",
                 "",
             ),
             (
                 "linear.py",
-                "            saved = (dy, x.detach()) if need_w else (dy,)\n",
-                "            if need_b:\n                module._write_bias_grad(b, dy)\n"
-                "            saved = (dy, x.detach()) if need_w else (dy,)\n",
+                "        saved = (dy, x.detach()) if need_w else (dy,)\n",
+                "        if need_b:\n            module._write_bias_grad(b, dy)\n"
+                "        saved = (dy, x.detach()) if need_w else (dy,)\n",
             ),
         ),
     ),
@@ -127,27 +151,13 @@ MUTANTS = (
     ),
     Mutant(
         "ub-bulk-check-removed",
-        "the ub_bulk_wgrad + delay_wgrad_compute ValueError is gone",
-        (
-            (
-                "base.py",
-                "        if ub_bulk_wgrad and delay_wgrad_compute:\n",
-                "        if False:\n",
-            ),
-        ),
+        "Linear drops ub_bulk_wgrad under delay instead of raising the ValueError",
+        (("linear.py", _LINEAR_FORWARD, _ub_bulk_override("True") + _LINEAR_FORWARD),),
     ),
     Mutant(
         "ub-bulk-assert",
-        "the ub_bulk_wgrad check is a bare assert (vanishes under python -O)",
-        (
-            (
-                "base.py",
-                "        if ub_bulk_wgrad and delay_wgrad_compute:\n"
-                "            raise ValueError(\n",
-                "        if ub_bulk_wgrad and delay_wgrad_compute and __debug__:\n"
-                "            raise ValueError(\n",
-            ),
-        ),
+        "Linear's ub_bulk_wgrad check only holds while assertions run (gone under python -O)",
+        (("linear.py", _LINEAR_FORWARD, _ub_bulk_override("not __debug__") + _LINEAR_FORWARD),),
     ),
     Mutant(
         "empty-group-skipped",
@@ -155,13 +165,13 @@ MUTANTS = (
         (
             (
                 "grouped_linear.py",
-                "                    if need_w[i]:\n",
-                "                    if need_w[i] and dy_g.shape[0]:\n",
+                "                if need_w[i]:\n",
+                "                if need_w[i] and dy_g.shape[0]:\n",
             ),
             (
                 "grouped_linear.py",
-                "                    if need_b[i]:\n",
-                "                    if need_b[i] and dy_g.shape[0]:\n",
+                "                if need_b[i]:\n",
+                "                if need_b[i] and dy_g.shape[0]:\n",
             ),
         ),
     ),
@@ -232,7 +242,206 @@ FP8_MUTANTS = (
         ),
     ),
 )
-ALL_MUTANTS = MUTANTS + FP8_MUTANTS
+
+# Blind spots of a harness that compares an implementation only with itself (issue 10, part 1):
+# each bug sits on the path the delayed and the non-delayed run share, under one condition a
+# differential property draws; P3 (fresh modules, no .grad prefill, no zeroing) never meets it.
+SHARED_PATH_MUTANTS = (
+    Mutant(
+        "prefill-counted-twice",
+        "a weight gradient written into a .grad that held a value before the parameter's first "
+        "write (a prefilled .grad) is added twice, in both modes",
+        (
+            (
+                "base.py",
+                _WRITE_WEIGHT,
+                "        elif param.grad is None:\n"
+                "            param.grad = gemm.wgrad(dy, x)\n"
+                "        else:\n"
+                "            if not getattr(param, '_written_once', False):\n"
+                "                gemm.wgrad_accumulate_(param.grad, dy, x)\n"
+                "            gemm.wgrad_accumulate_(param.grad, dy, x)\n"
+                "        param._written_once = True\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "zeroed-grad-dropped",
+        "after zero_grad(set_to_none) a weight that already had a gradient gets none, in both "
+        "modes (the next contribution is dropped)",
+        (
+            (
+                "base.py",
+                _WRITE_WEIGHT,
+                "        elif param.grad is None:\n"
+                "            if not getattr(param, '_written_once', False):\n"
+                "                param.grad = gemm.wgrad(dy, x)\n"
+                "        else:\n"
+                "            gemm.wgrad_accumulate_(param.grad, dy, x)\n"
+                "        param._written_once = True\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "empty-rows-reset-prefill",
+        "a weight gradient over zero rows (an empty group, an empty micro-batch) resets a "
+        "prefilled .grad to zeros instead of adding nothing, in GroupedLinear and Linear alike",
+        (
+            (
+                "base.py",
+                _WRITE_WEIGHT,
+                "        elif param.grad is None:\n"
+                "            param.grad = gemm.wgrad(dy, x)\n"
+                "        elif x.shape[0] == 0 and not getattr(param, '_written_once', False):\n"
+                "            param.grad.zero_()\n"
+                "        else:\n"
+                "            gemm.wgrad_accumulate_(param.grad, dy, x)\n"
+                "        param._written_once = True\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "frozen-bias-drops-fc2",
+        "LayerNormMLP: with fc1_bias frozen, fc2's weight gradient is never written (both modes)",
+        (
+            (
+                "layernorm_mlp.py",
+                "            if need_w2:\n"
+                "                module._write_weight_grad(w2, dy, act_out",
+                "            if need_w2 and (need_b1 or b1 is None or b1.requires_grad):\n"
+                "                module._write_weight_grad(w2, dy, act_out",
+            ),
+        ),
+    ),
+    Mutant(
+        "tied-bias-dropped",
+        "Linear used twice in one graph (tied): the bias gradient of the use whose backward runs "
+        "first is dropped (both modes)",
+        (
+            (
+                "linear.py",
+                '    Function\'s backward and the compiled op."""\n'
+                "    need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE\n",
+                '    Function\'s backward and the compiled op."""\n'
+                "    need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE\n"
+                "    if getattr(module, '_uses', 1) > 1:\n"
+                "        need_b = False\n"
+                "    module._uses = 0\n",
+            ),
+            (
+                "linear.py",
+                "        x, recipe = self._check_input(inp, self.in_features)\n",
+                "        x, recipe = self._check_input(inp, self.in_features)\n"
+                "        self._uses = getattr(self, '_uses', 0) + 1\n",
+            ),
+        ),
+    ),
+)
+
+# Fast paths that are the default only on a GPU (issue 10, part 2): on the CPU the default
+# campaign never takes them unless they are forced (splitgrad verify --impl-path).
+FORCED_PATH_MUTANTS = (
+    Mutant(
+        "grouped-mm-bias-misaligned",
+        "grouped GEMM path: the bias loop skips empty groups' outputs but not their biases (a "
+        "group after an empty one gets the wrong bias)",
+        (
+            (
+                "gemm.py",
+                "        for y_g, b in zip(y.split(m_splits), biases):\n",
+                "        for y_g, b in zip(\n"
+                "            [g for g in y.split(m_splits) if g.shape[0]], biases\n"
+                "        ):\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "grouped-mm-dgrad-offsets",
+        "grouped GEMM path: dgrad's group offsets are computed from the splits reversed",
+        (
+            (
+                "gemm.py",
+                "    offs = _offsets(m_splits, dy.device)\n",
+                "    offs = _offsets(m_splits[::-1], dy.device)\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "scaled-mm-main-grad-overwritten",
+        "_scaled_mm path, fused accumulation: the FP8 weight gradient overwrites main_grad "
+        "instead of adding to it",
+        (
+            (
+                "fp8_gemm.py",
+                "        product = _scaled_mm(a, a_t, b, b_t, out.dtype, None)\n"
+                "        out.copy_(product) if overwrite else out.add_(product)\n",
+                "        product = _scaled_mm(a, a_t, b, b_t, out.dtype, None)\n"
+                "        out.copy_(product)\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "scaled-mm-bias-twice",
+        "_scaled_mm path: a bias fused into the GEMM epilogue is added again afterwards",
+        (
+            (
+                "fp8_gemm.py",
+                "    if bias is not None and not fused_bias:\n        y = y.add_(bias.to(y.dtype))",
+                "    if bias is not None:\n        y = y.add_(bias.to(y.dtype))",
+            ),
+        ),
+    ),
+    Mutant(
+        "recompute-in-bf16",
+        "LayerNormMLP with recompute_activation: the recomputed activation (fc2's wgrad "
+        "operand) is computed in bf16 whatever the module dtype",
+        (
+            (
+                "activation.py",
+                "    return dh, (_elementwise(h, activation) if want_out else None)",
+                "    return dh, (\n"
+                "        _elementwise(h.to(torch.bfloat16), activation).to(h.dtype)"
+                " if want_out else None\n    )",
+            ),
+        ),
+    ),
+)
+
+# SPEC §3 "only what the backward asks for" (P17).
+P17_MUTANTS = (
+    Mutant(
+        "unasked-written",
+        "every parameter of a module gets its gradient written (or queued) whatever the "
+        "backward asked for: torch.autograd.grad(y, x) writes .grad",
+        (
+            (
+                "base.py",
+                "            out.append(node_destination(edges[i][0]))\n",
+                "            out.append(ACCUMULATE if node_destination(edges[i][0]) else None)\n",
+            ),
+            (
+                "base.py",
+                "from splitgrad.reference.contract import ModuleContract, node_destination\n",
+                "from splitgrad.reference.contract import ACCUMULATE, ModuleContract, "
+                "node_destination\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "returned-also-written",
+        "Linear: a weight gradient torch.autograd.grad asks for is returned and also written "
+        "(or queued)",
+        (
+            (
+                "linear.py",
+                "    need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE\n",
+                "    need_w, need_b = to_w is not None, to_b == ACCUMULATE\n",
+            ),
+        ),
+    ),
+)
+
+ALL_MUTANTS = MUTANTS + FP8_MUTANTS + SHARED_PATH_MUTANTS + FORCED_PATH_MUTANTS + P17_MUTANTS
 
 
 @dataclasses.dataclass
@@ -297,8 +506,11 @@ def run_mutant(mutant: Mutant, profile: str, full: bool, workdir: Path) -> Mutan
                 result.examples_total = total + (c["first_failure_at"] or 0)
                 result.detail = c["message"].splitlines()[0][:200] if c["message"] else ""
             recipe = c.get("recipe", "none")
+            path = c.get("path", "default")
             where = f"{c['property_id']} {c['kind']} {c['dtype']}"
-            result.caught_by.append(where + (f" fp8:{recipe}" if recipe != "none" else ""))
+            where += f" fp8:{recipe}" if recipe != "none" else ""
+            where += f" path={path}" if path != "default" else ""
+            result.caught_by.append(where)
         if result.examples_in_cell is None:
             total += c["examples"]
     if result.caught_by:

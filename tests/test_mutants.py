@@ -32,6 +32,11 @@ def test_mutant_edits_still_apply(tmp_path: Path) -> None:
         sys.path.pop(0)
     if not (ROOT / "impl" / "base.py").exists():
         pytest.skip("impl is not written yet")
+    import py_compile
+
     for m in mutants.ALL_MUTANTS:
         why = mutants.apply(m, tmp_path / m.name)
         assert why is None, f"{m.name}: {why}"
+        # An edit that applies must also leave valid Python (indentation included).
+        for rel in {rel for rel, _, _ in m.edits}:
+            py_compile.compile(str(tmp_path / m.name / rel), doraise=True)
