@@ -90,8 +90,8 @@ def plan_cells(
 ) -> list[PlannedCell]:
     """The cells of a campaign (see the module docstring). ``recipes``: FP8 families from
     :data:`RECIPE_CHOICES` (empty: the default high precision + FP8 slice); ``impl_paths``:
-    forced paths from :data:`PATH_CHOICES` (``None``: the default slices; ``["none"]``:
-    none)."""
+    forced paths from :data:`PATH_CHOICES` (``None``: the default forced-path slices, unless
+    ``recipes`` are given; ``["none"]``: none)."""
     families = _families(recipes)
     paths = list(IMPL_PATHS) if impl_paths and "all" in impl_paths else list(impl_paths or ())
     paths = [p for p in paths if p != "none"]
@@ -117,7 +117,7 @@ def plan_cells(
             slice_dtypes = tuple(d for d in dtypes if d in FP8_SLICE_DTYPES) or FP8_SLICE_DTYPES
             n = min(examples, FP8_SLICE_EXAMPLES) if examples is not None else None
             slices.append(("all", tuple(RECIPES), props, slice_dtypes, n, "default"))
-        if impl_paths is None:
+        if impl_paths is None and not families:
             n = min(examples, PATH_SLICE_EXAMPLES) if examples is not None else None
             for name, path in IMPL_PATHS.items():
                 if path.recipes is None:

@@ -51,14 +51,13 @@ def _setup(frozen_options: tuple[tuple[str, str], ...]):
     properties = chosen("property", list(PROPERTIES)) or list(PROPERTIES)
     families = chosen("recipe", ("none", *RECIPE_FAMILIES, "all"))
     paths = chosen("impl-path", ("none", *IMPL_PATHS, "all"))
-    explicit = bool(families or paths)
     examples = int(opts["examples"]) if opts["examples"] else None
     cells = plan_cells(
         kinds,
         dtypes,
         properties,
         families,
-        paths if paths else (None if not explicit else ["none"]),
+        paths or None,
         examples,
     )
     forced = {c.path: ForcedPathBackend(backend, c.path) for c in cells if c.path != "default"}

@@ -415,13 +415,12 @@ def _main(argv: list[str]) -> int:
             backend = ForcedPathBackend(backend, impl_paths[0])
         return _replay(backend, properties, args.case)
 
-    explicit = bool(families) or bool(impl_paths)
     plan = plan_cells(
         kinds,
         dtypes,
         properties,
         families,
-        impl_paths if impl_paths else (None if not explicit else ["none"]),
+        impl_paths or None,
         examples,
     )
     # Forced paths need the implementation's knob: a backend without it has no such path.

@@ -148,3 +148,71 @@ def test_recipe_names_are_checked() -> None:
     assert S.make_recipe("delayed-recent-e4m3").amax_compute_algo == "most_recent"
     assert S.recipe_alignment("mxfp8") == 32 and S.recipe_alignment("block") == 128
     assert S.recipe_alignment("current-hybrid") == 1 and S.recipe_alignment(None) == 1
+
+
+def _found(strategy, condition) -> bool:
+    from hypothesis import Phase, settings
+    from hypothesis import find as _find
+    from hypothesis.errors import NoSuchExample
+
+    try:
+        _find(
+            strategy,
+            condition,
+            settings=settings(max_examples=1500, database=None, phases=[Phase.generate]),
+        )
+    except NoSuchExample:
+        return False
+    return True
+
+
+def test_differential_cases_draw_every_condition_tier_2_judges() -> None:
+    """Frozen subsets (each parameter alone, all but one, none), prefill-carrying properties,
+    zeroing interleavings, empty groups: the conditions truth.py judges must be drawn."""
+    mlp = ("LayerNormMLP",)
+    p4 = case_strategy("P4", kinds=mlp)
+    for name in ("fc1_bias", "fc2_weight", "layer_norm_weight"):
+        assert _found(p4, lambda c, name=name: c.frozen == (name,))
+    assert _found(p4, lambda c: len(c.frozen) == 5 and "fc2_weight" not in c.frozen)
+    assert _found(p4, lambda c: not c.frozen and len(c.micro_batches) >= 2)
+    p7 = case_strategy("P7", kinds=mlp)
+    assert _found(p7, lambda c: c.variant == "frozen" and "fc1_bias" in c.frozen)
+    p6 = case_strategy("P6", kinds=("Linear",))
+    assert _found(
+        p6, lambda c: "zero" in c.schedule and "dw" in c.schedule[: c.schedule.index("zero")]
+    )
+    p12 = case_strategy("P12")
+    assert _found(p12, lambda c: any(0 in mb.m_splits for mb in c.micro_batches))
+
+
+def test_p17_cases_ask_for_something_and_cover_both_modes() -> None:
+    from splitgrad.properties.input_only import parse_variant
+
+    s = case_strategy("P17", kinds=("LayerNormLinear",), recipes=(None, "delayed-max-hybrid"))
+    assert _found(s, lambda c: parse_variant(c)[0] == "grad" and "inp" not in c.asked)
+    assert _found(s, lambda c: parse_variant(c)[0] == "inputs" and c.asked == ("inp",))
+    assert _found(s, lambda c: c.delay and "weight" in c.asked and "bias" not in c.asked)
+    # Never an empty request; under delayed scaling the partial backward is the last one.
+    assert not _found(s, lambda c: not c.asked)
+    assert not _found(
+        s,
+        lambda c: (c.config.recipe or "").startswith("delayed")
+        and parse_variant(c)[1] != len(c.micro_batches) - 1,
+    )
+
+
+def test_plan_ids_are_unique_and_match_verify() -> None:
+    from splitgrad.properties.plan import plan_cells
+    from splitgrad.properties.registry import PROPERTIES as ALL
+
+    cells = plan_cells(S.KINDS, ("float32", "bfloat16"), list(ALL))
+    ids = [c.test_id for c in cells]
+    assert len(ids) == len(set(ids))
+    assert "P4-Linear-bfloat16-none" in ids and "P13-Linear-bfloat16-all" in ids
+    assert "P1-GroupedLinear-bfloat16-none-path=grouped" in ids
+    assert "P4-LayerNormMLP-float32-none-path=recompute" in ids
+    assert "P1-Linear-bfloat16-all-path=scaled_mm" in ids
+    assert not any("path=grouped" in i and "GroupedLinear" not in i for i in ids)
+    only = plan_cells(S.KINDS, ("float32",), ["P4"], impl_paths=["grouped"])
+    assert [c.test_id for c in only] == ["P4-GroupedLinear-float32-none-path=grouped"]
+    assert all(c.path == "default" for c in plan_cells(S.KINDS, ("float32",), ["P4"], ["none"]))
