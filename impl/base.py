@@ -32,7 +32,7 @@ from .fp8 import Float8Tensor
 from .fp8_gemm import fp8_wgrad_write, pack, unpack
 from .store import WeightGradStore, WgradEntry
 
-__all__ = ["SplitBackwardModule", "FP8WgradPart", "edge_destinations"]
+__all__ = ["SplitBackwardModule", "FP8WgradPart", "edge_destinations", "fast_apply"]
 
 
 def edge_destinations(ctx, present: Sequence[bool]) -> list[str | None]:
@@ -52,6 +52,29 @@ def edge_destinations(ctx, present: Sequence[bool]) -> list[str | None]:
         else:
             out.append(None)
     return out
+
+
+_C_APPLY = torch._C._FunctionBase.__dict__["apply"]
+
+
+def fast_apply(function: type[torch.autograd.Function]) -> Callable[..., torch.Tensor]:
+    """``function.apply`` for impl's Functions, whose first argument is the input and the rest
+    are parameters and plain values. Eagerly it calls autograd's C++ ``apply`` directly: the
+    Python wrapper's per-call work (default-argument binding, a dead-functorch-wrapper check on
+    every tensor argument: 128 of them in a 64-group ``GroupedLinear``) costs more than the
+    Function itself at small shapes; only the input can be such a wrapper. Under
+    ``torch.compile`` and functorch transforms it is ``function.apply``."""
+    c_apply = _C_APPLY.__get__(None, function)
+
+    def apply(x: torch.Tensor, *args) -> torch.Tensor:
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            return function.apply(x, *args)
+        return c_apply(_unwrap_if_dead(x), *args)
+
+    return apply
+
+
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 @dataclasses.dataclass

@@ -21,6 +21,10 @@ What the compiled graph fixes at trace time, and so differs from eager mode:
 * A queued entry keeps its own copies of its operands: inductor may reuse the memory of a
   buffer after the op that last reads it, and the entry reads it later.
 
+Each op is registered as an ordered side effect (:func:`effectful`): without that, a backward op
+whose outputs nobody reads (the input does not require grad: its work is all side effects) would
+be dead code to AOTAutograd and inductor, and two of them could be reordered.
+
 Modules are named to the op by an integer handle (custom ops take tensors and scalars, not
 modules); :func:`register` hands one out and :func:`module_of` looks it up (weakly held, so the
 registry keeps no module alive).
@@ -33,8 +37,16 @@ import weakref
 
 import torch
 from splitgrad.reference.contract import RETURN, gradient_destinations
+from torch._library.effects import EffectType
 
-__all__ = ["register", "module_of", "destinations", "zeros_for_unwanted", "no_returned_gemm_grads"]
+__all__ = [
+    "register",
+    "module_of",
+    "effectful",
+    "destinations",
+    "zeros_for_unwanted",
+    "no_returned_gemm_grads",
+]
 
 _modules: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
 _handles = itertools.count()
@@ -50,6 +62,13 @@ def register(module: torch.nn.Module) -> int:
 def module_of(handle: int) -> torch.nn.Module:
     """The module registered under ``handle``."""
     return _modules[handle]
+
+
+def effectful(op):
+    """Register the custom op ``op`` as an ordered side effect (kept and kept in order by
+    AOTAutograd and inductor, which thread an effect token through it); returns ``op``."""
+    torch.library._register_effectful_op(op._qualname, EffectType.ORDERED)
+    return op
 
 
 def destinations(*params: torch.Tensor | None) -> list[str | None]:

@@ -33,7 +33,7 @@ import torch
 from splitgrad.reference.contract import ACCUMULATE, RETURN, GroupedLinearContract
 
 from . import compiled, gemm
-from .base import FP8WgradPart, SplitBackwardModule, edge_destinations
+from .base import FP8WgradPart, SplitBackwardModule, edge_destinations, fast_apply
 from .fp8 import update_delayed_scaling
 from .fp8_gemm import FP8GemmOperands, fp8_wgrad_value
 
@@ -172,6 +172,10 @@ class _GroupedLinearFunction(torch.autograd.Function):
         return (dx, None, None, None, None, *returned)
 
 
+_apply = fast_apply(_GroupedLinearFunction)
+
+
+@compiled.effectful
 @torch.library.custom_op("splitgrad::grouped_linear_backward", mutates_args=())
 def _grouped_linear_backward_op(
     handle: int,
@@ -298,7 +302,7 @@ class GroupedLinear(GroupedLinearContract, SplitBackwardModule):
         params = [p[name] for name in self._gemm_weight_names + self._gemm_bias_names]
         if recipe is None:
             use_grouped = self._use_grouped(x)
-            y = _GroupedLinearFunction.apply(x, splits, self, overwrite, use_grouped, *params)
+            y = _apply(x, splits, self, overwrite, use_grouped, *params)
         else:
             self._check_fp8_shapes(recipe, splits)
             y = _fp8_forward(x, splits, self, overwrite, recipe, *params)

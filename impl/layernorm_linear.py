@@ -6,7 +6,7 @@ import torch
 from splitgrad.reference.contract import ACCUMULATE, RETURN, LayerNormLinearContract
 
 from . import compiled, gemm
-from .base import FP8WgradPart, SplitBackwardModule, edge_destinations
+from .base import FP8WgradPart, SplitBackwardModule, edge_destinations, fast_apply
 from .fp8 import update_delayed_scaling
 from .fp8_gemm import FP8GemmOperands, fp8_wgrad_value
 from .norm import norm_bwd, norm_fwd
@@ -78,6 +78,10 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         return (*_backward(ctx.module, dy, saved, need_x, dests, ctx.overwrite), None, None)
 
 
+_apply = fast_apply(_LayerNormLinearFunction)
+
+
+@compiled.effectful
 @torch.library.custom_op("splitgrad::layernorm_linear_backward", mutates_args=())
 def _layernorm_linear_backward_op(
     handle: int,
@@ -177,7 +181,7 @@ class LayerNormLinear(LayerNormLinearContract, SplitBackwardModule):
         p = self._parameters
         args = (x, p["layer_norm_weight"], p["layer_norm_bias"], p["weight"], p["bias"], self)
         if recipe is None:
-            y = _LayerNormLinearFunction.apply(*args, overwrite)
+            y = _apply(*args, overwrite)
         else:
             self._check_fp8_shapes(recipe, x.shape[0])
             y = _fp8_forward(*args, overwrite, recipe)

@@ -18,7 +18,7 @@ from splitgrad.reference.contract import ACCUMULATE, RETURN, LayerNormMLPContrac
 
 from . import compiled, gemm
 from .activation import act_bwd, act_fwd
-from .base import FP8WgradPart, SplitBackwardModule, edge_destinations
+from .base import FP8WgradPart, SplitBackwardModule, edge_destinations, fast_apply
 from .fp8 import update_delayed_scaling
 from .fp8_gemm import FP8GemmOperands, fp8_wgrad_value
 from .norm import norm_bwd, norm_fwd
@@ -127,6 +127,10 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         return (*_backward(ctx.module, dy, saved, need_x, dest, ctx.overwrite), None, None)
 
 
+_apply = fast_apply(_LayerNormMLPFunction)
+
+
+@compiled.effectful
 @torch.library.custom_op("splitgrad::layernorm_mlp_backward", mutates_args=())
 def _layernorm_mlp_backward_op(
     handle: int,
@@ -281,7 +285,7 @@ class LayerNormMLP(LayerNormMLPContract, SplitBackwardModule):
             overwrite,
         )
         if recipe is None:
-            y = _LayerNormMLPFunction.apply(*args)
+            y = _apply(*args)
         else:
             self._check_fp8_shapes(recipe, x.shape[0])
             y = _fp8_forward(*args, recipe)

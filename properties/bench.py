@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import json
 import platform
+import random
 import statistics
 import sys
 import time
@@ -40,6 +41,7 @@ from collections.abc import Callable
 
 import splitgrad.impl as impl
 import torch
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -106,9 +108,15 @@ class Shapes:
     hidden: int
     ffn: int
     groups: int
+    even: bool = False
 
     def splits(self) -> list[int]:
-        """Uneven, deterministic group sizes summing to ``tokens`` (MoE routing is uneven)."""
+        """Uneven, deterministic group sizes summing to ``tokens`` (MoE routing is uneven), or
+        equal ones when ``even``."""
+        if self.even:
+            return [self.tokens // self.groups] * (self.groups - 1) + [
+                self.tokens - (self.groups - 1) * (self.tokens // self.groups)
+            ]
         weights = [3, 1, 2, 2.5, 1.5, 2, 2.25, 1.75][: self.groups] or [1]
         weights += [2] * (self.groups - len(weights))
         raw = [int(self.tokens * w / sum(weights)) for w in weights]
@@ -186,7 +194,11 @@ def _prefill(module, fused: bool) -> None:
 
 
 def _forward(module, x, splits):
-    return module(x, splits) if isinstance(module, impl.GroupedLinear) else module(x)
+    if isinstance(module, impl.GroupedLinear):
+        return module(x, splits)
+    if isinstance(module, OptimizedModule) and isinstance(module._orig_mod, impl.GroupedLinear):
+        return module(x, splits)
+    return module(x)
 
 
 def _bare_gemms(kind: str, module, x: torch.Tensor, dy: torch.Tensor, s: Shapes):
@@ -487,6 +499,216 @@ def _print_fp8_table(rows: list[dict], s: Shapes) -> None:
     )
 
 
+# ---- per-call cost at small shapes, and torch.compile -------------------------------------
+
+
+#: (module, tokens, in/hidden, out/ffn, groups): the shapes of issue 11, where per-call work
+#: (validation, autograd plumbing, entries, hooks) shows next to the GEMMs. GroupedLinear: 64
+#: groups of 16 rows against a loop of ``torch.nn.Linear``.
+SMALL_CASES = (
+    ("Linear", 64, 128, 128, 1),
+    ("Linear", 256, 256, 512, 1),
+    ("LayerNormLinear", 64, 128, 128, 1),
+    ("LayerNormLinear", 256, 256, 512, 1),
+    ("LayerNormMLP", 64, 128, 128, 1),
+    ("LayerNormMLP", 256, 256, 512, 1),
+    ("GroupedLinear", 1024, 128, 128, 64),
+)
+
+
+def _small_setup(kind: str, tokens: int, hidden: int, out: int, groups: int, dtype):
+    """(non-delayed impl, delayed impl, torch.nn twin, x, dy, splits), same parameter values,
+    every gradient prefilled (the steady state of accumulation)."""
+    torch.manual_seed(0)
+    s = Shapes(tokens, hidden, out, groups, even=True)
+    nd = _build_impl(kind, s, dtype, delay=False, fused=False)
+    dl = _build_impl(kind, s, dtype, delay=True, fused=False)
+    _copy_params(dl, nd)
+    twin = _build_twin(kind, nd, s, dtype)
+    for m in (nd, dl):
+        _prefill(m, fused=False)
+    for p in twin.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype).requires_grad_()
+    x.grad = torch.zeros_like(x)
+    dy = torch.randn(tokens, hidden if kind == "LayerNormMLP" else out, generator=gen).to(dtype)
+    return nd, dl, twin, x, dy, s.splits()
+
+
+def _interleaved_medians(contenders: dict[str, Callable[[], object]], reps: int) -> dict:
+    """Median seconds of each contender over ``reps`` rounds (after 10% warm-up rounds); every
+    round runs each contender once, in a new (seeded) random order, so that no contender always
+    follows the same one (whose memory traffic would leave it colder or warmer caches)."""
+    samples: dict[str, list[float]] = {k: [] for k in contenders}
+    names = list(contenders)
+    order = random.Random(0)
+    warmup = max(2, reps // 10)
+    for rep in range(warmup + reps):
+        order.shuffle(names)
+        for name in names:
+            elapsed = _timed(contenders[name])
+            if rep >= warmup:
+                samples[name].append(elapsed)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def per_call(kind: str, tokens: int, hidden: int, out: int, groups: int, dtype, reps: int):
+    """impl / torch.nn twin at one small shape: forward, forward + backward (non-delayed), and
+    forward + backward + ``backward_dw()`` (delayed) against the twin's forward + backward."""
+    nd, dl, twin, x, dy, splits = _small_setup(kind, tokens, hidden, out, groups, dtype)
+
+    def delayed():
+        _forward(dl, x, splits).backward(dy)
+        dl.backward_dw()
+
+    t = _interleaved_medians(
+        {
+            "impl_fwd": lambda: _forward(nd, x, splits),
+            "nn_fwd": lambda: twin(x),
+            "impl_fb": lambda: _forward(nd, x, splits).backward(dy),
+            "delayed_fb": delayed,
+            "nn_fb": lambda: twin(x).backward(dy),
+        },
+        reps,
+    )
+    return {
+        "module": kind,
+        "shape": f"{tokens}x{hidden}->{out}" + (f" ({groups} groups)" if groups > 1 else ""),
+        "dtype": str(dtype).replace("torch.", ""),
+        "us": {k: v * 1e6 for k, v in t.items()},
+        "fwd": t["impl_fwd"] / t["nn_fwd"],
+        "fwd_bwd": t["impl_fb"] / t["nn_fb"],
+        "fwd_bwd_dw": t["delayed_fb"] / t["nn_fb"],
+    }
+
+
+def run_small(dtypes: list[torch.dtype], kinds: list[str], reps: int) -> list[dict]:
+    """The small-shape section: one row per (case, dtype)."""
+    return [
+        per_call(*case, dtype, reps)
+        for dtype in dtypes
+        for case in SMALL_CASES
+        if case[0] in kinds
+    ]
+
+
+def _print_small_table(rows: list[dict], reps: int) -> None:
+    print(
+        "\nPer-call cost at small shapes — impl / torch.nn twin (same dtype, autograd), median of "
+        f"{reps} interleaved reps; < 1 means impl is faster"
+    )
+    header = (
+        f"{'module':<16}{'shape':<28}{'dtype':<10}{'fwd':>6}{'fwd+bwd':>9}{'+dw':>7}"
+        f"{'nn fwd+bwd us':>15}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['module']:<16}{r['shape']:<28}{r['dtype']:<10}{_fmt(r['fwd'])}"
+            f"   {_fmt(r['fwd_bwd'])} {_fmt(r['fwd_bwd_dw'])}{r['us']['nn_fb']:15.0f}"
+        )
+    print(
+        "fwd = forward / twin forward; fwd+bwd = forward + backward (non-delayed) / twin's; "
+        "+dw = forward + backward + backward_dw() (delayed) / twin's forward + backward "
+        "(target <= 1.00)"
+    )
+
+
+#: Where the compiled-vs-eager rows are measured (the larger small shapes).
+COMPILE_CASES = (
+    ("Linear", 256, 256, 512, 1),
+    ("LayerNormLinear", 256, 256, 512, 1),
+    ("LayerNormMLP", 256, 256, 512, 1),
+    ("GroupedLinear", 1024, 128, 128, 64),
+)
+
+
+def compiled_vs_eager(kind, tokens, hidden, out, groups, dtype, reps: int) -> dict:
+    """``torch.compile`` (default inductor backend) against eager, forward + backward (and
+    ``backward_dw()`` under delay), for impl and its torch.nn twin; with the graph breaks
+    Dynamo counted while compiling impl's modules."""
+    from torch._dynamo.utils import counters
+
+    nd, dl, twin, x, dy, splits = _small_setup(kind, tokens, hidden, out, groups, dtype)
+    torch._dynamo.reset()
+    counters.clear()
+    start = time.perf_counter()
+    c_nd, c_dl = torch.compile(nd), torch.compile(dl)
+
+    def run(module, delayed=False):
+        def step():
+            _forward(module, x, splits).backward(dy)
+            if delayed:
+                module.backward_dw()
+
+        return step
+
+    for step in (run(c_nd), run(c_dl, True)):
+        step()  # compiles
+    compile_s = time.perf_counter() - start
+    breaks = sum(counters["graph_break"].values())
+    c_twin = torch.compile(twin)
+    c_twin(x).backward(dy)
+    t = _interleaved_medians(
+        {
+            "impl": run(nd),
+            "impl_compiled": run(c_nd),
+            "delayed": run(dl, True),
+            "delayed_compiled": run(c_dl, True),
+            "nn": lambda: twin(x).backward(dy),
+            "nn_compiled": lambda: c_twin(x).backward(dy),
+        },
+        reps,
+    )
+    torch._dynamo.reset()
+    return {
+        "module": kind,
+        "shape": f"{tokens}x{hidden}->{out}" + (f" ({groups} groups)" if groups > 1 else ""),
+        "dtype": str(dtype).replace("torch.", ""),
+        "us": {k: v * 1e6 for k, v in t.items()},
+        "graph_breaks": breaks,
+        "compile_s": compile_s,
+        "impl": t["impl_compiled"] / t["impl"],
+        "delayed": t["delayed_compiled"] / t["delayed"],
+        "nn": t["nn_compiled"] / t["nn"],
+        "vs_nn": t["impl_compiled"] / t["nn_compiled"],
+    }
+
+
+def run_compiled(dtypes: list[torch.dtype], kinds: list[str], reps: int) -> list[dict]:
+    """The torch.compile section: one row per (case, dtype)."""
+    return [
+        compiled_vs_eager(*case, dtype, reps)
+        for dtype in dtypes
+        for case in COMPILE_CASES
+        if case[0] in kinds
+    ]
+
+
+def _print_compiled_table(rows: list[dict], reps: int) -> None:
+    print(
+        "\ntorch.compile (inductor) / eager, forward + backward, median of "
+        f"{reps} interleaved reps; breaks = graph breaks while compiling impl (delay on and off)"
+    )
+    header = (
+        f"{'module':<16}{'shape':<28}{'dtype':<10}{'impl':>6}{'delayed':>9}{'nn':>7}"
+        f"{'impl/nn':>9}{'breaks':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['module']:<16}{r['shape']:<28}{r['dtype']:<10}{_fmt(r['impl'])}   "
+            f"{_fmt(r['delayed'])} {_fmt(r['nn'])}   {_fmt(r['vs_nn'])}{r['graph_breaks']:8d}"
+        )
+    print(
+        "impl / delayed / nn = compiled / eager of the same module (delayed: + backward_dw()); "
+        "impl/nn = compiled impl / compiled torch.nn twin"
+    )
+
+
 # ---- driver ------------------------------------------------------------------------------
 
 
@@ -599,6 +821,19 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated (default: all four)",
     )
     parser.add_argument("--no-fp8", action="store_true", help="skip the FP8 section")
+    parser.add_argument(
+        "--small-reps",
+        type=int,
+        default=301,
+        help="interleaved repetitions of the small-shape and torch.compile sections "
+        "(default: %(default)s; --quick: 21)",
+    )
+    parser.add_argument(
+        "--no-small", action="store_true", help="skip the small-shape (per-call cost) section"
+    )
+    parser.add_argument(
+        "--no-compile", action="store_true", help="skip the torch.compile vs eager section"
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     if args.quick:
@@ -620,11 +855,19 @@ def main(argv: list[str] | None = None) -> int:
     fp8_rows = [] if args.no_fp8 else run_fp8(shapes, min(reps, 3))
     if fp8_rows:
         _print_fp8_table(fp8_rows, shapes)
+    small_reps = 21 if args.quick else args.small_reps
+    small_rows = [] if args.no_small else run_small(dtypes, kinds, small_reps)
+    if small_rows:
+        _print_small_table(small_rows, small_reps)
+    compiled_rows = [] if args.no_compile else run_compiled(dtypes, kinds, small_reps)
+    if compiled_rows:
+        _print_compiled_table(compiled_rows, small_reps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
                 {"machine": _machine(), "shapes": dataclasses.asdict(shapes), "reps": reps,
-                 "targets": TARGETS, "rows": rows, "fp8": fp8_rows},
+                 "targets": TARGETS, "rows": rows, "fp8": fp8_rows, "small_reps": small_reps,
+                 "small": small_rows, "compiled": compiled_rows},
                 f,
                 indent=2,
             )

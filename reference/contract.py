@@ -315,7 +315,8 @@ class ModuleContract(torch.nn.Module):
         device = self.fp8_device
         if inp.device != device:
             raise ValueError(f"inp must be on the module's device {device}, got {inp.device}")
-        check_not_under_ddp(self)
+        if self.delay_wgrad_compute or self.fuse_wgrad_accumulation:
+            check_not_under_ddp(self)
         return (inp if len(shape) == 2 else inp.reshape(-1, in_features)), fp8_active_recipe()
 
     def _check_main_grads(self, named_weights: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
