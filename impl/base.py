@@ -32,7 +32,7 @@ from .fp8 import Float8Tensor
 from .fp8_gemm import fp8_wgrad_write, pack, unpack
 from .store import WeightGradStore, WgradEntry
 
-__all__ = ["SplitBackwardModule", "FP8WgradPart", "edge_destinations", "fast_apply"]
+__all__ = ["SplitBackwardModule", "FP8WgradPart", "edge_destinations", "fast_apply", "take_fp8"]
 
 
 def edge_destinations(ctx, present: Sequence[bool]) -> list[str | None]:
@@ -52,6 +52,14 @@ def edge_destinations(ctx, present: Sequence[bool]) -> list[str | None]:
         else:
             out.append(None)
     return out
+
+
+def take_fp8(ctx) -> tuple[torch.nn.Module, object]:
+    """``(module, FP8 operands)`` that an FP8 Function's forward left on ``ctx``, handed over:
+    from here on the queued entry, not the autograd graph, keeps the quantized copies alive
+    (so ``backward_dw()`` is what frees them)."""
+    fp8, ctx.fp8 = ctx.fp8, None
+    return ctx.module, fp8
 
 
 _C_APPLY = torch._C._FunctionBase.__dict__["apply"]

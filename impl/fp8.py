@@ -34,14 +34,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from splitgrad.reference.fp8 import (
-    DelayedScaling,
-    Float8BlockScaling,
-    Float8CurrentScaling,
-    Format,
-    MXFP8BlockScaling,
-    Recipe,
-)
+from splitgrad.reference import fp8 as recipes
+from splitgrad.reference.fp8 import Recipe
 
 __all__ = [
     "FP8_DTYPES",
@@ -52,7 +46,6 @@ __all__ = [
     "fp8_format",
     "quantize",
     "is_per_tensor",
-    "check_fp8_gemm_shape",
     "delayed_scaling_states",
     "update_delayed_scaling",
 ]
@@ -69,7 +62,8 @@ PER_TENSOR = (0, 0)
 
 def fp8_format(recipe: Recipe, role: str) -> str:
     """``"E5M2"`` for gradients under ``Format.HYBRID`` (every recipe), else ``"E4M3"``."""
-    if getattr(recipe, "fp8_format", Format.E4M3) == Format.HYBRID and role == "grad_output":
+    hybrid = getattr(recipe, "fp8_format", recipes.Format.E4M3) == recipes.Format.HYBRID
+    if hybrid and role == "grad_output":
         return "E5M2"
     return "E4M3"
 
@@ -85,7 +79,7 @@ def scale_for(amax: torch.Tensor, fmt: str, margin: int = 0) -> torch.Tensor:
 
 def is_per_tensor(recipe: Recipe) -> bool:
     """Whether ``recipe`` scales whole tensors (delayed or current scaling)."""
-    return isinstance(recipe, (DelayedScaling, Float8CurrentScaling))
+    return isinstance(recipe, (recipes.DelayedScaling, recipes.Float8CurrentScaling))
 
 
 @dataclasses.dataclass
@@ -161,7 +155,7 @@ class DelayedScalingState:
         """Fold one quantized tensor's amax into the current slot."""
         torch.maximum(self.amax_history[0], amax, out=self.amax_history[0])
 
-    def update(self, recipe: DelayedScaling, fmt: str) -> None:
+    def update(self, recipe: recipes.DelayedScaling, fmt: str) -> None:
         """Recompute the scale from the history, then move the history one step."""
         hist = self.amax_history
         amax = hist.max() if recipe.amax_compute_algo == "max" else hist[0]
@@ -249,7 +243,8 @@ def quantize(
 
     ``DelayedScaling`` needs the role's ``state``; ``amax(x)`` is recorded there (not for an
     empty x). Block recipes need the blocked dimensions to be multiples of 32 / 128 (see
-    :func:`check_fp8_gemm_shape`). Returns data in x's layout and fp32 ``scale_inv``.
+    :func:`splitgrad.reference.contract.check_fp8_gemm_shape`). Returns data in x's layout and
+    fp32 ``scale_inv``.
     """
     if x.dim() != 2:
         raise ValueError(f"quantize expects a 2-D tensor, got shape {tuple(x.shape)}")
@@ -259,21 +254,21 @@ def quantize(
         raise ValueError(f"axis must be 0 or 1, got {axis!r}")
     fmt = fp8_format(recipe, role)
     _check_blocks(x, recipe, role, axis)
-    if isinstance(recipe, DelayedScaling):
+    if isinstance(recipe, recipes.DelayedScaling):
         if state is None:
             raise ValueError("DelayedScaling needs the role's DelayedScalingState (state=None)")
         if x.numel():
             state.record(_amax(x))
         return _per_tensor(x, state.scale.clone(), fmt)
-    if isinstance(recipe, Float8CurrentScaling):
+    if isinstance(recipe, recipes.Float8CurrentScaling):
         if x.numel():
             amax = _amax(x)
         else:
             amax = torch.zeros((), dtype=torch.float32, device=x.device)
         return _per_tensor(x, scale_for(amax, fmt), fmt)
-    if isinstance(recipe, MXFP8BlockScaling):
+    if isinstance(recipe, recipes.MXFP8BlockScaling):
         return _mxfp8(x, axis, fmt)
-    if isinstance(recipe, Float8BlockScaling):
+    if isinstance(recipe, recipes.Float8BlockScaling):
         if role == "weight":
             return _block_fp32(x, TILE, TILE, fmt)
         return _block_fp32(x, 1, TILE, fmt) if axis == 1 else _block_fp32(x, TILE, 1, fmt)
@@ -281,9 +276,9 @@ def quantize(
 
 
 def _check_blocks(x: torch.Tensor, recipe: Recipe, role: str, axis: int) -> None:
-    if isinstance(recipe, MXFP8BlockScaling):
+    if isinstance(recipe, recipes.MXFP8BlockScaling):
         dims = [(axis, MX_BLOCK)]
-    elif isinstance(recipe, Float8BlockScaling):
+    elif isinstance(recipe, recipes.Float8BlockScaling):
         dims = [(0, TILE), (1, TILE)] if role == "weight" else [(axis, TILE)]
     else:
         return
@@ -295,29 +290,13 @@ def _check_blocks(x: torch.Tensor, recipe: Recipe, role: str, axis: int) -> None
             )
 
 
-def check_fp8_gemm_shape(recipe: Recipe, gemm: str, tokens: int, k: int, m: int) -> None:
-    """Raise ``ValueError`` if ``recipe`` cannot quantize the operands of a (tokens, k) x (m, k)
-    GEMM, naming the recipe, the dimension and the multiple it needs. Every dimension is a
-    reduction axis of one of the three GEMMs, so block recipes need all three aligned."""
-    if is_per_tensor(recipe):
-        return
-    multiple = MX_BLOCK if isinstance(recipe, MXFP8BlockScaling) else TILE
-    prefix = f"{gemm}." if gemm else ""
-    for name, size in (("in_features", k), ("out_features", m), ("tokens", tokens)):
-        if size % multiple:
-            raise ValueError(
-                f"{type(recipe).__name__} cannot quantize {prefix}{name}={size}: it must be a "
-                f"multiple of {multiple}"
-            )
-
-
 def delayed_scaling_states(
     module: torch.nn.Module, recipe: Recipe, gemm: str
 ) -> dict[str, DelayedScalingState]:
     """``{role: state}`` of one GEMM of ``module`` under ``DelayedScaling`` (created on first
     use, or anew when the recipe's history length changes), keyed ``"input"`` or
     ``"fc1.input"`` in ``module.fp8_states``; ``{}`` for the other recipes."""
-    if not isinstance(recipe, DelayedScaling):
+    if not isinstance(recipe, recipes.DelayedScaling):
         return {}
     device = next(module.parameters()).device
     states = {}
@@ -333,7 +312,7 @@ def delayed_scaling_states(
 
 def update_delayed_scaling(module: torch.nn.Module, recipe: Recipe, roles: tuple[str, ...]) -> None:
     """Move every history of ``roles`` in ``module.fp8_states`` one step (DelayedScaling only)."""
-    if not isinstance(recipe, DelayedScaling):
+    if not isinstance(recipe, recipes.DelayedScaling):
         return
     for key, state in module.fp8_states.items():
         role = key.rsplit(".", 1)[-1]

@@ -33,7 +33,7 @@ import torch
 from splitgrad.reference.contract import ACCUMULATE, RETURN, GroupedLinearContract
 
 from . import compiled, gemm
-from .base import FP8WgradPart, SplitBackwardModule, edge_destinations, fast_apply
+from .base import FP8WgradPart, SplitBackwardModule, edge_destinations, fast_apply, take_fp8
 from .fp8 import update_delayed_scaling
 from .fp8_gemm import FP8GemmOperands, fp8_wgrad_value
 
@@ -85,8 +85,9 @@ def _returned_grads(to_w, to_b, dy, x, m_splits) -> list[torch.Tensor | None]:
     return out
 
 
-def _backward(module, dy, x, weights, m_splits, use_grouped, need_x, dest, overwrite,
-              compiled_graph=False):
+def _backward(
+    module, dy, x, weights, m_splits, use_grouped, need_x, dest, overwrite, compiled_graph=False
+):
     """``(dx, *weight grads, *bias grads)``: dgrad now; one wgrad closure for all groups run
     now or queued; the gradients ``torch.autograd.grad`` asked for returned. ``dest``: the
     destinations of weight0..n-1, then of bias0..n-1 (none without biases). The body of both
@@ -224,9 +225,8 @@ class _GroupedLinearFP8Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        module: GroupedLinear = ctx.module
+        module, gemms = take_fp8(ctx)
         n, m_splits = module.num_gemms, ctx.m_splits
-        gemms, ctx.fp8 = ctx.fp8, None
         need_x = ctx.needs_input_grad[0]
         weight_params = [getattr(module, f"weight{i}") for i in range(n)]
         bias_params = [getattr(module, f"bias{i}") for i in range(n)]

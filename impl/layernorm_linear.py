@@ -6,7 +6,7 @@ import torch
 from splitgrad.reference.contract import ACCUMULATE, RETURN, LayerNormLinearContract
 
 from . import compiled, gemm
-from .base import FP8WgradPart, SplitBackwardModule, edge_destinations, fast_apply
+from .base import FP8WgradPart, SplitBackwardModule, edge_destinations, fast_apply, take_fp8
 from .fp8 import update_delayed_scaling
 from .fp8_gemm import FP8GemmOperands, fp8_wgrad_value
 from .norm import norm_bwd, norm_fwd
@@ -69,8 +69,16 @@ class _LayerNormLinearFunction(torch.autograd.Function):
             x, ln_weight, ln_bias, ln_out, weight, *stats = saved
             out = iter(
                 torch.ops.splitgrad.layernorm_linear_backward(
-                    ctx.module._handle, dy, x, ln_weight, ln_bias, ln_out, weight, stats,
-                    ctx.overwrite, needs,
+                    ctx.module._handle,
+                    dy,
+                    x,
+                    ln_weight,
+                    ln_bias,
+                    ln_out,
+                    weight,
+                    stats,
+                    ctx.overwrite,
+                    needs,
                 )
             )
             return (*(next(out) if n else None for n in needs), None, None, None, None)
@@ -134,8 +142,7 @@ class _LayerNormLinearFP8Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        module: LayerNormLinear = ctx.module
-        fp8, ctx.fp8 = ctx.fp8, None
+        module, fp8 = take_fp8(ctx)
         x, ln_weight, ln_bias, *stats = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
         to_lnw, to_lnb, to_w, to_b = edge_destinations(ctx, ctx.present)

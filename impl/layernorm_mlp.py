@@ -18,12 +18,27 @@ from splitgrad.reference.contract import ACCUMULATE, RETURN, LayerNormMLPContrac
 
 from . import compiled, gemm
 from .activation import act_bwd, act_fwd
-from .base import FP8WgradPart, SplitBackwardModule, edge_destinations, fast_apply
+from .base import FP8WgradPart, SplitBackwardModule, edge_destinations, fast_apply, take_fp8
 from .fp8 import update_delayed_scaling
 from .fp8_gemm import FP8GemmOperands, fp8_wgrad_value
 from .norm import norm_bwd, norm_fwd
 
 __all__ = ["LayerNormMLP"]
+
+
+def _needs(dest) -> tuple[bool, ...]:
+    """From the destinations of (layer_norm_weight, layer_norm_bias, fc1_weight, fc1_bias,
+    fc2_weight, fc2_bias): whether each norm gradient is computed at all, and whether each GEMM
+    parameter's is written (accumulated) by the wgrad closure."""
+    return (dest[0] is not None, dest[1] is not None, *(d == ACCUMULATE for d in dest[2:]))
+
+
+def _fused_weights(w1, w2, need_w1: bool, need_w2: bool) -> list:
+    """The weights whose ``main_grad`` the closure writes, in writing order (fc2, then fc1)."""
+    named = [("fc2_weight", w2)] if need_w2 else []
+    if need_w1:
+        named.append(("fc1_weight", w1))
+    return named
 
 
 def _backward(module, dy, saved, need_x, dest, overwrite, compiled_graph=False):
@@ -33,13 +48,10 @@ def _backward(module, dy, saved, need_x, dest, overwrite, compiled_graph=False):
     returned. The body of both the eager Function's backward and the compiled op."""
     x, ln_weight, ln_bias, ln_out, fc1_weight, fc1_out, act_out, fc2_weight, *stats = saved
     to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2 = dest
-    need_lnw, need_lnb = to_lnw is not None, to_lnb is not None
-    need_w1, need_b1, need_w2, need_b2 = (d == ACCUMULATE for d in dest[2:])
+    need_lnw, need_lnb, need_w1, need_b1, need_w2, need_b2 = _needs(dest)
     p = module._parameters
     w1, b1, w2, b2 = p["fc1_weight"], p["fc1_bias"], p["fc2_weight"], p["fc2_bias"]
-    named_weights = [("fc2_weight", w2)] if need_w2 else []
-    if need_w1:
-        named_weights.append(("fc1_weight", w1))
+    named_weights = _fused_weights(w1, w2, need_w1, need_w2)
     module._check_main_grads(named_weights)
 
     need_norm = need_x or need_lnw or need_lnb
@@ -167,50 +179,32 @@ class _LayerNormMLPFP8Function(torch.autograd.Function):
     and fc1's column-wise FP8 operands and the two bias gradients."""
 
     @staticmethod
-    def forward(
-        ctx,
-        x,
-        ln_weight,
-        ln_bias,
-        fc1_weight,
-        fc1_bias,
-        fc2_weight,
-        fc2_bias,
-        module,
-        overwrite,
-        recipe,
-    ):
+    def forward(ctx, x, ln_weight, ln_bias, w1, b1, w2, b2, module, overwrite, recipe):
         needs = ctx.needs_input_grad
         need_norm = any(needs[:3])
         need_d_fc1 = need_norm or needs[3] or needs[4]
         ln_out, stats = norm_fwd(module, x, ln_weight, ln_bias)
         fc1 = FP8GemmOperands(module, recipe, "fc1")
         fc2 = FP8GemmOperands(module, recipe, "fc2")
-        fc1_out = fc1.fprop(ln_out, fc1_weight, fc1_bias, keep_x=needs[3], keep_w=need_norm)
+        fc1_out = fc1.fprop(ln_out, w1, b1, keep_x=needs[3], keep_w=need_norm)
         del ln_out
         act_out = act_fwd(fc1_out, module.activation)
-        y = fc2.fprop(act_out, fc2_weight, fc2_bias, keep_x=needs[5], keep_w=need_d_fc1)
+        y = fc2.fprop(act_out, w2, b2, keep_x=needs[5], keep_w=need_d_fc1)
         update_delayed_scaling(module, recipe, ("input", "weight"))
         ctx.module, ctx.overwrite, ctx.fp8 = module, overwrite, (fc1, fc2)
-        ctx.present = tuple(
-            p is not None for p in (ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
-        )
+        ctx.present = tuple(p is not None for p in (ln_weight, ln_bias, w1, b1, w2, b2))
         ctx.save_for_backward(x, ln_weight, ln_bias, fc1_out, *stats)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        module: LayerNormMLP = ctx.module
-        (fc1, fc2), ctx.fp8 = ctx.fp8, None
+        module, (fc1, fc2) = take_fp8(ctx)
         x, ln_weight, ln_bias, fc1_out, *stats = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
         dest = edge_destinations(ctx, ctx.present)
         to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2 = dest
-        need_lnw, need_lnb = to_lnw is not None, to_lnb is not None
-        need_w1, need_b1, need_w2, need_b2 = (d == ACCUMULATE for d in dest[2:])
-        named_weights = [("fc2_weight", module.fc2_weight)] if need_w2 else []
-        if need_w1:
-            named_weights.append(("fc1_weight", module.fc1_weight))
+        need_lnw, need_lnb, need_w1, need_b1, need_w2, need_b2 = _needs(dest)
+        named_weights = _fused_weights(module.fc1_weight, module.fc2_weight, need_w1, need_w2)
         module._check_main_grads(named_weights)
         need_norm = need_x or need_lnw or need_lnb
         need_d_fc1 = need_norm or to_w1 is not None or to_b1 is not None

@@ -6,7 +6,7 @@ import torch
 from splitgrad.reference.contract import ACCUMULATE, RETURN, LinearContract
 
 from . import compiled, gemm
-from .base import FP8WgradPart, SplitBackwardModule, edge_destinations, fast_apply
+from .base import FP8WgradPart, SplitBackwardModule, edge_destinations, fast_apply, take_fp8
 from .fp8 import update_delayed_scaling
 from .fp8_gemm import FP8GemmOperands, fp8_wgrad_value
 
@@ -105,8 +105,7 @@ class _LinearFP8Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        module: Linear = ctx.module
-        fp8, ctx.fp8 = ctx.fp8, None
+        module, fp8 = take_fp8(ctx)
         need_x = ctx.needs_input_grad[0]
         to_w, to_b = edge_destinations(ctx, ctx.present)
         need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE

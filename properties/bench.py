@@ -466,8 +466,14 @@ def run_fp8(s: Shapes, reps: int) -> list[dict]:
     for name, recipe in variants.items():
         plain_ms, held = _fp8_variant(s, recipe, fused=False, reps=reps)
         fused_ms, _ = _fp8_variant(s, recipe, fused=True, reps=reps)
-        rows.append({"recipe": name, "wgrad_ms": plain_ms, "wgrad_fused_ms": fused_ms,
-                     "entry_mb": held / 2**20})
+        rows.append(
+            {
+                "recipe": name,
+                "wgrad_ms": plain_ms,
+                "wgrad_fused_ms": fused_ms,
+                "entry_mb": held / 2**20,
+            }
+        )
     base = rows[0]
     for r in rows:
         r["wgrad_vs_bf16"] = r["wgrad_ms"] / base["wgrad_ms"]
@@ -586,10 +592,7 @@ def per_call(kind: str, tokens: int, hidden: int, out: int, groups: int, dtype, 
 def run_small(dtypes: list[torch.dtype], kinds: list[str], reps: int) -> list[dict]:
     """The small-shape section: one row per (case, dtype)."""
     return [
-        per_call(*case, dtype, reps)
-        for dtype in dtypes
-        for case in SMALL_CASES
-        if case[0] in kinds
+        per_call(*case, dtype, reps) for dtype in dtypes for case in SMALL_CASES if case[0] in kinds
     ]
 
 
@@ -865,9 +868,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"machine": _machine(), "shapes": dataclasses.asdict(shapes), "reps": reps,
-                 "targets": TARGETS, "rows": rows, "fp8": fp8_rows, "small_reps": small_reps,
-                 "small": small_rows, "compiled": compiled_rows},
+                {
+                    "machine": _machine(),
+                    "shapes": dataclasses.asdict(shapes),
+                    "reps": reps,
+                    "targets": TARGETS,
+                    "rows": rows,
+                    "fp8": fp8_rows,
+                    "small_reps": small_reps,
+                    "small": small_rows,
+                    "compiled": compiled_rows,
+                },
                 f,
                 indent=2,
             )

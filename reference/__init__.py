@@ -2,40 +2,21 @@
 
 Readable, naive, float64-capable, imports torch only. Each formula is one small function in
 :mod:`.functional` with its backward written out by hand; the modules only compose them.
-Read in this order: :mod:`.functional` (formulas and rounding points), :mod:`.base` (where
-gradients go, the queue, the failure rules), then :mod:`.linear`, :mod:`.layernorm_linear`,
-:mod:`.layernorm_mlp`, :mod:`.grouped_linear`, and :mod:`.fp8` (recipes).
+Read in this order: :mod:`.contract` (options, parameters, input checks and error messages,
+shared with ``splitgrad.impl``), :mod:`.functional` (formulas and rounding points), :mod:`.base`
+(where gradients go, the queue, the failure rules), then :mod:`.linear`,
+:mod:`.layernorm_linear`, :mod:`.layernorm_mlp`, :mod:`.grouped_linear`, and :mod:`.fp8`
+(recipes).
 """
 
+from . import fp8
 from .base import SplitBackwardModule
-from .fp8 import (
-    DelayedScaling,
-    Float8BlockScaling,
-    Float8CurrentScaling,
-    Format,
-    MXFP8BlockScaling,
-    Recipe,
-    fp8_autocast,
-)
+from .fp8 import *  # noqa: F403 (the recipes and fp8_autocast: SPEC §6)
 from .grouped_linear import GroupedLinear
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
 from .upcast import module_config, upcast
 
-__all__ = [
-    "Linear",
-    "LayerNormLinear",
-    "LayerNormMLP",
-    "GroupedLinear",
-    "SplitBackwardModule",
-    "Format",
-    "Recipe",
-    "DelayedScaling",
-    "Float8CurrentScaling",
-    "MXFP8BlockScaling",
-    "Float8BlockScaling",
-    "fp8_autocast",
-    "module_config",
-    "upcast",
-]
+__all__ = ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "SplitBackwardModule"]
+__all__ += [*fp8.EXPORTED, "module_config", "upcast"]

@@ -305,8 +305,7 @@ class ModuleContract(torch.nn.Module):
         shape = inp.shape
         if not shape or shape[-1] != in_features:
             raise ValueError(
-                f"inp's last dimension must be in_features={in_features}, "
-                f"got shape {tuple(shape)}"
+                f"inp's last dimension must be in_features={in_features}, got shape {tuple(shape)}"
             )
         if inp.dtype != self.params_dtype:
             raise TypeError(

@@ -28,6 +28,18 @@ __all__ = [
 ]
 
 
+#: What ``splitgrad.reference`` and ``splitgrad.impl`` export from here (SPEC §6).
+EXPORTED = (
+    "Format",
+    "Recipe",
+    "DelayedScaling",
+    "Float8CurrentScaling",
+    "MXFP8BlockScaling",
+    "Float8BlockScaling",
+    "fp8_autocast",
+)
+
+
 class Format(enum.Enum):
     """FP8 formats: ``E4M3`` everywhere, or ``HYBRID`` = E4M3 for activations and weights and
     E5M2 for gradients."""
