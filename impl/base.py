@@ -109,6 +109,12 @@ class SplitBackwardModule(ModuleContract):
         # Names this module to the opaque ops of a compiled backward (see .compiled).
         self._handle = compiled.register(self)
 
+    def __setstate__(self, state: dict) -> None:
+        # copy.deepcopy and unpickling rebuild a module from its state: the copy gets a handle
+        # of its own, or a compiled backward of the copy would write the original's gradients.
+        super().__setstate__(state)
+        self._handle = compiled.register(self)
+
     # ---- gradient routing (§3) ------------------------------------------------------------
 
     def _write_weight_grad(

@@ -25,9 +25,10 @@ Each op is registered as an ordered side effect (:func:`effectful`): without tha
 whose outputs nobody reads (the input does not require grad: its work is all side effects) would
 be dead code to AOTAutograd and inductor, and two of them could be reordered.
 
-Modules are named to the op by an integer handle (custom ops take tensors and scalars, not
-modules); :func:`register` hands one out and :func:`module_of` looks it up (weakly held, so the
-registry keeps no module alive).
+Modules are named to the op by a handle (custom ops take tensors and scalars, not modules), an
+integer held in a 0-d tensor so that one compiled graph serves every instance of a module class;
+:func:`register` hands one out and :func:`module_of` looks it up (weakly held, so the registry
+keeps no module alive).
 """
 
 from __future__ import annotations
@@ -52,16 +53,18 @@ _modules: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueD
 _handles = itertools.count()
 
 
-def register(module: torch.nn.Module) -> int:
-    """A new handle naming ``module`` to the compiled backward ops."""
+def register(module: torch.nn.Module) -> torch.Tensor:
+    """A new handle naming ``module`` to the compiled backward ops: a 0-d int64 CPU tensor, so
+    that Dynamo takes it as a graph input rather than a constant to guard on (an int would make
+    every instance of a module class compile its own graph, past the recompile limit)."""
     handle = next(_handles)
     _modules[handle] = module
-    return handle
+    return torch.tensor(handle, dtype=torch.int64)
 
 
-def module_of(handle: int) -> torch.nn.Module:
+def module_of(handle: torch.Tensor) -> torch.nn.Module:
     """The module registered under ``handle``."""
-    return _modules[handle]
+    return _modules[int(handle)]
 
 
 def effectful(op):

@@ -179,7 +179,7 @@ _apply = fast_apply(_GroupedLinearFunction)
 @compiled.effectful
 @torch.library.custom_op("splitgrad::grouped_linear_backward", mutates_args=())
 def _grouped_linear_backward_op(
-    handle: int,
+    handle: torch.Tensor,
     dy: torch.Tensor,
     x: torch.Tensor,
     weights: list[torch.Tensor],

@@ -92,7 +92,7 @@ _apply = fast_apply(_LayerNormLinearFunction)
 @compiled.effectful
 @torch.library.custom_op("splitgrad::layernorm_linear_backward", mutates_args=())
 def _layernorm_linear_backward_op(
-    handle: int,
+    handle: torch.Tensor,
     dy: torch.Tensor,
     x: torch.Tensor,
     ln_weight: torch.Tensor,

@@ -145,7 +145,7 @@ _apply = fast_apply(_LayerNormMLPFunction)
 @compiled.effectful
 @torch.library.custom_op("splitgrad::layernorm_mlp_backward", mutates_args=())
 def _layernorm_mlp_backward_op(
-    handle: int,
+    handle: torch.Tensor,
     dy: torch.Tensor,
     saved: list[torch.Tensor | None],
     stats: list[torch.Tensor],

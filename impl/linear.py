@@ -70,7 +70,7 @@ _apply = fast_apply(_LinearFunction)
 @compiled.effectful
 @torch.library.custom_op("splitgrad::linear_backward", mutates_args=())
 def _linear_backward_op(
-    handle: int,
+    handle: torch.Tensor,
     dy: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -226,6 +226,31 @@ def test_fp8_forward_breaks_once_and_stays_exact(kind):
         check_bitwise(f"{name}.grad", p.grad, q.grad)
 
 
+def test_one_graph_serves_every_instance_and_copy():
+    """A stack of layers, each compiled on its own (``torch.compile(layer)``, also what
+    ``copy.deepcopy`` of a prototype gives): Dynamo compiles the forward once for all of them
+    (the module's handle is a graph input, not a guarded constant), and each layer's compiled
+    backward queues into its own module."""
+    prototype = impl.Linear(8, 8, delay_wgrad_compute=True)
+    fill(prototype, 0)
+    layers = [prototype] + [copy.deepcopy(prototype) for _ in range(9)]  # past the 8 recompiles
+    eager = [copy.deepcopy(layer) for layer in layers]
+    compiled = [torch.compile(layer, backend="aot_eager") for layer in layers]
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(8))
+    for stack in (compiled, eager):
+        h = x.clone().requires_grad_()
+        for layer in stack:
+            h = torch.tanh(layer(h))
+        h.backward(torch.ones_like(h))
+    assert counters["stats"]["unique_graphs"] == 1
+    for layer, twin in zip(layers, eager):
+        assert layer.pending_wgrad_count == 1
+        layer.backward_dw()
+        twin.backward_dw()
+        for (name, p), (_, q) in zip(layer.named_parameters(), twin.named_parameters()):
+            check_bitwise(f"{name}.grad", p.grad, q.grad)
+
+
 def _inductor_case(kind: str, dtype: torch.dtype) -> None:
     plain, delayed = _module(kind, dtype, False), _module(kind, dtype, True)
     truth, naive = upcast(plain), upcast(plain, dtype)
