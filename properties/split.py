@@ -460,8 +460,13 @@ def p6_cases(draw, kinds, dtypes, devices, recipes):
 @st.composite
 def p7_cases(draw, kinds, dtypes, devices, recipes):
     variant = draw(st.sampled_from(["tied", "tied-chain", "frozen"]))
+    # Biases first: every parameter role is then present to be tied or frozen (a plain
+    # st.booleans() starts from bias=False and leaves most early examples without one).
+    bias = draw(st.sampled_from([True, False]))
     config = draw(
-        module_configs(kinds, dtypes, devices, square=variant == "tied-chain", recipes=recipes)
+        module_configs(
+            kinds, dtypes, devices, square=variant == "tied-chain", recipes=recipes, bias=bias
+        )
     )
     count = 2 if variant.startswith("tied") else draw(st.integers(1, 2))
     mbs = draw(micro_batches(config, count))
