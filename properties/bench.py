@@ -737,6 +737,8 @@ def _fmt(v: float) -> str:
 
 def _print_table(rows: list[dict], shapes: Shapes, reps: int) -> None:
     print(f"splitgrad bench — {_machine()}")
+    if not rows:
+        return
     print(
         f"tokens={shapes.tokens} hidden={shapes.hidden} ffn={shapes.ffn} groups={shapes.groups} "
         f"(splits {shapes.splits()}); median of {reps} reps; ratios < 1 mean impl is better"
@@ -832,10 +834,19 @@ def main(argv: list[str] | None = None) -> int:
         "(default: %(default)s; --quick: 21)",
     )
     parser.add_argument(
+        "--no-main", action="store_true", help="skip the main table (the realistic shapes)"
+    )
+    parser.add_argument(
         "--no-small", action="store_true", help="skip the small-shape (per-call cost) section"
     )
     parser.add_argument(
         "--no-compile", action="store_true", help="skip the torch.compile vs eager section"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads before measuring (default: torch's own choice)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
@@ -851,7 +862,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(kinds) - {"Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"}
     if unknown:
         parser.error(f"unknown module(s) in --modules: {sorted(unknown)}")
-    rows = run(shapes, dtypes, kinds, reps)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    rows = [] if args.no_main else run(shapes, dtypes, kinds, reps)
     _print_table(rows, shapes, reps)
     # FP8 on CPU runs its GEMMs in fp32 after a scalar FP8 conversion: few reps keep the
     # default run near three minutes.

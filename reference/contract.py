@@ -362,8 +362,9 @@ class ModuleContract(torch.nn.Module):
         self._wgrad_hooks.append(fn)
 
     def _run_hooks(self) -> None:
-        for hook in list(self._wgrad_hooks):
-            hook()
+        if self._wgrad_hooks:
+            for hook in list(self._wgrad_hooks):  # a hook may register another
+                hook()
 
 
 class LinearContract(ModuleContract):
