@@ -7,8 +7,10 @@
   ``backward_dw``, ``pending_wgrad_count`` or ``fp8_autocast`` (a package with part of SPEC's
   API).
 * ``biased_bias``: ``renamed_ref`` whose ``Linear`` bias gradient is off by 2 % in both modes.
-* ``declares_p1``: a ``Backend`` subclass (``class:declares_p1:Backend``) over the reference
-  that declares a P1 deviation it does not have.
+* ``gappy_buggy``: ``no_split_api`` whose ``Linear`` bias gradient is off by 2 % (missing API
+  and a planted bug in one package).
+* ``declares``: a ``Backend`` subclass (``class:declares:Backend``) over ``biased_bias`` that
+  declares the bias deviation it has (P3) and a P1 deviation it does not have.
 """
 
 from __future__ import annotations
@@ -112,16 +114,33 @@ class _Skew(torch.autograd.Function):
         return dy, 0.02 * dy.reshape(-1, dy.shape[-1]).sum(0)
 '''
 
-DECLARES_P1 = '''
-"""A Backend over the reference that declares a P1 deviation it does not have."""
+GAPPY_BUGGY = '''
+"""no_split_api with biased_bias's bug: Linear's bias gradient is 2 % large."""
+from biased_bias import _Skew
+from no_split_api import *  # noqa: F403
+from no_split_api import Linear as _Linear
+
+
+class Linear(_Linear):
+    def forward(self, inp, is_first_microbatch=None):
+        y = super().forward(inp, is_first_microbatch)
+        return _Skew.apply(y, self.bias) if self.bias is not None and y.requires_grad else y
+'''
+
+DECLARES = '''
+"""A Backend over biased_bias that declares the deviation it has (P3: the bias gradient) and
+one it does not have (P1)."""
 from splitgrad.properties.backends import Deviation, LibraryBackend
 
 
 class Backend(LibraryBackend):
-    deviations = (Deviation("P1", "made up: outputs off by a bias (not true)"),)
+    deviations = (
+        Deviation("P3", "bias gradient 2 % too large", matches="bias.grad"),
+        Deviation("P1", "made up: outputs off by a bias (not true)"),
+    )
 
     def __init__(self):
-        super().__init__("declares-p1", "splitgrad.reference")
+        super().__init__("declares", "biased_bias")
 '''
 
 
@@ -131,9 +150,10 @@ def write_packages(root: Path) -> Path:
         ("renamed_ref", RENAMED),
         ("no_split_api", NO_SPLIT_API),
         ("biased_bias", BIASED_BIAS),
+        ("gappy_buggy", GAPPY_BUGGY),
     ):
         pkg = root / name
         pkg.mkdir(parents=True, exist_ok=True)
         (pkg / "__init__.py").write_text(textwrap.dedent(text))
-    (root / "declares_p1.py").write_text(textwrap.dedent(DECLARES_P1))
+    (root / "declares.py").write_text(textwrap.dedent(DECLARES))
     return root
