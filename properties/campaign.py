@@ -187,13 +187,15 @@ def run_cell(
     recipes: tuple[str | None, ...] = (None,),
     recipe_label: str | None = None,
     seed: int | None = None,
+    fp8_asked: bool = True,
 ) -> CellResult:
     """Check ``property_id`` for module ``kind`` in ``dtype`` (or any of ``dtypes``) on
     ``backend`` over hypothesis-drawn cases, with the FP8 recipe drawn from ``recipes``
     (``None``: high precision; ``recipe_label`` names the family in the table). ``seed`` fixes
     hypothesis' seed (``None``: the profile's). A backend lacking part of the API the property
-    needs gives a ``blocked`` cell; a forced fast path (:mod:`.paths`) that never ran gives an
-    ``ERROR``."""
+    needs gives a ``blocked`` cell (``n/a`` for FP8 parts when ``fp8_asked`` is false: the
+    default run's FP8 slice on a backend without FP8); a forced fast path (:mod:`.paths`) that
+    never ran gives an ``ERROR``."""
     from .paths import ForcedPathBackend, forced_path_error
     from .registry import SPECS, applicable
     from .strategies import ModuleConfig
@@ -219,7 +221,8 @@ def run_cell(
         or (spec is not None and blocked_by(property_id, part, bool(fp8)))
     ]
     if blocked:
-        cell.status = BLOCKED
+        only_fp8 = all(p in ("fp8", "fp8_quantizer") for p in blocked)
+        cell.status = NA if only_fp8 and not fp8_asked else BLOCKED
         cell.message = "; ".join(missing[p] for p in blocked)
         return cell
     probe = ModuleConfig(

@@ -119,7 +119,7 @@ def test_property(splitgrad_cell, request) -> None:
     from splitgrad.properties.campaign import BLOCKED, DEVIATION, NA, PASS, CellResult, run_cell
     from splitgrad.properties.strategies import LOW_PRECISION_DTYPES
 
-    backend, forced, _, profile, seed, device, *_ = _context(request.config)
+    backend, forced, _, profile, seed, device, _, families = _context(request.config)
     c = splitgrad_cell
     if c.property_id in ("P1", "P2", "P3") and c.dtype not in LOW_PRECISION_DTYPES:
         pytest.skip(f"{c.property_id} in {c.dtype}: no wider dtype to measure error against")
@@ -134,6 +134,7 @@ def test_property(splitgrad_cell, request) -> None:
         recipes=c.recipes,
         recipe_label=c.recipe_label,
         seed=seed,
+        fp8_asked=any(f != "none" for f in families),
     )
     if cell.status == NA:
         pytest.skip(f"n/a: {cell.message}")

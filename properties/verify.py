@@ -485,6 +485,7 @@ def _main(argv: list[str]) -> int:
                 recipes=pc.recipes,
                 recipe_label=pc.recipe_label,
                 seed=args.seed,
+                fp8_asked=fp8_asked,
             )
         cells.append(cell)
         if not args.quiet and not tty:
