@@ -128,8 +128,16 @@ class ForcedPathBackend(Backend):
 
     def knob_missing(self, kind: str) -> str | None:
         """Why ``kind``'s modules cannot be forced onto the path (no such attribute)."""
-        lib = getattr(self.inner, "lib", None)
-        cls = getattr(lib, kind, None) if lib is not None else None
+        try:
+            lib = getattr(self.inner, "lib", None)
+        except BackendUnavailable:
+            lib = None
+        if lib is None:
+            return (
+                f"{self.inner.name} is an adapter, not a module library with a "
+                f"{self.path.attribute} knob"
+            )
+        cls = getattr(lib, kind, None)
         if cls is None:
             return f"{self.inner.name} has no {kind}"
         try:

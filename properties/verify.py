@@ -520,14 +520,15 @@ def _main(argv: list[str]) -> int:
             print(f"  {c.label}: {c.deviation}\n    observed: {c.message.splitlines()[0][:300]}")
             print(f"    reproduce: {c.repro}")
     ran = {c.property_id for c in cells if c.status in (PASS, DEVIATION, FAIL)}
+    unseen = []
     for dev in backend.deviations:
         if dev.property_id in ran and not any(
             c.property_id == dev.property_id and c.status == DEVIATION for c in cells
         ):
-            print(
-                "\nnote: declared deviation not observed in this run: "
-                f"{dev.property_id}: {dev.summary}"
-            )
+            if (dev.property_id, dev.summary) not in unseen:
+                unseen.append((dev.property_id, dev.summary))
+    for pid, summary in unseen:
+        print(f"\nnote: declared deviation not observed in this run: {pid}: {summary}")
     if gaps:
         print(f"\n{backend.name} lacks part of SPEC's API (reported once; exit status 2):")
         for part, (what, props) in gaps.items():
