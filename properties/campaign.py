@@ -154,10 +154,12 @@ def blocked_by(property_id: str, part: str, fp8: bool = False) -> bool:
     return part in spec.needs
 
 
-def _profile_settings(profile: str, examples: int | None) -> settings:
+def _profile_settings(profile: str, examples: int | None, seeded: bool = False) -> settings:
     parent = settings.get_profile(profile)
     return settings(
         parent,
+        # An explicit seed must choose the examples (a derandomized profile would ignore it).
+        derandomize=False if seeded else parent.derandomize,
         max_examples=examples if examples is not None else parent.max_examples,
         database=None,
         deadline=None,
@@ -257,7 +259,7 @@ def run_cell(
     seen: dict[str, Any] = {"case": None}
     start = time.perf_counter()
 
-    @_profile_settings(profile, examples)
+    @_profile_settings(profile, examples, seeded=seed is not None)
     @given(case=strategy)
     def campaign(case: Case) -> None:
         seen["case"] = case

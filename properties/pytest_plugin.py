@@ -68,9 +68,14 @@ def pytest_addoption(parser) -> None:
 
 
 def options_of(config) -> dict[str, str]:
-    """The suite's options as strings, keyed without the ``--splitgrad-`` prefix."""
+    """The suite's options as strings, keyed without the ``--splitgrad-`` prefix. Hypothesis'
+    own ``--hypothesis-profile`` / ``--hypothesis-seed`` fill in a profile / seed not given."""
     out = {}
     for flag, _, _ in _OPTIONS:
         key = flag[len("--splitgrad-") :]
         out[key] = str(config.getoption(flag) or "")
+    for key, theirs in (("profile", "hypothesis_profile"), ("seed", "hypothesis_seed")):
+        if not out[key]:
+            value = config.getoption(theirs, default=None)
+            out[key] = "" if value is None else str(value)
     return out
