@@ -135,6 +135,7 @@ def judge(
     element_floor: torch.Tensor | None = None,
     prefill: torch.Tensor | None = None,
     label: str = "",
+    fp8_exact: bool | None = None,
 ) -> None:
     """One P1–P3 comparison. High precision: ``budget`` against the float64 truth. FP8:
     ``budget`` against the FP8 truth when every quantized operand is an input (the quantized
@@ -142,8 +143,12 @@ def judge(
     two-gate :data:`~.budgets.FP8` budget against the high-precision truth (see budgets.py).
     ``prefill``: the slot's value before the run (``main_grad``, or a prefilled ``.grad``; its
     floor is then taken at :func:`~.budgets.accumulation_magnitude`); ``label`` prefixes ``name``
-    in messages."""
-    exact = case.config.recipe is None or _fp8_exact_operands(case.config, name)
+    in messages; ``fp8_exact=False`` says some quantized operand is computed by the module even
+    though ``name`` alone would not tell (a module chained on itself quantizes its own output).
+    """
+    exact = case.config.recipe is None or (
+        _fp8_exact_operands(case.config, name) if fp8_exact is None else fp8_exact
+    )
     reference = truth if case.config.recipe is None else truth_fp8
     magnitude = None
     if exact and prefill is not None and reference is not None:
@@ -304,6 +309,7 @@ def compare_dgrads(
     floors: dict[str, torch.Tensor],
     prefills: dict[str, torch.Tensor] | None = None,
     label: str = "",
+    fp8_exact: bool | None = None,
 ) -> None:
     """P2's comparisons of ``test`` against one candidate truth: every input gradient
     (:data:`~.budgets.DGRAD`) and norm-parameter gradient (:data:`~.budgets.NORM_GRAD`).
@@ -327,6 +333,7 @@ def compare_dgrads(
             note=note,
             element_floor=floors.get(name),
             label=label,
+            fp8_exact=fp8_exact,
         )
     for key in sorted(cand.norm):
         n = naive.norm.get(key)
@@ -346,6 +353,7 @@ def compare_dgrads(
             element_floor=floors.get(key),
             prefill=prefills.get(key),
             label=label,
+            fp8_exact=fp8_exact,
         )
 
 
@@ -361,6 +369,7 @@ def compare_wgrads(
     floors: dict[str, torch.Tensor],
     prefills: dict[str, torch.Tensor],
     label: str = "",
+    fp8_exact: bool | None = None,
 ) -> None:
     """P3's comparisons against one candidate truth: every GEMM weight/bias gradient and
     ``main_grad`` (:data:`~.budgets.WGRAD`); a slot the truth leaves ``None`` (a fused weight's
@@ -392,6 +401,7 @@ def compare_wgrads(
             element_floor=floors.get(key),
             prefill=prefills.get(key),
             label=label,
+            fp8_exact=fp8_exact,
         )
 
 

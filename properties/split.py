@@ -423,17 +423,17 @@ def check_p8(backend: Backend, case: Case) -> CheckResult:
 # ---- the cases P4-P7 draw -------------------------------------------------------------------
 
 
-def frozen_subsets(config: ModuleConfig) -> st.SearchStrategy[tuple[str, ...]]:
-    """Sets of frozen parameters of ``config``: one parameter alone, all but one, or any subset
-    (each GEMM weight, bias and norm parameter, alone and together)."""
+@st.composite
+def frozen_subsets(draw, config: ModuleConfig) -> tuple[str, ...]:
+    """A set of frozen parameters of ``config`` (each GEMM weight, bias and norm parameter,
+    alone and together): a prefix of a drawn permutation, so that every parameter is as likely
+    as any other to be frozen alone or with others (plain booleans per parameter would start
+    from the first names), or all of them."""
     names = [s.name for s in param_specs(config)]
-    return st.one_of(
-        st.sampled_from(names).map(lambda n: (n,)),
-        st.sampled_from(names).map(lambda n: tuple(m for m in names if m != n)),
-        st.lists(st.booleans(), min_size=len(names), max_size=len(names)).map(
-            lambda keep: tuple(n for n, k in zip(names, keep) if k)
-        ),
-    )
+    order = draw(st.permutations(names))
+    count = draw(st.integers(1, len(names)))
+    chosen = set(order[:count])
+    return tuple(n for n in names if n in chosen)
 
 
 @st.composite
