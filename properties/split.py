@@ -440,7 +440,8 @@ def frozen_subsets(draw, config: ModuleConfig) -> tuple[str, ...]:
 def p4_cases(draw, kinds, dtypes, devices, recipes):
     """P4's cases: prefilled gradients over 1-3 micro-batches, and in half of them a frozen
     subset (:func:`frozen_subsets`)."""
-    case = draw(cases(kinds, dtypes, devices, recipes=recipes))
+    bias = draw(st.sampled_from([True, False]))  # biases first: every role can be frozen
+    case = draw(cases(kinds, dtypes, devices, recipes=recipes, bias=bias))
     frozen = draw(frozen_subsets(case.config)) if draw(st.booleans()) else ()
     return dataclasses.replace(case, frozen=frozen, delay=True)
 

@@ -173,7 +173,8 @@ def test_differential_cases_draw_every_condition_tier_2_judges() -> None:
     p4 = case_strategy("P4", kinds=mlp)
     for name in ("fc1_bias", "fc2_weight", "layer_norm_weight"):
         assert _found(p4, lambda c, name=name: c.frozen == (name,))
-    assert _found(p4, lambda c: len(c.frozen) == 5 and "fc2_weight" not in c.frozen)
+    # Several frozen together, one GEMM weight still training.
+    assert _found(p4, lambda c: len(c.frozen) >= 3 and "fc2_weight" not in c.frozen)
     assert _found(p4, lambda c: not c.frozen and len(c.micro_batches) >= 2)
     p7 = case_strategy("P7", kinds=mlp)
     assert _found(p7, lambda c: c.variant == "frozen" and "fc1_bias" in c.frozen)
