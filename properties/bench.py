@@ -93,10 +93,16 @@ def _median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3
 
 
+#: What :func:`_timed` reads: wall-clock time (``perf_counter``), or with ``--clock cpu`` the
+#: CPU time of this process (``process_time``: every thread's, not the time spent waiting for a
+#: core), which keeps a shared machine's other jobs out of the figures.
+_clock = time.perf_counter
+
+
 def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
+    start = _clock()
     fn()
-    return time.perf_counter() - start
+    return _clock() - start
 
 
 # ---- the modules under test and their torch.nn twins ---------------------------------------
@@ -725,9 +731,10 @@ def _machine() -> str:
                     break
     except OSError:
         pass
+    clock = "CPU time" if _clock is time.process_time else "wall clock"
     return (
         f"{cpu}; torch {torch.__version__}; {torch.get_num_threads()} threads; "
-        f"cuda={'yes' if torch.cuda.is_available() else 'no'}"
+        f"cuda={'yes' if torch.cuda.is_available() else 'no'}; {clock}"
     )
 
 
@@ -848,6 +855,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="torch.set_num_threads before measuring (default: torch's own choice)",
     )
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="time measured: wall clock, or this process's CPU time (for a shared machine; "
+        "with --threads 1 it is the thread's own work)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     if args.quick:
@@ -864,6 +878,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown module(s) in --modules: {sorted(unknown)}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    global _clock
+    _clock = time.process_time if args.clock == "cpu" else time.perf_counter
     rows = [] if args.no_main else run(shapes, dtypes, kinds, reps)
     _print_table(rows, shapes, reps)
     # FP8 on CPU runs its GEMMs in fp32 after a scalar FP8 conversion: few reps keep the
