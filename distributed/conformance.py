@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -117,8 +119,23 @@ def _diff(got: torch.Tensor, want: torch.Tensor) -> str:
 
 
 def load_package(name: str):
-    """The package under test: an import name (``"splitgrad.impl"``, ``"mypkg"``) or
-    ``"module:attribute"`` for a namespace object inside a module (imported by each rank)."""
+    """The package under test (imported again by each rank):
+
+    * ``"impl"``, ``"reference"``: splitgrad's own;
+    * an import name (``"splitgrad.impl"``, ``"mypkg"``), also written ``"module:mypkg"``;
+    * ``"module:attribute"`` for a namespace object inside a module (``"mymod:package"``);
+    * ``"path:/dir/mypkg"``: the package directory ``mypkg`` imported from ``/dir``.
+    """
+    if name in ("impl", "reference"):
+        name = f"splitgrad.{name}"
+    if name.startswith("path:"):
+        directory = os.path.abspath(name[len("path:") :])
+        parent, package = os.path.split(directory.rstrip(os.sep))
+        if parent not in sys.path:
+            sys.path.insert(0, parent)
+        return importlib.import_module(package)
+    if name.startswith("module:"):
+        name = name[len("module:") :]
     module, _, attribute = name.partition(":")
     loaded = importlib.import_module(module)
     return getattr(loaded, attribute) if attribute else loaded

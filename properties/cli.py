@@ -1,11 +1,11 @@
-"""The ``splitgrad`` command: ``splitgrad verify`` (the property campaign) and
-``splitgrad bench`` (speed and memory ratios)."""
+"""The ``splitgrad`` command: ``splitgrad verify`` (the property campaign),
+``splitgrad bench`` (speed and memory ratios) and ``splitgrad distributed`` (P14-P16)."""
 
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: splitgrad [--version] {verify,bench} [options]
+USAGE = """usage: splitgrad [--version] {verify,bench,distributed} [options]
 
 Split backward (deferred weight gradients) for PyTorch linear layers: check an implementation
 against the contract in SPEC.md, or measure splitgrad.impl.
@@ -13,6 +13,8 @@ against the contract in SPEC.md, or measure splitgrad.impl.
 commands:
   verify   check an implementation against the reference and SPEC.md (splitgrad verify --help)
   bench    print speed and memory ratios of splitgrad.impl (splitgrad bench --help)
+  distributed
+           run P14-P16 on spawned gloo ranks (splitgrad distributed --help)
 
 options:
   -h, --help  show this message and exit
@@ -48,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as bench_main
 
         return bench_main(rest)
+    if command == "distributed":
+        from splitgrad.distributed.cli import main as distributed_main
+
+        return distributed_main(rest)
     print(f"splitgrad: unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)
     return 2
 

@@ -34,3 +34,24 @@ def test_p15_catches_lifo_entries_under_fused_first_microbatch():
         fused=(True,),
     )
     assert not report.ok
+
+
+def test_cli_fails_on_a_planted_bug(capsys):
+    from splitgrad.distributed.cli import main
+
+    assert main(["--backend", "distributed_mutants:hooks_silent", "--check", "p16"]) == 1
+    out = capsys.readouterr().out
+    assert "p16" in out and "FAIL" in out and "never produced" in out
+
+
+def test_cli_runs_an_outside_package_from_a_directory(tmp_path, capsys):
+    """A package known only by its directory (path:DIR), re-exporting the reference under
+    another name, passes P14; unknown checks are refused with exit status 2."""
+    from splitgrad.distributed.cli import main
+
+    pkg = tmp_path / "other_split_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from splitgrad.reference import *  # noqa: F403\n")
+    assert main(["--backend", f"path:{pkg}", "--check", "p14"]) == 0
+    assert "p14     pass" in capsys.readouterr().out
+    assert main(["--check", "p99"]) == 2
