@@ -64,6 +64,8 @@ def check_p12(backend: Backend, case: Case) -> CheckResult:
         linears.append(lin)
     bitwise = backend.p12_bitwise(config)
     xgrads = []
+    # (grouped output, Linears' output, grouped input grad, Linears' input grad) per micro-batch
+    pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
     for k, d in enumerate(data):
         splits = list(d.spec.m_splits or ())
         xg, yg = grouped.fb(d)
@@ -84,6 +86,7 @@ def check_p12(backend: Backend, case: Case) -> CheckResult:
         if bitwise:
             t.bitwise(f"output[micro-batch {k}] grouped vs linears", yg, y_lin)
             t.bitwise(f"inp.grad[micro-batch {k}] grouped vs linears", xg.grad, dx_lin)
+        pairs.append((yg, y_lin, xg.grad, dx_lin.detach()))
     grouped.drain()
     norm = grouped.norm_snapshot()
     for lin in linears:
@@ -105,7 +108,7 @@ def check_p12(backend: Backend, case: Case) -> CheckResult:
             t.bitwise(f"{gkey} grouped vs linear {i}", got_fp8.get(gkey), value)
     if not bitwise:
         # Within budget: the float64 truth is the reference GroupedLinear in float64.
-        _p12_budget(t, backend, case, got, linears)
+        _p12_budget(t, backend, case, got, linears, pairs)
     # Both sides may share a bug (the grouped module reusing Linear's code): judge the grouped
     # module's own gradients against the float64 truth as well.
     judged = AccuracyRun([], xgrads, norm, got)
@@ -114,22 +117,34 @@ def check_p12(backend: Backend, case: Case) -> CheckResult:
 
 
 def _p12_budget(
-    t: Tracker, backend: Backend, case: Case, got: Snapshot, linears: list[ModuleRun]
+    t: Tracker,
+    backend: Backend,
+    case: Case,
+    got: Snapshot,
+    linears: list[ModuleRun],
+    pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]],
 ) -> None:
+    """Grouped within :data:`~.budgets.GROUPED_GEMM` of the float64 truth, relative to the
+    Linears' own error: outputs, input gradients, and every weight/bias gradient."""
     _, _, truth, truth8 = accuracy_runs(reference_backend(), case)
     # Under FP8 every quantized operand is an input: the truth is the same recipe in float64.
     truth = truth8 if truth8 is not None else truth
+    dt = case.config.torch_dtype
+    for k, (yg, y_lin, dxg, dx_lin) in enumerate(pairs):
+        t.budget(f"output[micro-batch {k}]", yg, truth.outputs[k], y_lin, B.GROUPED_GEMM, dt, dt)
+        t.budget(
+            f"inp.grad[micro-batch {k}]", dxg, truth.xgrads[k], dx_lin, B.GROUPED_GEMM, dt, dt
+        )
     for i, lin in enumerate(linears):
         for key, value in lin.gemm_snapshot().items():
             name, slot = key.split(".", 1)
             gkey = f"{name}{i}.{slot}"
-            dt = torch.float32 if slot == "main_grad" else case.config.torch_dtype
             t.budget(
                 gkey,
                 got.get(gkey),
                 truth.gemm.get(gkey),
                 value,
                 B.GROUPED_GEMM,
+                torch.float32 if slot == "main_grad" else dt,
                 dt,
-                case.config.torch_dtype,
             )

@@ -196,7 +196,11 @@ def p17_cases(draw, kinds, dtypes, devices, recipes):
     recipe = case.config.recipe or ""
     index = n - 1 if recipe.startswith("delayed") else draw(st.integers(0, n - 1))
     names = [s.name for s in param_specs(case.config)]
-    params = tuple(n_ for n_ in names if draw(st.booleans()))
+    # A prefix of a drawn permutation: every parameter as likely as any other to be asked for
+    # (booleans per parameter would start from none).
+    order = draw(st.permutations(names))
+    chosen = set(order[: draw(st.integers(0, len(names)))])
+    params = tuple(n_ for n_ in names if n_ in chosen)
     with_x = draw(st.booleans()) if params else True
     asked = ((INPUT,) if with_x else ()) + params
     mode = draw(st.sampled_from(MODES))

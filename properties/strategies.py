@@ -334,13 +334,18 @@ def module_configs(
         # exact cancellation whose size only eps sets, so no rounding can be judged against it.
         in_features = draw(sizes().map(lambda k: k + 2) if kind in NORM_KINDS else sizes())
         out_features = in_features if square and kind != "LayerNormMLP" else draw(sizes())
-    groups = [1, 2, 3] if recipe is not None else [1, 2, 3, 5]
+    # GroupedLinear: several groups and biases first (shrinking towards 2 groups with biases),
+    # so that early examples already have a group after an empty one, each with its own bias.
+    groups = [2, 3, 1] if recipe is not None else [2, 3, 5, 1]
+    grouped = kind == "GroupedLinear"
+    if bias is None:
+        bias = draw(st.sampled_from([True, False]) if grouped else st.booleans())
     return ModuleConfig(
         kind=kind,
         in_features=in_features,
         out_features=out_features,
-        num_gemms=draw(st.sampled_from(groups)) if kind == "GroupedLinear" else 1,
-        bias=draw(st.booleans()) if bias is None else bias,
+        num_gemms=draw(st.sampled_from(groups)) if grouped else 1,
+        bias=bias,
         fuse_wgrad_accumulation=draw(st.booleans()) if fused is None else fused,
         normalization=draw(st.sampled_from(NORMALIZATIONS)),
         activation=draw(st.sampled_from(ACTIVATIONS)) if kind == "LayerNormMLP" else "gelu",

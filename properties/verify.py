@@ -169,8 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--examples",
         type=int,
         default=None,
-        help=f"hypothesis examples per cell (default {DEFAULT_EXAMPLES}, {FP8_SLICE_EXAMPLES} in "
-        "the FP8 and forced-path slices; the profile's with --profile)",
+        help=f"hypothesis examples per cell (default {DEFAULT_EXAMPLES}; {FP8_SLICE_EXAMPLES} in "
+        f"the FP8 slice, {PATH_SLICE_EXAMPLES} in the forced-path slice; the profile's with "
+        "--profile)",
     )
     p.add_argument(
         "--profile", default=None, choices=_PROFILES, help="hypothesis profile (default ci)"
