@@ -161,14 +161,14 @@ SPECS: dict[str, PropertySpec] = {
             "is_first_microbatch overwrites main_grad under fused accumulation only",
             check_p8,
             _plain_cases,
-            ("fused", "first_microbatch", "hooks"),
+            ("first_microbatch",),
         ),
         _spec(
             "P9",
             "ub_bulk_wgrad + delay raises ValueError, also under python -O",
             check_p9,
             _p9_cases,
-            ("delay", "ub_bulk_wgrad", "constructors", "hooks"),
+            ("delay", "ub_bulk_wgrad", "constructors"),
             kinds=tuple(k for k in KINDS if k != "GroupedLinear"),
         ),
         _spec(
@@ -184,7 +184,6 @@ SPECS: dict[str, PropertySpec] = {
             "GroupedLinear == a list of Linears on torch.split(x, m_splits)",
             check_p12,
             _p12_cases,
-            ("hooks",),
             kinds=("GroupedLinear",),
         ),
         _spec(
@@ -192,7 +191,7 @@ SPECS: dict[str, PropertySpec] = {
             "FP8 quantizers == the reference's bit for bit; amax histories delayed == not",
             check_p13,
             p13_cases,
-            ("delay", "hooks", "fp8", "fp8_quantizer"),
+            ("delay", "fp8", "fp8_quantizer"),
             fp8_only=True,
         ),
         _spec(
