@@ -11,6 +11,7 @@ so. The tests use it; so can a project's own tests of its split-backward layers.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import pickle
 import sys
@@ -64,6 +65,10 @@ def _entry(
     # The result is on disk before teardown, so a crash while tearing down is told apart.
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(outcome, f)
+    # Objects that hold the process group (a DistributedDataParallel whose forward raised, kept
+    # in a reference cycle) are freed now, not at interpreter exit after the group is gone: gloo
+    # aborts the process ("terminate called without an active exception") in that order.
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
     if outcome[0] == "error":

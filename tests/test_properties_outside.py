@@ -195,6 +195,7 @@ def test_pytest_plugin_reports_missing_api_once_and_a_planted_bug(
         "--splitgrad-examples",
         "20",
         f"--junitxml={xml}",
+        "-rN",  # no short summary: it repeats the message in full where COLUMNS is wide
         cwd=tmp_path,
     )
     assert proc.returncode == 1, proc.stdout[-3000:]
