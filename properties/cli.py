@@ -1,11 +1,12 @@
 """The ``splitgrad`` command: ``splitgrad verify`` (the property campaign),
-``splitgrad bench`` (speed and memory ratios) and ``splitgrad distributed`` (P14-P16)."""
+``splitgrad bench`` (speed and memory ratios), ``splitgrad distributed`` (P14-P16),
+``splitgrad pipeline`` and ``splitgrad moe`` (what the split buys across ranks)."""
 
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: splitgrad [--version] {verify,bench,distributed} [options]
+USAGE = """usage: splitgrad [--version] {verify,bench,distributed,pipeline,moe} [options]
 
 Split backward (deferred weight gradients) for PyTorch linear layers: check an implementation
 against the contract in SPEC.md, or measure splitgrad.impl.
@@ -15,6 +16,10 @@ commands:
   bench    print speed and memory ratios of splitgrad.impl (splitgrad bench --help)
   distributed
            run P14-P16 on spawned gloo ranks (splitgrad distributed --help)
+  pipeline step time, bubble fraction and memory held between B and W under the pipeline
+           schedules, splitgrad's dw_builder next to torch's own split (splitgrad pipeline --help)
+  moe      the share of the expert-parallel dispatch all-to-all hidden behind backward_dw()
+           (splitgrad moe --help)
 
 options:
   -h, --help  show this message and exit
@@ -54,6 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         from splitgrad.distributed.cli import main as distributed_main
 
         return distributed_main(rest)
+    if command == "pipeline":
+        from splitgrad.distributed.bench import pipeline_main
+
+        return pipeline_main(rest)
+    if command == "moe":
+        from splitgrad.distributed.bench import moe_main
+
+        return moe_main(rest)
     print(f"splitgrad: unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)
     return 2
 
