@@ -654,6 +654,19 @@ def _under_torchrun() -> bool:
     )
 
 
+def _world_size(requested: int | None) -> int:
+    """``--ranks``, checked against torchrun's ``WORLD_SIZE`` when run under it."""
+    if not _under_torchrun():
+        return 2 if requested is None else requested
+    world = int(os.environ["WORLD_SIZE"])
+    if requested is not None and requested != world:
+        raise ValueError(
+            f"--ranks {requested} but torchrun started WORLD_SIZE={world} processes: drop "
+            "--ranks or make them agree"
+        )
+    return world
+
+
 def _run(fn, cfg, ranks: int, threads: int, timeout_s: float) -> tuple[list[dict], str, int]:
     """Per-rank results on this process's rank 0 (``None`` on the others under torchrun)."""
     if _under_torchrun():
@@ -718,7 +731,12 @@ def _pipeline_parser() -> argparse.ArgumentParser:
         default="all",
         help=f"comma-separated subset of {', '.join(SCHEDULE_ALIASES)}, or all (default: all)",
     )
-    p.add_argument("--ranks", type=int, default=2, help="pipeline ranks to spawn (default: 2)")
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help="pipeline ranks to spawn (default: 2; under torchrun, its WORLD_SIZE)",
+    )
     p.add_argument("--layers", type=int, default=8, help="LayerNormMLP layers (default: 8)")
     p.add_argument("--hidden", type=int, default=256, help="hidden size (default: 256)")
     p.add_argument("--ffn", type=int, default=0, help="ffn size (default: 4 x hidden)")
@@ -757,9 +775,14 @@ def pipeline_main(argv: list[str] | None = None) -> int:
         if args.schedule == "all"
         else [s.strip() for s in args.schedule.split(",") if s.strip()]
     )
+    try:
+        ranks = _world_size(args.ranks)
+    except ValueError as exc:
+        print(f"splitgrad pipeline: {exc}", file=sys.stderr)
+        return 2
     cfg = PipelineBenchConfig(
         schedules=tuple(names),
-        ranks=args.ranks,
+        ranks=ranks,
         layers=args.layers,
         hidden=args.hidden,
         ffn=args.ffn or 4 * args.hidden,
@@ -810,7 +833,12 @@ def _moe_parser() -> argparse.ArgumentParser:
             "run. Spawns gloo ranks, or runs under torchrun (NCCL on GPUs)."
         ),
     )
-    p.add_argument("--ranks", type=int, default=2, help="expert-parallel ranks (default: 2)")
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help="expert-parallel ranks to spawn (default: 2; under torchrun, its WORLD_SIZE)",
+    )
     p.add_argument("--tokens", type=int, default=2048, help="tokens per rank (default: 2048)")
     p.add_argument("--hidden", type=int, default=256, help="hidden size (default: 256)")
     p.add_argument("--local-experts", type=int, default=2, help="experts per rank (default: 2)")
@@ -827,8 +855,13 @@ def _moe_parser() -> argparse.ArgumentParser:
 
 def moe_main(argv: list[str] | None = None) -> int:
     args = _moe_parser().parse_args(argv)
+    try:
+        ranks = _world_size(args.ranks)
+    except ValueError as exc:
+        print(f"splitgrad moe: {exc}", file=sys.stderr)
+        return 2
     cfg = MoEBenchConfig(
-        ranks=args.ranks,
+        ranks=ranks,
         tokens=args.tokens,
         hidden=args.hidden,
         local_experts=args.local_experts,

@@ -35,8 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--world-size",
         type=int,
-        default=2,
-        help="pipeline ranks for p15 (default: 2; p16-pp always uses 4, p14 and p16 use 2)",
+        default=None,
+        help="pipeline ranks for p15 (default: 2); p14 and p16 run on 2 ranks and p16-pp on 4",
     )
     p.add_argument(
         "--schedules",
@@ -71,11 +71,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"splitgrad distributed: unknown recipes {bad}", file=sys.stderr)
         return 2
     schedules = tuple(s for s in args.schedules.split(",") if s)
+    wrong = [s for s in schedules if s not in conformance.SCHEDULES]
+    if wrong or not schedules:
+        print(
+            f"splitgrad distributed: unknown schedules {wrong or [args.schedules]}; choose from "
+            f"{', '.join(conformance.SCHEDULES)}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.world_size is not None:
+        if args.world_size < 1:
+            print(
+                f"splitgrad distributed: --world-size must be >= 1, got {args.world_size}",
+                file=sys.stderr,
+            )
+            return 2
+        fixed = [c for c in checks if c != "p15"]
+        if fixed:
+            print(
+                f"splitgrad distributed: --world-size {args.world_size} sets p15's pipeline "
+                f"ranks only, but {fixed} run on fixed worlds (p14 and p16: 2 ranks, p16-pp: "
+                "4); use --check p15 with it",
+                file=sys.stderr,
+            )
+            return 2
     runs = {
         "p14": lambda: conformance.check_expert_parallel(args.backend, timeout_s=args.timeout),
         "p15": lambda: conformance.check_pipeline(
             args.backend,
-            world_size=args.world_size,
+            world_size=args.world_size or 2,
             schedules=schedules,
             recipes=recipes,
             timeout_s=args.timeout,

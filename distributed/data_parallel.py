@@ -152,12 +152,22 @@ class GradientReducer:
             self._params.append(_Param(name, p, main_grad, sm if deferred else None))
         if not self._params:
             raise ValueError("module has no trainable parameter to reduce")
+        by_device: dict[str, str] = {}
+        for st in self._params:
+            by_device.setdefault(str(st.param.device), st.name)
+        if len(by_device) > 1:
+            raise ValueError(
+                "GradientReducer needs the module's trainable parameters on one device (its "
+                f"buckets are flat tensors), got {len(by_device)}: "
+                + ", ".join(f"{dev} (e.g. {name})" for dev, name in by_device.items())
+            )
         self._by_id = {id(st.param): st for st in self._params}
         self._buckets = self._make_buckets(bucket_cap_mb)
         self._next_bucket = 0
         self._no_sync = False
         self._errors: list[str] = []
         self._finished = True
+        self._finished_by_schedule = False
         self._step = 0
         #: One record per bucket launch of the current step (cleared when the next step starts):
         #: ``{"bucket", "params", "time", "step"}``, ``time`` from ``time.perf_counter()``.
@@ -223,6 +233,7 @@ class GradientReducer:
     def _begin_step_if_needed(self) -> None:
         if self._finished:
             self._finished = False
+            self._finished_by_schedule = False
             self._step += 1
             self.launch_log = []
 
@@ -317,10 +328,25 @@ class GradientReducer:
     def finish(self) -> None:
         """Wait for every reduction of this step and write the averages back; raise
         ``RuntimeError`` naming every gradient that was never produced, produced twice, or
-        changed while being reduced. A no-op when nothing happened since the last call."""
+        changed while being reduced. Called when no gradient was produced since the reducer was
+        built or last finished, it raises too (a step's backward ran on another model, or
+        ``finish()`` was called twice), except once after a pipeline schedule's gradient scaling
+        finished the step itself (see :func:`~splitgrad.distributed.dw_builder`)."""
         self.finish_time = time.perf_counter()
         if self._finished:
-            return
+            if self._finished_by_schedule:
+                self._finished_by_schedule = False
+                return
+            since = "it was built" if self._step == 0 else f"step {self._step} was finished"
+            names = [st.name for st in self._params]
+            shown = ", ".join(names[:4])
+            if len(names) > 4:
+                shown += f", ... ({len(names)} in all)"
+            raise RuntimeError(
+                f"GradientReducer.finish() without a step: none of its parameters ({shown}) got "
+                f"a gradient since {since}; run the step's backward passes (and backward_dw()) "
+                "on this reducer's module first"
+            )
         errors = list(self._errors)
         missing = [st.name for st in self._params if not st.ready]
         try:
@@ -337,6 +363,12 @@ class GradientReducer:
             )
         if errors:
             raise RuntimeError("GradientReducer.finish(): " + "; ".join(errors))
+
+    def finish_for_schedule(self) -> None:
+        """:meth:`finish`, called by a pipeline stage's gradient scaling; one more ``finish()``
+        by the training loop in the same step is then a no-op."""
+        self.finish()
+        self._finished_by_schedule = True
 
     def _complete(self, bucket: _Bucket, errors: list[str]) -> None:
         names = [st.name for st in bucket.params]

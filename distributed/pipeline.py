@@ -167,7 +167,7 @@ class DWBuilder:
 
             reducer = reducer_of(self.stage_module)
             if reducer is not None:
-                reducer.finish()
+                reducer.finish_for_schedule()
             original(grad_scale_factor)
             if grad_scale_factor != 1:
                 with torch.no_grad():

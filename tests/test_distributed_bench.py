@@ -98,3 +98,13 @@ def test_moe_bench_times_the_three_modes_on_every_rank(capsys):
     assert "a2a hidden" in capsys.readouterr().out
     assert bench.moe_main(["--tokens", "0"]) == 2
     assert "--tokens must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_ranks_must_agree_with_torchrun(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    assert bench.pipeline_main(["--ranks", "4", "--schedule", "1f1b"]) == 2
+    assert "--ranks 4 but torchrun started WORLD_SIZE=2" in capsys.readouterr().err
+    assert bench.moe_main(["--ranks", "3"]) == 2
+    assert "--ranks 3 but torchrun started WORLD_SIZE=2" in capsys.readouterr().err

@@ -55,6 +55,8 @@ _MISUSE = {
     "no_sync_forgotten": "produced it again after its reduction had started",
     "backward_dw_skipped": r"never produced.*0\.weight",
     "changed_in_flight": r"1\.weight: changed while its reduction was in flight",
+    "finish_without_step": r"finish\(\) without a step: .*0\.weight.*since it was built",
+    "finish_twice": r"finish\(\) without a step: .*since step 1 was finished",
 }
 
 
@@ -78,6 +80,10 @@ def _misuse_rank(rank: int, world: int) -> dict[str, str]:
             model(x).sum().backward()
             model[0].backward_dw()
             model[1].weight.grad.mul_(2)  # e.g. gradient clipping before finish()
+        elif case == "finish_twice":
+            model(x).sum().backward()
+            model[0].backward_dw()
+            reducer.finish()
         try:
             reducer.finish()
             out[case] = "no error"
@@ -185,6 +191,13 @@ def _constructor_errors(rank: int, world: int) -> list[str]:
         out.append("no error")
     except ValueError as exc:
         out.append(str(exc))
+    split = _model(lib)
+    split[1].to("meta")  # parameters on two devices
+    try:
+        GradientReducer(split)
+        out.append("no error")
+    except ValueError as exc:
+        out.append(str(exc))
     return out
 
 
@@ -195,3 +208,4 @@ def test_reducer_constructor_checks():
     assert "['nope']" in errors[2]
     assert "already has a GradientReducer" in errors[3]
     assert "no trainable parameter" in errors[4]
+    assert "got 2: cpu (e.g. 0.weight), meta (e.g. 1.weight)" in errors[5], errors[5]

@@ -55,3 +55,19 @@ def test_cli_runs_an_outside_package_from_a_directory(tmp_path, capsys):
     assert main(["--backend", f"path:{pkg}", "--check", "p14"]) == 0
     assert "p14     pass" in capsys.readouterr().out
     assert main(["--check", "p99"]) == 2
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--world-size", "3"], "--world-size 3 sets p15's pipeline ranks only"),
+        (["--check", "p15", "--world-size", "0"], "--world-size must be >= 1, got 0"),
+        (["--check", "p15", "--schedules", "ScheduleFoo"], "unknown schedules ['ScheduleFoo']"),
+        (["--check", "p15", "--recipes", "fp4"], "unknown recipes ['fp4']"),
+    ],
+)
+def test_cli_refuses_bad_options_naming_them(argv, needle, capsys):
+    from splitgrad.distributed.cli import main
+
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
