@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import copy
 import sys
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -107,6 +108,14 @@ class DWBuilder:
         self.stage = None
         self._fp8_snapshot: list[tuple[torch.nn.Module, dict]] | None = None
         self._modules = modules
+        if not self._delayed:
+            warnings.warn(
+                f"dw_builder({type(stage_module).__name__}): nothing is split, the stage has "
+                f"{len(modules)} split-backward module(s) and none with delay_wgrad_compute=True; "
+                "its W steps run nothing and every gradient is computed in the backward",
+                UserWarning,
+                stacklevel=3,
+            )
         stage_module.register_forward_pre_hook(self._before_forward)
 
     def _before_forward(self, module: torch.nn.Module, args) -> None:
