@@ -714,6 +714,30 @@ def run_moe_bench(cfg: MoEBenchConfig, timeout_s: float = 900.0):
 # ---- command lines -------------------------------------------------------------------------
 
 
+def _add_run_options(p: argparse.ArgumentParser, what: str, timeout_s: float) -> None:
+    """The options both commands share: where the ranks come from and what runs on them."""
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help=f"{what} ranks to spawn (default: 2; under torchrun, its WORLD_SIZE)",
+    )
+    p.add_argument(
+        "--backend",
+        default="impl",
+        help="impl, reference, module:NAME, NAME:ATTR or path:DIR (default: impl)",
+    )
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads per spawned rank (default: 1)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=timeout_s,
+        help=f"seconds before the run fails ({timeout_s:.0f})",
+    )
+
+
 def _pipeline_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="splitgrad pipeline",
@@ -731,12 +755,7 @@ def _pipeline_parser() -> argparse.ArgumentParser:
         default="all",
         help=f"comma-separated subset of {', '.join(SCHEDULE_ALIASES)}, or all (default: all)",
     )
-    p.add_argument(
-        "--ranks",
-        type=int,
-        default=None,
-        help="pipeline ranks to spawn (default: 2; under torchrun, its WORLD_SIZE)",
-    )
+    _add_run_options(p, "pipeline", 1800.0)
     p.add_argument("--layers", type=int, default=8, help="LayerNormMLP layers (default: 8)")
     p.add_argument("--hidden", type=int, default=256, help="hidden size (default: 256)")
     p.add_argument("--ffn", type=int, default=0, help="ffn size (default: 4 x hidden)")
@@ -745,15 +764,7 @@ def _pipeline_parser() -> argparse.ArgumentParser:
         "--microbatches", type=int, default=0, help="micro-batches per step (default: 2 x stages)"
     )
     p.add_argument("--steps", type=int, default=3, help="timed steps after a warm-up (default: 3)")
-    p.add_argument(
-        "--backend",
-        default="impl",
-        help="impl, reference, module:NAME, NAME:ATTR or path:DIR (default: impl)",
-    )
     p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (default: float32)")
-    p.add_argument(
-        "--threads", type=int, default=1, help="torch threads per spawned rank (default: 1)"
-    )
     p.add_argument(
         "--timeline",
         default=None,
@@ -762,9 +773,6 @@ def _pipeline_parser() -> argparse.ArgumentParser:
         "trace; any other suffix an image (needs matplotlib)",
     )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
-    p.add_argument(
-        "--timeout", type=float, default=1800.0, help="seconds before the run fails (1800)"
-    )
     return p
 
 
@@ -833,23 +841,11 @@ def _moe_parser() -> argparse.ArgumentParser:
             "run. Spawns gloo ranks, or runs under torchrun (NCCL on GPUs)."
         ),
     )
-    p.add_argument(
-        "--ranks",
-        type=int,
-        default=None,
-        help="expert-parallel ranks to spawn (default: 2; under torchrun, its WORLD_SIZE)",
-    )
+    _add_run_options(p, "expert-parallel", 900.0)
     p.add_argument("--tokens", type=int, default=2048, help="tokens per rank (default: 2048)")
     p.add_argument("--hidden", type=int, default=256, help="hidden size (default: 256)")
     p.add_argument("--local-experts", type=int, default=2, help="experts per rank (default: 2)")
     p.add_argument("--repeats", type=int, default=10, help="measurements per mode (default: 10)")
-    p.add_argument("--backend", default="impl", help="package under test (default: impl)")
-    p.add_argument(
-        "--threads", type=int, default=1, help="torch threads per spawned rank (default: 1)"
-    )
-    p.add_argument(
-        "--timeout", type=float, default=900.0, help="seconds before the run fails (900)"
-    )
     return p
 
 
