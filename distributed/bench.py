@@ -6,7 +6,8 @@ twice per schedule in the same run: the package's delayed modules with splitgrad
 :func:`~splitgrad.distributed.dw_builder`, and their ``torch.nn`` twins (``LayerNorm``,
 ``Linear``, tanh-GELU, ``Linear``, holding the same values) on a ``PipelineStage`` without
 ``dw_builder``, which is torch's own input/weight split. Each stage's F, B (or I, input gradient
-only) and W actions are timed where the schedule calls them, so per rank:
+only) and W actions are timed where the schedule calls them (host clock on the CPU, CUDA
+events on the stream on a GPU, without synchronizing), so per rank:
 
 * step time: one ``schedule.step`` after a barrier (median over the timed steps; the slowest
   rank's);
@@ -238,43 +239,77 @@ def _quiet_stderr():
 
 
 class _Recorder:
-    """Wraps a stage's action methods: wall-clock spans always; allocator deltas when
-    ``memory`` is set (on CUDA read directly, on the CPU through profiler ranges)."""
+    """Wraps a stage's action methods and records one span per action.
+
+    Timed steps: host clock on the CPU; on CUDA, events on the current stream (no
+    synchronization, so the schedule's overlap is untouched; read after the step). With
+    ``memory`` set: allocator deltas too, read directly on CUDA (synchronizing around each
+    action) and through profiler ranges on the CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.spans: list[dict] = []
         self.memory = False
+        self._host0 = 0.0
+        self._origin = None
 
-    def _sync(self) -> None:
+    def start_step(self) -> None:
+        self.spans = []
+        self._origin = None
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            self._origin = torch.cuda.Event(enable_timing=True)
+            self._origin.record()
+        self._host0 = time.perf_counter()
+
+    def step_spans(self) -> list[dict]:
+        """The step's spans, ``t0``/``t1`` in seconds from its start (on CUDA, call after
+        synchronizing: event times are read here)."""
+        out = []
+        for span in self.spans:
+            span = dict(span)
+            events = span.pop("events", None)
+            if events is not None:
+                span["t0"] = self._origin.elapsed_time(events[0]) / 1e3
+                span["t1"] = self._origin.elapsed_time(events[1]) / 1e3
+            else:
+                span["t0"] -= self._host0
+                span["t1"] -= self._host0
+            out.append(span)
+        return out
 
     def wrap(self, stage, stage_index: int) -> None:
         for attr, kind in _ACTION_METHODS:
             original = getattr(stage, attr)
 
             def run(*args, _original=original, _kind=kind, **kwargs):
-                mb = args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", -1))
+                mb = args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id"))
                 if _kind == "B" and not kwargs.get("full_backward", True):
                     _kind = "I"
-                label = f"{_kind}{stage_index}.{mb}"
-                before = None
-                if self.memory and self.device.type == "cuda":
-                    self._sync()
-                    before = torch.cuda.memory_allocated(self.device)
-                self._sync()
-                t0 = time.perf_counter()
-                if self.memory and self.device.type != "cuda":
-                    with torch.profiler.record_function(f"splitgrad-action:{label}"):
-                        out = _original(*args, **kwargs)
-                else:
+                span = {"kind": _kind, "stage": stage_index, "mb": int(mb)}
+                cuda = self.device.type == "cuda"
+                if cuda and not self.memory:
+                    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                    start.record()
                     out = _original(*args, **kwargs)
-                self._sync()
-                t1 = time.perf_counter()
-                span = {"kind": _kind, "stage": stage_index, "mb": int(mb), "t0": t0, "t1": t1}
-                if before is not None:
+                    end.record()
+                    span["events"] = (start, end)
+                elif cuda:
+                    torch.cuda.synchronize(self.device)
+                    before = torch.cuda.memory_allocated(self.device)
+                    span["t0"] = time.perf_counter()
+                    out = _original(*args, **kwargs)
+                    torch.cuda.synchronize(self.device)
+                    span["t1"] = time.perf_counter()
                     span["bytes"] = torch.cuda.memory_allocated(self.device) - before
+                else:
+                    label = f"{_kind}{stage_index}.{mb}"
+                    span["t0"] = time.perf_counter()
+                    if self.memory:
+                        with torch.profiler.record_function(f"splitgrad-action:{label}"):
+                            out = _original(*args, **kwargs)
+                    else:
+                        out = _original(*args, **kwargs)
+                    span["t1"] = time.perf_counter()
                 self.spans.append(span)
                 return out
 
@@ -354,7 +389,6 @@ def _bench_variant(lib, name: str, variant: str, cfg, rank: int, world: int, dev
     def one_step(profile: bool) -> tuple[list[dict], float]:
         for m in modules.values():
             m.zero_grad(set_to_none=False)
-        recorder.spans = []
         recorder.memory = profile
         losses: list[torch.Tensor] = []
         dist.barrier()
@@ -366,6 +400,7 @@ def _bench_variant(lib, name: str, variant: str, cfg, rank: int, world: int, dev
             with _quiet_stderr():
                 prof.__enter__()
         quiet = _quiet_stderr() if prof is not None else contextlib.nullcontext()
+        recorder.start_step()
         t0 = time.perf_counter()
         with quiet:  # the CPU allocator warns on frees of blocks from before profiling
             schedule.step(
@@ -397,7 +432,7 @@ def _bench_variant(lib, name: str, variant: str, cfg, rank: int, world: int, dev
                 raise RuntimeError(f"{name}: entries left pending after step(): {left}")
         if losses:
             losses_seen.append(float(torch.stack([v.detach() for v in losses]).mean()))
-        return [dict(s, t0=s["t0"] - t0, t1=s["t1"] - t0) for s in recorder.spans], wall
+        return recorder.step_spans(), wall
 
     one_step(False)  # warm-up: shape inference, first allocation of .grad
     steps = []
