@@ -14,3 +14,7 @@ export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-nightly}
 "$PYTHON" -m pytest -n auto -p no:cacheprovider "$@"
 splitgrad verify --profile nightly --json verify-nightly.json
 "$PYTHON" ci/mutants.py --full --markdown
+# The distributed checks with FP8 on 4 ranks, and what the split buys across ranks (figures).
+splitgrad distributed --check p15 --world-size 4 --recipes none,delayed
+splitgrad pipeline --steps 5 --json pipeline-nightly.json --timeline pipeline-timeline.json
+splitgrad moe
