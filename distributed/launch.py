@@ -63,8 +63,13 @@ def _entry(
     except BaseException:
         outcome = ("error", traceback.format_exc())
     # The result is on disk before teardown, so a crash while tearing down is told apart.
+    try:
+        payload = pickle.dumps(outcome)
+    except Exception as exc:  # e.g. fn returned a lambda or an open file
+        outcome = ("error", f"rank {rank}: fn's result cannot be pickled back: {exc!r}")
+        payload = pickle.dumps(outcome)
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(outcome, f)
+        f.write(payload)
     # Objects that hold the process group (a DistributedDataParallel whose forward raised, kept
     # in a reference cycle) are freed now, not at interpreter exit after the group is gone: gloo
     # aborts the process ("terminate called without an active exception") in that order.

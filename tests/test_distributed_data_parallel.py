@@ -159,6 +159,15 @@ def _rank_sleeps(rank: int, world: int) -> None:
     time.sleep(60 if rank == 0 else 0)
 
 
+def _returns_a_lambda(rank: int, world: int):
+    return lambda: rank
+
+
+def test_an_unpicklable_result_is_reported_not_lost():
+    with pytest.raises(RankFailure, match="cannot be pickled back"):
+        run_ranks(_returns_a_lambda, 2, timeout_s=60, collective_timeout_s=10)
+
+
 def test_a_stuck_rank_is_killed_at_the_deadline():
     with pytest.raises(RankFailure, match="timed out"):
         run_ranks(_rank_sleeps, 2, timeout_s=8, collective_timeout_s=5)
