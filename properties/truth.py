@@ -41,6 +41,9 @@ from .accuracy import (
     compare_dgrads,
     compare_wgrads,
     reference_backend,
+    reorders_rows,
+    row_reversal,
+    worse_naive,
 )
 from .data import (
     GEMM_WEIGHT,
@@ -167,6 +170,12 @@ def truth_runs(
     truth = float64_run(None)
     truth8 = float64_run(case.config.recipe) if case.config.recipe is not None else None
     naive = play(naive_run, data, steps)
+    if reorders_rows(case):
+        rev_data, perms = row_reversal(data)
+        rev_run = ModuleRun(
+            ref, case, delay=False, hooks=0, prefill_grads=prefill_grads, frozen=frozen
+        )
+        naive = worse_naive(naive, play(rev_run, rev_data, steps), perms, truth)
     return naive, truth, truth8
 
 

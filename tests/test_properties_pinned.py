@@ -55,6 +55,25 @@ def test_p2_layernorm_fp32_impl(property_id: str) -> None:
     assert run_check(property_id, _backend("impl"), P2_LN_FP32).ratio <= 1.0
 
 
+# The nightly campaign on an AMD EPYC: impl's layer_norm_weight.grad over 22 rows of 3 features
+# was 2.06x its budget because the naive run's error (2.3e-8) was a lucky cancellation of row
+# errors of 1-3e-7 each. The naive yardstick is now also taken with the rows reversed
+# (properties/accuracy.py: worse_naive), so a legal summation order no longer fails.
+P5_LN_GAMMA_FP32 = Case.from_json(
+    '{"asked":[],"config":{"activation":"gelu","bias":false,"device":"cpu","dtype":"float32",'
+    '"fuse_wgrad_accumulation":false,"in_features":3,"kind":"LayerNormLinear","normalization"'
+    ':"LayerNorm","num_gemms":1,"out_features":1,"recipe":null,"zero_centered_gamma":false},"'
+    'delay":true,"frozen":[],"micro_batches":[{"is_first_microbatch":null,"lead_shape":[9],"m'
+    '_splits":null},{"is_first_microbatch":null,"lead_shape":[8],"m_splits":null},{"is_first_'
+    'microbatch":null,"lead_shape":[5],"m_splits":null}],"schedule":[],"seed":7863,"variant":'
+    '""}'
+)
+
+
+def test_p5_layernorm_gamma_grad_against_an_order_independent_yardstick() -> None:
+    assert run_check("P5", _backend("impl"), P5_LN_GAMMA_FP32).ratio <= 1.0
+
+
 # torch-split findings (SPEC deviations of PyTorch's generic split), pinned so a torch upgrade
 # that changes them is noticed.
 def test_torch_split_keeps_rmsnorm_activations_alive_after_backward_weight() -> None:

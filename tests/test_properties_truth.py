@@ -253,3 +253,47 @@ def test_judging_a_correct_reference_passes_every_condition() -> None:
     ]:
         result = run_check(pid, backend, case)
         assert result.budget_ratio is not None and result.budget_ratio <= 1.0, (pid, result)
+
+
+def test_row_reversal_reverses_rows_within_each_group_and_undoes_itself():
+    import torch
+    from splitgrad.properties.accuracy import row_reversal
+    from splitgrad.properties.data import MicroBatchData
+    from splitgrad.properties.strategies import MicroBatch
+
+    x = torch.arange(12.0).reshape(6, 2)
+    dy = torch.arange(6.0).reshape(6, 1)
+    d = MicroBatchData(x, dy, MicroBatch((6,), (3, 0, 1, 2)))
+    (rev,), (perm,) = row_reversal([d])
+    assert perm.tolist() == [2, 1, 0, 3, 5, 4]
+    assert rev.dy.flatten().tolist() == [2.0, 1.0, 0.0, 3.0, 5.0, 4.0]
+    torch.testing.assert_close(rev.x[perm], x, rtol=0, atol=0)
+    (rev2,), _ = row_reversal(
+        [MicroBatchData(x.reshape(2, 3, 2), dy.reshape(2, 3, 1), MicroBatch((2, 3)))]
+    )
+    assert rev2.dy.flatten().tolist() == [5.0, 4.0, 3.0, 2.0, 1.0, 0.0]
+
+
+def test_worse_naive_takes_the_run_further_from_the_truth_per_tensor():
+    import torch
+    from splitgrad.properties.accuracy import AccuracyRun, worse_naive
+
+    truth = AccuracyRun(
+        [torch.zeros(2, 1)], [None], {"g.grad": torch.zeros(3)}, {"w.grad": torch.zeros(2)}
+    )
+    a = AccuracyRun(
+        [torch.tensor([[1e-3], [0.0]])],
+        [None],
+        {"g.grad": torch.full((3,), 1e-6)},
+        {"w.grad": torch.full((2,), 5e-6)},
+    )
+    b = AccuracyRun(
+        [torch.tensor([[0.0], [2e-3]])],
+        [None],
+        {"g.grad": torch.full((3,), 4e-6)},
+        {"w.grad": torch.full((2,), 1e-6)},
+    )
+    got = worse_naive(a, b, [torch.tensor([1, 0])], truth)
+    # b's output, un-permuted, has the larger error (2e-3, now in row 0); gamma from b; w from a
+    torch.testing.assert_close(got.outputs[0], torch.tensor([[2e-3], [0.0]]), rtol=0, atol=0)
+    assert got.norm["g.grad"] is b.norm["g.grad"] and got.gemm["w.grad"] is a.gemm["w.grad"]
