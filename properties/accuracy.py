@@ -390,11 +390,13 @@ def compare_dgrads(
     prefills: dict[str, torch.Tensor] | None = None,
     label: str = "",
     fp8_exact: bool | None = None,
+    uses: int = 1,
 ) -> None:
     """P2's comparisons of ``test`` against one candidate truth: every input gradient
     (:data:`~.budgets.DGRAD`) and norm-parameter gradient (:data:`~.budgets.NORM_GRAD`).
     ``prefills``: ``.grad`` values the norm parameters held before the run, by snapshot key;
-    ``label`` prefixes every tensor name in messages (the differential property's step)."""
+    ``label`` prefixes every tensor name in messages (the differential property's step);
+    ``uses``: the module ran that many times in a row (:func:`~.budgets.chained`)."""
     prefills = prefills or {}
     for i, (a, n, r) in enumerate(zip(test.xgrads, naive.xgrads, cand.xgrads)):
         ne = naive_error(n, [c.xgrads[i] for c in candidates])
@@ -408,7 +410,7 @@ def compare_dgrads(
             n,
             r,
             r8,
-            B.DGRAD,
+            B.chained(B.DGRAD, uses),
             naive_error=ne,
             note=note,
             element_floor=floors.get(name),
@@ -427,7 +429,7 @@ def compare_dgrads(
             n,
             cand.norm[key],
             r8,
-            B.NORM_GRAD,
+            B.chained(B.NORM_GRAD, uses),
             naive_error=ne,
             note=note,
             element_floor=floors.get(key),
@@ -450,6 +452,7 @@ def compare_wgrads(
     prefills: dict[str, torch.Tensor],
     label: str = "",
     fp8_exact: bool | None = None,
+    uses: int = 1,
 ) -> None:
     """P3's comparisons against one candidate truth: every GEMM weight/bias gradient and
     ``main_grad`` (:data:`~.budgets.WGRAD`); a slot the truth leaves ``None`` (a fused weight's
@@ -473,7 +476,7 @@ def compare_wgrads(
             n,
             cand.gemm[key],
             truth8.gemm.get(key) if truth8 is not None else None,
-            B.WGRAD,
+            B.chained(B.WGRAD, uses),
             _floor_dtype(key, case.config),
             case.config.torch_dtype,
             naive_error=naive_error(n, [c.gemm[key] for c in candidates]),

@@ -58,6 +58,7 @@ __all__ = [
     "DATA_PARALLEL_MULTIPLIER",
     "DATA_PARALLEL_FLOOR_STEPS",
     "data_parallel_tolerance",
+    "chained",
 ]
 
 
@@ -171,6 +172,21 @@ GROUPED_GEMM = ErrorBudget(
 )
 
 BUDGETS = {b.kind: b for b in (OUTPUT, DGRAD, WGRAD, NORM_GRAD, GROUPED_GEMM)}
+
+
+def chained(budget: ErrorBudget, uses: int) -> ErrorBudget:
+    """``budget`` for a module applied ``uses`` times in a row (P7's chained variant, ``m(m(x))``):
+    the floor counts rounding points along the chain of ops (the fp32 floor: one step for each
+    of up to four chained ops), and the chain has ``uses`` times as many."""
+    if uses == 1:
+        return budget
+    fp32 = budget.fp32_floor_steps
+    return dataclasses.replace(
+        budget,
+        floor_steps=budget.floor_steps * uses,
+        fp32_floor_steps=None if fp32 is None else fp32 * uses,
+        why=f"{budget.why}; the module runs {uses} times in a row, so {uses}x the rounding points",
+    )
 
 
 def accumulation_magnitude(truth: torch.Tensor, prefill: torch.Tensor) -> float:

@@ -347,6 +347,7 @@ def judge_steps(
                 norm_prefills,
                 label,
                 exact,
+                2 if chain else 1,
             )
         if "wgrad" in parts:
             compare_wgrads(
@@ -362,6 +363,7 @@ def judge_steps(
                 prefills,
                 label,
                 exact,
+                2 if chain else 1,
             )
 
     t.merge(best_of(candidates, compare))
