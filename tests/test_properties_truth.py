@@ -297,3 +297,8 @@ def test_worse_naive_takes_the_run_further_from_the_truth_per_tensor():
     # b's output, un-permuted, has the larger error (2e-3, now in row 0); gamma from b; w from a
     torch.testing.assert_close(got.outputs[0], torch.tensor([[2e-3], [0.0]]), rtol=0, atol=0)
     assert got.norm["g.grad"] is b.norm["g.grad"] and got.gemm["w.grad"] is a.gemm["w.grad"]
+    # a micro-batch with no rows (every group empty) has nothing to pick from
+    empty = AccuracyRun([torch.zeros(0, 1)], [None], {}, {})
+    assert (
+        worse_naive(empty, empty, [torch.zeros(0, dtype=torch.long)], empty).outputs[0].numel() == 0
+    )
