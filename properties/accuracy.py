@@ -102,9 +102,11 @@ def _unpermute(t: torch.Tensor | None, perm: torch.Tensor) -> torch.Tensor | Non
 
 def reorders_rows(case: Case) -> bool:
     """Whether a second naive run with reversed rows says something: some group has two rows
-    or more, and no FP8 recipe (block scales run along the rows, so reversing them would change
-    what is quantized)."""
-    if case.config.recipe is not None:
+    or more, and no block-scaled FP8 recipe (MXFP8 and block scales run along the rows, so
+    reversing them would change what is quantized; per-tensor delayed and current scaling
+    quantize each row the same way in any order)."""
+    recipe = case.config.recipe
+    if recipe is not None and not recipe.startswith(("delayed", "current")):
         return False
     for mb in case.micro_batches:
         rows = 1
@@ -185,7 +187,8 @@ def accuracy_runs(
     if reorders_rows(case):
         rev_data, perms = row_reversal(data)
         rev_run = ModuleRun(reference_backend(), case, delay=False, hooks=0)
-        naive = worse_naive(naive, accuracy_run(rev_run, case, rev_data), perms, truth)
+        yardstick = truth_fp8 if truth_fp8 is not None else truth
+        naive = worse_naive(naive, accuracy_run(rev_run, case, rev_data), perms, yardstick)
     return test, naive, truth, truth_fp8
 
 

@@ -175,7 +175,8 @@ def truth_runs(
         rev_run = ModuleRun(
             ref, case, delay=False, hooks=0, prefill_grads=prefill_grads, frozen=frozen
         )
-        naive = worse_naive(naive, play(rev_run, rev_data, steps), perms, truth)
+        yardstick = truth8 if truth8 is not None else truth
+        naive = worse_naive(naive, play(rev_run, rev_data, steps), perms, yardstick)
     return naive, truth, truth8
 
 
