@@ -8,12 +8,17 @@ that reason). :class:`GradientReducer` takes DDP's place:
 
 * **When a gradient is final.** A step is several micro-batches; a gradient is final after the
   step's *last* backward pass that produces it (``no_sync()`` marks the earlier ones, as DDP's
-  ``no_sync`` does, or ``num_microbatches=n`` counts them: the n-th pass is the last) and, for a
-  delayed GEMM parameter (``skip_backward_post_hook``, SPEC §4), once its module's queue is
-  empty after that pass: the module hook of §4 fires after each entry, and the one that leaves
-  ``pending_wgrad_count == 0`` wrote the last contribution. A backward pass "produces" a
-  parameter when the autograd engine accumulates into it: input-only backwards
-  (``torch.autograd.grad(y, x)``, pipelining's shape inference) are not counted (P17).
+  ``no_sync`` does, or ``num_microbatches=n`` counts them: the n-th pass is the last). A
+  non-delayed parameter is produced when autograd accumulates into it (its
+  ``register_post_accumulate_grad_hook``). A delayed GEMM parameter (``skip_backward_post_hook``,
+  SPEC §4) is followed from its module's own API only, never from autograd reaching it (a
+  conforming module may hand its Function detached copies; TransformerEngine returns no
+  gradient for a delayed weight): a forward hook puts a gradient hook on the module's output, so
+  the reducer learns each backward pass that reaches the module; ``pending_wgrad_count`` read
+  there and again when that pass ends tells how many entries the pass queued (none for
+  input-only backwards such as ``torch.autograd.grad(y, x)`` or pipelining's shape inference,
+  P17), and the module hook of §4 says when each entry has run (FIFO). The gradient is final
+  once the last entry of the step's last producing pass has run.
 * **What is reduced.** ``.grad``, or ``main_grad`` for the GEMM weights of a module built with
   ``fuse_wgrad_accumulation=True``; the average over the process group.
 * **How.** Parameters are packed into buckets (``bucket_cap_mb``, one dtype each) in the order
@@ -33,9 +38,11 @@ that reason). :class:`GradientReducer` takes DDP's place:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
+import functools
 import time
 import weakref
 from collections.abc import Iterable, Iterator
@@ -43,6 +50,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from . import _autograd
 from .modules import SplitModule, gradient_tensor, split_modules
 
 __all__ = ["GradientReducer", "reducer_of"]
@@ -62,14 +70,43 @@ class _Param:
     main_grad: bool
     owner: SplitModule | None  # set for delayed GEMM parameters (reduced from module hooks)
     bucket: int = -1
-    passes: int = 0  # producing backward passes seen this step
+    passes: int = 0  # producing backward passes seen this step (non-delayed parameters)
     last_task: int = -1
-    final_pass_seen: bool = False
     ready: bool = False
 
     @property
     def delayed(self) -> bool:
         return self.owner is not None
+
+
+@dataclasses.dataclass(eq=False)
+class _Pass:
+    """The entries one backward pass queued on one delayed module, not yet run."""
+
+    entries: int
+    final: bool
+
+
+@dataclasses.dataclass(eq=False)
+class _Owner:
+    """What the reducer follows of one delayed module through a step."""
+
+    sm: SplitModule
+    params: list[_Param]
+    passes: int = 0  # backward passes of this step that queued entries on it
+    queue: collections.deque = dataclasses.field(default_factory=collections.deque)
+    # backward passes under way that reached the module: id -> [pending at the start, entries
+    # run by backward_dw() during the pass that the pass itself queued]
+    running: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return self.sm.name or type(self.sm.module).__name__
+
+    def reset(self) -> None:
+        self.passes = 0
+        self.queue.clear()
+        self.running.clear()
 
 
 @dataclasses.dataclass(eq=False)
@@ -109,6 +146,7 @@ class GradientReducer:
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("GradientReducer needs torch.distributed to be initialized")
+        _autograd.check_available()
         if num_microbatches is not None and (
             isinstance(num_microbatches, bool)
             or not isinstance(num_microbatches, int)
@@ -176,12 +214,20 @@ class GradientReducer:
         self.finish_time: float | None = None
 
         for st in self._params:
-            st.param.register_post_accumulate_grad_hook(self._on_accumulate)
-        hooked = {id(st.owner.module): st.owner for st in self._params if st.delayed}
-        for sm in hooked.values():
-            sm.module.register_wgrad_accumulation_and_reduce_hooks(
-                _ModuleHook(weakref.ref(self), sm)
-            )
+            if not st.delayed:
+                st.param.register_post_accumulate_grad_hook(self._on_accumulate)
+        self._owners: list[_Owner] = []
+        for st in self._params:
+            if st.delayed:
+                owner = next((o for o in self._owners if o.sm.module is st.owner.module), None)
+                if owner is None:
+                    owner = _Owner(st.owner, [])
+                    self._owners.append(owner)
+                owner.params.append(st)
+        for owner in self._owners:
+            hook = _ModuleHook(weakref.ref(self), owner)
+            owner.sm.module.register_wgrad_accumulation_and_reduce_hooks(hook)
+            owner.sm.module.register_forward_hook(hook.after_forward)
         _REDUCERS[module] = self
 
     # ---- buckets -----------------------------------------------------------------------------
@@ -237,56 +283,109 @@ class GradientReducer:
             self._step += 1
             self.launch_log = []
 
-    def _final_pass(self, st: _Param) -> bool:
+    def _final_pass(self, name: str, passes: int) -> bool:
+        """Whether the backward pass that just produced ``name`` (its ``passes``-th of the step)
+        is the step's last."""
         if self.num_microbatches is None:
             return not self._no_sync
-        if st.passes > self.num_microbatches:
+        if passes > self.num_microbatches:
             self._errors.append(
-                f"{st.name}: produced by {st.passes} backward passes in one step, more than "
+                f"{name}: produced by {passes} backward passes in one step, more than "
                 f"num_microbatches={self.num_microbatches}"
             )
-        return st.passes == self.num_microbatches
+        return passes == self.num_microbatches
 
     # ---- hooks -------------------------------------------------------------------------------
 
     def _on_accumulate(self, param: torch.Tensor) -> None:
-        """autograd accumulated into ``param`` (its gradient for non-delayed parameters; for a
-        delayed one, its module has just queued the entry that will write it)."""
+        """autograd accumulated into the non-delayed parameter ``param``."""
         st = self._by_id.get(id(param))
-        if st is None:
+        if st is None or st.delayed:
             return
         self._begin_step_if_needed()
-        task = torch._C._current_graph_task_id()
+        task = _autograd.current_backward_pass()
         if task != st.last_task:
             st.last_task = task
             st.passes += 1
-        final = self._final_pass(st)
+        final = self._final_pass(st.name, st.passes)
         if st.ready:
             self._errors.append(
                 f"{st.name}: a backward pass produced it again after its reduction had started "
                 "(mark the non-final micro-batches with no_sync() or set num_microbatches)"
             )
             return
-        if st.delayed:
-            st.final_pass_seen = st.final_pass_seen or final
-            return
         if final:
             self._mark_ready(st)
 
-    def _on_entry_done(self, sm: SplitModule) -> None:
-        """A ``backward_dw()`` of ``sm`` wrote its entry's gradients (SPEC §4's module hook)."""
+    def _on_output_grad(self, owner: _Owner) -> None:
+        """A backward pass reached the output of ``owner``'s module; the module's backward for
+        it has not run yet."""
+        task = _autograd.current_backward_pass()
+        if task in owner.running:
+            return  # a second use of the module in the same pass (tied)
+        owner.running[task] = [owner.sm.module.pending_wgrad_count, 0]
+        _autograd.at_end_of_backward_pass(
+            functools.partial(_call_weakly, weakref.ref(self), "_end_of_pass", owner, task)
+        )
+
+    def _end_of_pass(self, owner: _Owner, task: int) -> None:
+        """The backward pass ``task`` that reached ``owner``'s module has ended: count what it
+        queued there."""
+        before, ran_inside = owner.running.pop(task)
+        queued = owner.sm.module.pending_wgrad_count - before + ran_inside
+        if queued <= 0:
+            return  # input-only backward: nothing queued, nothing produced (SPEC §3)
         self._begin_step_if_needed()
-        last = sm.module.pending_wgrad_count == 0
-        for _, p in sm.gemm_params:
-            st = self._by_id.get(id(p))
-            if st is None or st.owner is None or st.owner.module is not sm.module:
-                continue
-            if st.ready:
-                self._errors.append(
-                    f"{st.name}: backward_dw() wrote it again after its reduction had started"
-                )
-            elif last and st.final_pass_seen:
-                self._mark_ready(st)
+        owner.passes += 1
+        final = self._final_pass(owner.label, owner.passes)
+        again = [st.name for st in owner.params if st.ready]
+        if again:
+            self._errors.append(
+                f"{', '.join(again)}: a backward pass produced it again after its reduction had "
+                "started (it queued entries on its module; mark the non-final micro-batches "
+                "with no_sync() or set num_microbatches)"
+            )
+            return
+        if queued > ran_inside:
+            owner.queue.append(_Pass(queued - ran_inside, final))
+        elif final:
+            self._owner_final(owner)
+
+    def _on_entry_done(self, owner: _Owner) -> None:
+        """A ``backward_dw()`` of ``owner``'s module wrote its oldest entry's gradients (SPEC
+        §4's module hook)."""
+        self._begin_step_if_needed()
+        again = [st.name for st in owner.params if st.ready]
+        if again:
+            self._errors.append(
+                f"{', '.join(again)}: backward_dw() wrote it again after its reduction had started"
+            )
+            return
+        if owner.queue:
+            head = owner.queue[0]
+            head.entries -= 1
+            if head.entries == 0:
+                owner.queue.popleft()
+                if head.final:
+                    self._owner_final(owner)
+            return
+        task = _autograd.current_backward_pass()
+        if task in owner.running:
+            owner.running[task][1] += 1  # an entry of the pass under way, run inside it
+            return
+        self._errors.append(
+            f"{owner.label}: backward_dw() ran an entry that no backward pass of this step "
+            f"was seen to queue (parameters {[st.name for st in owner.params]})"
+        )
+
+    def _owner_final(self, owner: _Owner) -> None:
+        if owner.queue:
+            self._errors.append(
+                f"{owner.label}: entries of a later backward pass were queued before the step's "
+                "last one had run"
+            )
+        for st in owner.params:
+            self._mark_ready(st)
 
     def _mark_ready(self, st: _Param) -> None:
         st.ready = True
@@ -394,19 +493,46 @@ class GradientReducer:
         self._next_bucket = 0
         self._errors = []
         for st in self._params:
-            st.passes, st.last_task, st.final_pass_seen, st.ready = 0, -1, False, False
+            st.passes, st.last_task, st.ready = 0, -1, False
+        for owner in self._owners:
+            owner.reset()
         for bucket in self._buckets:
             bucket.work, bucket.flat, bucket.grads, bucket.versions = None, None, [], []
 
 
-class _ModuleHook:
-    """The module hook of one split-backward module (holds the reducer weakly)."""
+def _call_weakly(reducer: weakref.ref, method: str, *args) -> None:
+    target = reducer()
+    if target is not None:
+        getattr(target, method)(*args)
 
-    def __init__(self, reducer: weakref.ref, sm: SplitModule) -> None:
+
+class _ModuleHook:
+    """The hooks the reducer puts on one delayed module (holding the reducer weakly): the module
+    hook of SPEC §4, and a forward hook that hooks the output's gradient."""
+
+    def __init__(self, reducer: weakref.ref, owner: _Owner) -> None:
         self._reducer = reducer
-        self._sm = sm
+        self._owner = owner
 
     def __call__(self) -> None:
-        reducer = self._reducer()
-        if reducer is not None:
-            reducer._on_entry_done(self._sm)
+        _call_weakly(self._reducer, "_on_entry_done", self._owner)
+
+    def after_forward(self, module: torch.nn.Module, args, output) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(self._output_grad)
+
+    def _output_grad(self, grad: torch.Tensor) -> None:
+        _call_weakly(self._reducer, "_on_output_grad", self._owner)
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in _tensors(item)]
+    return []
