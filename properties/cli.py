@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return verify_main(rest)
     if command == "bench":
-        from .bench import main as bench_main
+        from splitgrad.impl.bench import main as bench_main
 
         return bench_main(rest)
     if command == "distributed":

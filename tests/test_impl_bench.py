@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from splitgrad.properties import bench
+from splitgrad.impl import bench
 
 
 def test_peak_memory_counter_counts_allocations_not_views():

@@ -266,7 +266,8 @@ def example_case_for_kink():
 
 
 def test_help_texts_are_plain_and_complete(capsys) -> None:
-    from splitgrad.properties import bench, cli
+    from splitgrad.impl import bench
+    from splitgrad.properties import cli
     from splitgrad.properties.verify import build_parser
 
     def run(fn, *args: str) -> str:

@@ -792,8 +792,38 @@ def run(shapes: Shapes, dtypes: list[torch.dtype], kinds: list[str], reps: int) 
     return [_case(kind, dtype, shapes, reps) for dtype in dtypes for kind in kinds]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``splitgrad bench``."""
+#: What ``--modules`` and ``--dtypes`` accept.
+MODULE_CHOICES = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+#: The FP8 section's MXFP8 and block-scaled recipes quantize in blocks of 32 and 128 along every
+#: dimension of its Linear (tokens, hidden, ffn), so those must be multiples of the larger one.
+FP8_MULTIPLE = 128
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1 (a size or a count)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _choices(parser: argparse.ArgumentParser, flag: str, text: str, allowed) -> list[str]:
+    """The comma-separated items of ``text``; ``parser.error`` (exit status 2) naming any not in
+    ``allowed`` and listing the valid ones."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in items if t not in allowed]
+    if unknown or not items:
+        what = f"unknown {', '.join(map(repr, unknown))}" if unknown else f"nothing in {text!r}"
+        parser.error(f"{flag}: {what}; expected some of {', '.join(allowed)}")
+    return items
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``splitgrad bench`` command line."""
     parser = argparse.ArgumentParser(
         prog="splitgrad bench",
         description="Speed and memory ratios of splitgrad.impl, every figure measured in the same "
@@ -804,38 +834,49 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="small shapes (256 tokens), 2 reps: a smoke run"
     )
     parser.add_argument(
-        "--tokens", type=int, default=2048, help="rows of each input (default: %(default)s)"
+        "--tokens",
+        type=_positive_int,
+        default=2048,
+        help="rows of each input (default: %(default)s)",
     )
     parser.add_argument(
         "--hidden",
-        type=int,
+        type=_positive_int,
         default=1024,
         help="in_features, hidden_size for LayerNormMLP (default: %(default)s)",
     )
     parser.add_argument(
         "--ffn",
-        type=int,
+        type=_positive_int,
         default=4096,
         help="out_features, ffn_hidden_size for LayerNormMLP (default: %(default)s)",
     )
     parser.add_argument(
-        "--groups", type=int, default=8, help="GroupedLinear's num_gemms (default: %(default)s)"
+        "--groups",
+        type=_positive_int,
+        default=8,
+        help="GroupedLinear's num_gemms (default: %(default)s)",
     )
     parser.add_argument(
-        "--reps", type=int, default=5, help="repetitions, medians printed (default: %(default)s)"
+        "--reps",
+        type=_positive_int,
+        default=5,
+        help="repetitions, medians printed (default: %(default)s)",
     )
     parser.add_argument(
-        "--dtypes", default="float32,bfloat16", help="comma-separated (default: %(default)s)"
+        "--dtypes",
+        default="float32,bfloat16",
+        help=f"comma-separated, of {', '.join(DTYPE_CHOICES)} (default: %(default)s)",
     )
     parser.add_argument(
         "--modules",
         default="Linear,LayerNormLinear,LayerNormMLP,GroupedLinear",
-        help="comma-separated (default: all four)",
+        help=f"comma-separated, of {', '.join(MODULE_CHOICES)} (default: all four)",
     )
     parser.add_argument("--no-fp8", action="store_true", help="skip the FP8 section")
     parser.add_argument(
         "--small-reps",
-        type=int,
+        type=_positive_int,
         default=301,
         help="interleaved repetitions of the small-shape and torch.compile sections "
         "(default: %(default)s; --quick: 21)",
@@ -851,7 +892,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=_positive_int,
         default=None,
         help="torch.set_num_threads before measuring (default: torch's own choice)",
     )
@@ -863,19 +904,41 @@ def main(argv: list[str] | None = None) -> int:
         "with --threads 1 it is the thread's own work)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    return parser
+
+
+def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed command line with ``shapes``, ``reps``, ``dtype_list`` (torch dtypes) and
+    ``kinds`` added; a bad value exits with status 2 and a message naming it (nothing runs)."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
-        shapes, reps = Shapes(256, 128, 512, args.groups), 2
+        args.shapes, args.reps = Shapes(256, 128, 512, args.groups), 2
     else:
-        shapes, reps = Shapes(args.tokens, args.hidden, args.ffn, args.groups), args.reps
-    try:
-        dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",")]
-    except AttributeError as e:
-        parser.error(f"unknown dtype in --dtypes {args.dtypes!r}: {e}")
-    kinds = [k.strip() for k in args.modules.split(",")]
-    unknown = set(kinds) - {"Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"}
-    if unknown:
-        parser.error(f"unknown module(s) in --modules: {sorted(unknown)}")
+        args.shapes = Shapes(args.tokens, args.hidden, args.ffn, args.groups)
+    args.dtype_list = [
+        getattr(torch, d) for d in _choices(parser, "--dtypes", args.dtypes, DTYPE_CHOICES)
+    ]
+    args.kinds = _choices(parser, "--modules", args.modules, MODULE_CHOICES)
+    s = args.shapes
+    if not args.no_fp8:
+        unaligned = [
+            f"--{name} {value}"
+            for name, value in (("tokens", s.tokens), ("hidden", s.hidden), ("ffn", s.ffn))
+            if value % FP8_MULTIPLE
+        ]
+        if unaligned:
+            parser.error(
+                f"{', '.join(unaligned)}: the FP8 section (MXFP8 and block scaling) needs "
+                f"multiples of {FP8_MULTIPLE}; choose such sizes or pass --no-fp8"
+            )
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``splitgrad bench``."""
+    args = parse_options(argv)
+    shapes, reps, dtypes, kinds = args.shapes, args.reps, args.dtype_list, args.kinds
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     global _clock
