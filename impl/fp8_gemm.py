@@ -36,6 +36,11 @@ Two ways to run a GEMM; ``module.fp8_gemm`` picks one:
   entries, not speed: converting FP8 bytes is a scalar loop in torch 2.13 (~4.5 ns per value,
   as slow as a lookup table or bit tricks, measured) and the fp32 GEMM has no AMX.
 
+Empty problems (M, N or K of 0: an expert with no tokens, a micro-batch with no rows) never
+reach a kernel: :func:`fp8_mm` returns zeros (plus the bias) and :func:`fp8_mm_accumulate_`
+zeroes ``out`` when overwriting and leaves it alone otherwise, on every path and recipe. The
+check reads the operands' shapes (host ints, no device sync).
+
 Output rounding: fp32 accumulation, scaled, bias added in the compute dtype, then one rounding
 to ``params_dtype`` (the reference rounds the product, then adds the bias in ``params_dtype``).
 Weight gradients: plain mode rounds ``dW`` to ``params_dtype`` and adds it to ``.grad`` like
@@ -240,6 +245,16 @@ def wants_transposed_storage(path: str, device: torch.device, kind: str) -> bool
 # ---- the entry points ----------------------------------------------------------------------
 
 
+def _empty_product(
+    a: Float8Tensor, a_t: bool, b: Float8Tensor, b_t: bool
+) -> tuple[int, int] | None:
+    """``(M, N)`` of ``op(a) @ op(b)`` when M, N or K is 0 (nothing to multiply), else None."""
+    m, k = a.shape[::-1] if a_t else a.shape
+    n = b.shape[0] if b_t else b.shape[1]
+    # torch._scaled_mm with K=0 returns uninitialized memory (torch 2.13): no FP8 kernel runs.
+    return (m, n) if 0 in (m, k, n) else None
+
+
 def fp8_mm(
     a: Float8Tensor,
     a_t: bool,
@@ -252,7 +267,12 @@ def fp8_mm(
     path: str = "auto",
 ) -> torch.Tensor:
     """``op(a) @ op(b) + bias`` rounded once to ``out_dtype`` (``op`` transposes where the flag
-    says). Both operands must be quantized along the contracted dimension."""
+    says). Both operands must be quantized along the contracted dimension. An empty problem
+    gives ``0 + bias`` without calling a GEMM."""
+    empty = _empty_product(a, a_t, b, b_t)
+    if empty is not None:
+        y = torch.zeros(empty, dtype=compute_dtype, device=a.data.device)
+        return (y if bias is None else y + bias.to(compute_dtype)).to(out_dtype)
     if compute_dtype == torch.float32 and _use_scaled_mm(path, a, b, out_dtype):
         return _scaled_mm(a, a_t, b, b_t, out_dtype, bias)
     return _dequantized_mm(a, a_t, b, b_t, compute_dtype, bias).to(out_dtype)
@@ -269,7 +289,12 @@ def fp8_mm_accumulate_(
     compute_dtype: torch.dtype,
     path: str = "auto",
 ) -> None:
-    """``out (+)= op(a) @ op(b)`` accumulated in ``out``'s dtype (fp32 ``main_grad``)."""
+    """``out (+)= op(a) @ op(b)`` accumulated in ``out``'s dtype (fp32 ``main_grad``). An empty
+    problem (K=0: no tokens) zeroes ``out`` when overwriting and adds nothing otherwise."""
+    if _empty_product(a, a_t, b, b_t) is not None:
+        if overwrite:
+            out.zero_()
+        return
     if compute_dtype == torch.float32 and _use_scaled_mm(path, a, b, out.dtype):
         product = _scaled_mm(a, a_t, b, b_t, out.dtype, None)
         out.copy_(product) if overwrite else out.add_(product)

@@ -22,6 +22,11 @@ Choices (measured on CPU, torch 2.13, see ``splitgrad bench``):
   reaches the fp32 accumulator, which is what fused accumulation exists to avoid; rejected.
 * ``is_first_microbatch`` overwrite uses ``beta=0`` / ``mm(out=main_grad)``, so stale values
   (even NaN) in ``main_grad`` never leak in.
+* Empty problems (an expert with no tokens: K=0 in its wgrad; a micro-batch with no rows) take
+  the same calls: torch's ``mm``/``addmm`` (CPU, and CUDA's, ``out_dtype=`` included, which
+  share ``addmm_out_cuda_impl``) write zeros, or ``beta * self``, for K=0 without a kernel, and
+  ``_grouped_mm`` here only ever has M=0 groups (rows that do not exist; its K is a feature
+  size). The FP8 GEMMs skip empty problems explicitly (:mod:`.fp8_gemm`).
 """
 
 from __future__ import annotations
