@@ -125,9 +125,26 @@ def test_bitwise_passes_on_identical_and_fails_on_one_ulp(dtype: torch.dtype) ->
     )
 
 
-def test_bitwise_distinguishes_signed_zero_and_keeps_nan_payloads() -> None:
+@pytest.mark.parametrize("dtype", (*LOW, torch.float64), ids=str)
+def test_bitwise_takes_signed_zeros_as_equal_and_nothing_else(dtype: torch.dtype) -> None:
+    # The stated policy (check_bitwise's docstring): -0.0 == +0.0, in every float dtype.
+    z = torch.tensor([-0.0, 0.0, 1.0], dtype=dtype)
+    assert B.check_bitwise("z", z, torch.tensor([0.0, -0.0, 1.0], dtype=dtype)) == 0.0
+    # ... but the smallest subnormal next to a zero, or a zero next to a NaN, still differs.
+    tiny = torch.tensor([0.0], dtype=dtype).nextafter(torch.tensor([1.0], dtype=dtype))
+    with pytest.raises(B.BudgetViolation, match="1 of 1"):
+        B.check_bitwise("z", tiny, torch.tensor([-0.0], dtype=dtype))
     with pytest.raises(B.BudgetViolation):
-        B.check_bitwise("z", torch.tensor([-0.0]), torch.tensor([0.0]))
+        nan = torch.tensor([math.nan], dtype=dtype)
+        B.check_bitwise("z", nan, torch.tensor([0.0], dtype=dtype))
+    # Integer views (P13's FP8 bytes) keep the sign of an FP8 zero: 0x80 != 0x00.
+    with pytest.raises(B.BudgetViolation):
+        B.check_bitwise(
+            "q", torch.tensor([128], dtype=torch.uint8), torch.tensor([0], dtype=torch.uint8)
+        )
+
+
+def test_bitwise_keeps_nan_payloads() -> None:
     n = torch.tensor([math.nan, 1.0])
     assert B.check_bitwise("n", n, n.clone()) == 0.0
     with pytest.raises(B.BudgetViolation, match="dtype"):
