@@ -6,22 +6,32 @@ apart), keeps the worst error/budget ratio, and on failure keeps the shrunk case
 replays the minimal failing example last, so the last case seen is the shrunk one), the
 message, and a command line that replays it. pytest and ``splitgrad verify`` both use it, so a
 red CI row and a red ``verify`` row say the same thing.
+
+Every example, in a campaign and in a replay (:func:`run_case`), runs under :func:`deterministic`:
+torch's deterministic mode with uninitialized memory filled (NaN, or the largest integer), so a
+read of memory nothing wrote fails every run on every machine instead of passing where the
+allocator happened to hand back zeros. A failure that does not repeat on hypothesis' replay is a
+``FAIL`` that says it is nondeterministic, with the case that failed and its first message.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
 import shlex
 import time
+from collections.abc import Iterator
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+import torch
+from hypothesis import HealthCheck, Phase, Verbosity, example, given, settings
 from hypothesis import seed as hypothesis_seed
-from hypothesis.errors import HypothesisException, UnsatisfiedAssumption
+from hypothesis.errors import FlakyFailure, HypothesisException, UnsatisfiedAssumption
 
 from .backends import Backend
-from .registry import case_strategy, run_check
+from .registry import case_strategy, explicit_cases, run_check
 from .results import CheckResult
 from .strategies import Case
 
@@ -37,6 +47,8 @@ __all__ = [
     "ERROR",
     "BLOCKED",
     "api_gaps",
+    "deterministic",
+    "NONDETERMINISTIC",
 ]
 
 PASS, FAIL, DEVIATION, NA, ERROR = "pass", "FAIL", "deviates", "n/a", "ERROR"
@@ -49,6 +61,44 @@ CHECKED = {
     "P10": "raises, unchanged",
     "P11": "freed",
 }
+
+
+#: How a failure that hypothesis' replay did not repeat begins its message.
+NONDETERMINISTIC = (
+    "nondeterministic: failed once, passed on replay — the implementation (or the machine) gives "
+    "different results for the same input"
+)
+
+
+@contextlib.contextmanager
+def deterministic(enabled: bool = True) -> Iterator[None]:
+    """Run the block with torch's deterministic mode on (``enabled``) or off, restoring the
+    caller's mode, ``warn_only`` and ``fill_uninitialized_memory`` afterwards.
+
+    On: ``torch.use_deterministic_algorithms(True, warn_only=True)`` with
+    ``torch.utils.deterministic.fill_uninitialized_memory = True``, so ``torch.empty`` and the
+    outputs ops allocate come filled with NaN (floats) or the largest integer: a read of
+    uninitialized memory fails every run. ``warn_only``: an op without a deterministic kernel
+    (``put_`` on the CPU, ``index_add_`` on CUDA) warns instead of raising, because a correct
+    implementation may use one and the budgets do not rely on a fixed summation order.
+    ``CUBLAS_WORKSPACE_CONFIG`` is set (when unset) so cuBLAS is deterministic, not warned about.
+    """
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,
+    )
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+    else:
+        torch.use_deterministic_algorithms(False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.utils.deterministic.fill_uninitialized_memory = before[2]
 
 
 @dataclasses.dataclass
@@ -72,6 +122,8 @@ class CellResult:
     path: str = "default"
     budget_ratio: float | None = None
     bitwise: int = 0
+    #: The failure did not repeat when hypothesis replayed its case (see :data:`NONDETERMINISTIC`).
+    nondeterministic: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -113,12 +165,20 @@ class CellResult:
 
 
 def repro_command(backend: Backend, property_id: str, case: Case) -> str:
-    """One shell command that replays ``case`` for ``property_id`` on ``backend``."""
+    """One shell command that replays ``case`` for ``property_id`` on ``backend`` under the
+    campaign's conditions: the backend and forced path (``backend.cli_args()``), the device, the
+    intra-op thread count of this process (a reduction may split differently on more threads),
+    and the case itself (dtype, recipe, shapes, flags and seed travel in its JSON). The replay
+    runs under :func:`deterministic` like the campaign; no profile setting reaches one example."""
     return " ".join(
         [
             "splitgrad",
             "verify",
             *(shlex.quote(a) for a in backend.cli_args()),
+            "--device",
+            case.config.device,
+            "--threads",
+            str(torch.get_num_threads()),
             "--property",
             property_id,
             "--case",
@@ -135,8 +195,8 @@ def api_gaps(backend: Backend, properties, fp8: bool) -> dict[str, tuple[str, li
 
     out = {}
     for part, why in backend.missing_api().items():
-        if part in ("fp8", "fp8_quantizer") and not fp8:
-            continue
+        if part == "fp8_quantizer" or (part == "fp8" and not fp8):
+            continue  # a quantizer module is not SPEC's API: P13 is n/a without one
         blocked = [pid for pid in properties if pid in SPECS and blocked_by(pid, part, fp8)]
         out[part] = (why, blocked)
     return out
@@ -172,8 +232,10 @@ def _profile_settings(profile: str, examples: int | None, seeded: bool = False) 
 
 
 def run_case(backend: Backend, property_id: str, case: Case) -> CheckResult:
-    """One example, outside hypothesis (``--case`` replays and pinned tests)."""
-    return run_check(property_id, backend, case)
+    """One example, outside hypothesis (``--case`` replays and pinned tests), under the same
+    conditions as an example of :func:`run_cell` (:func:`deterministic`)."""
+    with deterministic():
+        return run_check(property_id, backend, case)
 
 
 def run_cell(
@@ -224,8 +286,14 @@ def run_cell(
     ]
     if blocked:
         only_fp8 = all(p in ("fp8", "fp8_quantizer") for p in blocked)
-        cell.status = NA if only_fp8 and not fp8_asked else BLOCKED
+        no_quantizer = blocked == ["fp8_quantizer"]
+        cell.status = NA if no_quantizer or (only_fp8 and not fp8_asked) else BLOCKED
         cell.message = "; ".join(missing[p] for p in blocked)
+        if no_quantizer:
+            cell.message = (
+                f"{property_id} compares the backend's own FP8 quantizer module with the "
+                f"reference's, and it has none: {cell.message}"
+            )
         return cell
     probe = ModuleConfig(
         kind=kind,
@@ -256,7 +324,7 @@ def run_cell(
         size_multiple=size_multiple,
     )
     calls_before = getattr(backend, "operator_calls", 0)
-    seen: dict[str, Any] = {"case": None}
+    seen: dict[str, Any] = {"case": None, "failed": None}
     start = time.perf_counter()
 
     @_profile_settings(profile, examples, seeded=seed is not None)
@@ -268,10 +336,11 @@ def run_cell(
         except UnsatisfiedAssumption:
             cell.rejected += 1  # cannot be judged (e.g. the relu kink): not counted
             raise
-        except Exception:
+        except Exception as exc:
             cell.examples += 1
             if cell.first_failure_at is None:
                 cell.first_failure_at = cell.examples
+                seen["failed"] = (case, exc)
             raise
         cell.examples += 1
         if result.ratio is not None:
@@ -283,18 +352,30 @@ def run_cell(
             cell.budget_ratio = result.budget_ratio if b is None else max(b, result.budget_ratio)
         cell.bitwise += result.bitwise
 
+    # SPEC §7: the boundary and enumerated cases run first (in order), whatever the count.
+    args = (property_id, (kind,), dtypes or (dtype,), (device,))
+    fused = None if backend.supports_fused else False
+    kw = {"recipes": recipes, "without": without, "size_multiple": size_multiple}
+    for explicit in reversed(explicit_cases(*args, fused=fused, **kw)):
+        campaign = example(case=explicit)(campaign)
     if seed is not None:
         campaign = hypothesis_seed(seed)(campaign)
     try:
-        campaign()
+        with deterministic():
+            campaign()
+    except FlakyFailure as exc:
+        _nondeterministic(cell, backend, property_id, seen["failed"], exc)
     except HypothesisException as exc:
         cell.status, cell.message = ERROR, f"hypothesis could not run the campaign: {exc}"
     except Exception as exc:  # any failure of the implementation under test is a result
         case = seen["case"]
+        if case is not None and not _fails_again(backend, property_id, case):
+            # hypothesis replays only generated failures: an explicit example's is confirmed here
+            _nondeterministic(cell, backend, property_id, (case, exc), exc)
+            cell.seconds = time.perf_counter() - start
+            return cell
         cell.case = case
-        cell.message = (
-            f"{type(exc).__name__}: {exc}" if not isinstance(exc, AssertionError) else str(exc)
-        )
+        cell.message = _describe(exc)
         ratio = getattr(exc, "ratio", math.inf)
         cell.worst_ratio = ratio if cell.worst_ratio is None else max(cell.worst_ratio, ratio)
         cell.repro = repro_command(backend, property_id, case) if case is not None else ""
@@ -310,3 +391,39 @@ def run_cell(
             cell.status, cell.message = ERROR, unexercised
     cell.seconds = time.perf_counter() - start
     return cell
+
+
+def _describe(exc: BaseException) -> str:
+    """A failure as the table's message: an assertion's own text, otherwise ``Type: text``."""
+    return str(exc) if isinstance(exc, AssertionError) else f"{type(exc).__name__}: {exc}"
+
+
+def _fails_again(backend: Backend, property_id: str, case: Case) -> bool:
+    """Whether ``case`` fails once more, replayed as ``--case`` would (:func:`run_case`)."""
+    try:
+        run_case(backend, property_id, case)
+    except Exception:  # the same or another failure: the verdict stands
+        return True
+    return False
+
+
+def _nondeterministic(
+    cell: CellResult,
+    backend: Backend,
+    property_id: str,
+    failed: tuple[Case, BaseException] | None,
+    flaky: BaseException,
+) -> None:
+    """Fill ``cell`` for a failure hypothesis could not repeat: a ``FAIL`` (the same input gave
+    two verdicts), with the first failing case, its replay line and its first message."""
+    if failed is None:  # no example of ours failed: hypothesis' own replay misbehaved
+        cell.status, cell.message = ERROR, f"hypothesis could not run the campaign: {flaky}"
+        return
+    case, first = failed
+    cell.status, cell.case, cell.nondeterministic = FAIL, case, True
+    cell.repro = repro_command(backend, property_id, case)
+    cell.worst_ratio = getattr(first, "ratio", math.inf)
+    cell.message = (
+        f"{NONDETERMINISTIC}; run the reproduce line several times (or this cell with a few "
+        f"--seed values) to investigate.\nfirst failure: {_describe(first)}"
+    )

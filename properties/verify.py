@@ -12,8 +12,15 @@ worst error/budget ratio, result. A failure prints the shrunk case and one comma
 replays it, and the exit status is 1. Known deviations that a backend declares are printed as
 ``deviates`` with their description (they do not fail the run; they are never shown as a pass).
 A backend lacking part of SPEC's API is reported once, with the properties that need it
-(``blocked``); the others still run, and the exit status is 2 (1 if something also failed).
-Bad options exit with status 2 and a message.
+(``blocked``); the others still run, and the exit status is 2 — unless a cell also failed: a
+failure is the stronger finding, so it takes precedence (exit status 1). Bad options exit with
+status 2 and a message.
+
+Every example runs under torch's deterministic mode with uninitialized memory filled with NaN
+(:func:`.campaign.deterministic`), so a read of memory nothing wrote fails every run; the printed
+``reproduce`` line carries the backend, forced path, device, thread count and the case, and
+replays under the same conditions. A failure that hypothesis' own replay did not repeat is a
+failure marked ``nondeterministic``.
 
 Without ``--recipe`` and ``--impl-path`` the run is the high-precision campaign plus two small
 slices (:mod:`.plan`): FP8 (bf16, the recipe drawn from all of them per example) and each fast
@@ -43,6 +50,7 @@ from .campaign import (
     PASS,
     CellResult,
     api_gaps,
+    blocked_by,
     run_case,
     run_cell,
 )
@@ -74,9 +82,15 @@ Check a split-backward implementation against SPEC.md: a hypothesis campaign of 
 P1-P17, against the reference's float64 truth and against the implementation itself, printed as
 one table row per property x module x dtype (x FP8 recipe, x forced fast path)."""
 EPILOG = """\
-exit status: 0 every cell passed (or deviates as the backend declares); 1 a cell failed;
-2 bad options, an unavailable backend, or a backend lacking part of SPEC's API (reported once,
-with the properties it blocks; the others still run).
+exit status: 0 every cell passed (or deviates as the backend declares); 1 a cell failed
+(also when the backend lacks part of SPEC's API: a failure takes precedence); 2 bad options, an
+unavailable backend, or a backend lacking part of SPEC's API (reported once, with the properties
+it blocks; the others still run) and no cell failed.
+
+determinism: every example runs under torch.use_deterministic_algorithms(True, warn_only=True)
+with torch.utils.deterministic.fill_uninitialized_memory, so a read of uninitialized memory
+fails every run; a failure that does not repeat on replay is reported as nondeterministic. The
+reproduce line replays under the same conditions (backend, --impl-path, --device, --threads).
 
 default run: the high-precision campaign, plus small slices under FP8 (bf16, every recipe)
 and on each fast path that is the default only on a GPU, forced on the CPU (grouped GEMM,
@@ -290,7 +304,11 @@ def _write_junit(path: Path, backend: str, cells: list[CellResult], elapsed: flo
     ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
 
 
-def _replay(backend, properties: list[str], text: str) -> int:
+def _replay(backend, properties: list[str], text: str, device: str | None) -> int:
+    """Run one ``--case`` under the campaign's conditions (:func:`.campaign.run_case`); ``device``
+    is ``--device`` when given (it must be the case's)."""
+    import torch
+
     if len(properties) != 1:
         raise _UsageError("--case needs exactly one --property")
     try:
@@ -298,6 +316,23 @@ def _replay(backend, properties: list[str], text: str) -> int:
     except ValueError as exc:
         raise _UsageError(str(exc)) from None
     pid = properties[0]
+    if device is not None and device != case.config.device:
+        raise _UsageError(f"--device {device}, but the case runs on {case.config.device}")
+    if case.config.device == "cuda" and not torch.cuda.is_available():
+        raise _UsageError("the case runs on cuda, but torch.cuda.is_available() is False")
+    missing = backend.missing_api()
+    gaps = {
+        part: why
+        for part, why in missing.items()
+        if part == f"module:{case.config.kind}"
+        or (part != "fp8_quantizer" and blocked_by(pid, part, case.config.recipe is not None))
+    }
+    if gaps:
+        print(f"{pid} blocked on {backend.name}: missing API: {'; '.join(gaps.values())}")
+        return 2
+    if "fp8_quantizer" in missing and blocked_by(pid, "fp8_quantizer"):
+        print(f"{pid} n/a on {backend.name}: {missing['fp8_quantizer']}")
+        return 0
     why = backend.unsupported_reason(pid, case.config)
     if why:
         print(f"{pid} n/a on {backend.name}: {why}")
@@ -414,7 +449,7 @@ def _main(argv: list[str]) -> int:
             raise _UsageError("--case replays on one --impl-path at most")
         if impl_paths and impl_paths[0] != "none":
             backend = ForcedPathBackend(backend, impl_paths[0])
-        return _replay(backend, properties, args.case)
+        return _replay(backend, properties, args.case, args.device)
 
     plan = plan_cells(
         kinds,
@@ -506,8 +541,9 @@ def _main(argv: list[str]) -> int:
         print(f"\n{c.status} {c.label}{where}:")
         print("  " + c.message.replace("\n", "\n  "))
         if c.case is not None:
+            what = "failing case" if c.nondeterministic else "shrunk case"
             print(
-                f"  shrunk case: {c.case.config.label()}; micro-batches "
+                f"  {what}: {c.case.config.label()}; micro-batches "
                 f"{[(m.lead_shape, m.m_splits, m.is_first_microbatch) for m in mbs]}"
                 + (f"; schedule {list(c.case.schedule)}" if c.case.schedule else "")
                 + (f"; variant {c.case.variant}" if c.case.variant else "")
@@ -530,8 +566,10 @@ def _main(argv: list[str]) -> int:
                 unseen.append((dev.property_id, dev.summary))
     for pid, summary in unseen:
         print(f"\nnote: declared deviation not observed in this run: {pid}: {summary}")
+    status = 1 if failed else (2 if gaps else 0)
     if gaps:
-        print(f"\n{backend.name} lacks part of SPEC's API (reported once; exit status 2):")
+        why_status = "exit status 1: a cell failed" if failed else "exit status 2"
+        print(f"\n{backend.name} lacks part of SPEC's API (reported once; {why_status}):")
         for part, (what, props) in gaps.items():
             cells_of = [c for c in blocked if what in c.message]
             also = f"; {len(cells_of)} cell(s) blocked" if cells_of else ""
@@ -579,9 +617,7 @@ def _main(argv: list[str]) -> int:
         args.json.write_text(json.dumps(payload, indent=2, default=_json_default))
     if args.junit:
         _write_junit(args.junit, backend.name, cells, elapsed)
-    if failed:
-        return 1
-    return 2 if gaps else 0
+    return status
 
 
 _OPTIONAL_PARTS = ("delay", "fused", "first_microbatch", "hooks")

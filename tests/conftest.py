@@ -1,4 +1,6 @@
-"""Shared fixtures: the module source under test, hypothesis profiles, CUDA skipping."""
+"""Shared fixtures: the module source under test, hypothesis profiles, CUDA skipping, and
+torch's deterministic mode with uninitialized memory filled for the whole suite (a test that
+needs it off is marked ``nondeterministic``)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import importlib
 
 import pytest
 import torch
+from splitgrad.properties.campaign import deterministic
 from splitgrad.properties.profiles import load_profile
 
 load_profile()
@@ -34,3 +37,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "nondeterministic: runs with torch's deterministic mode and uninitialized-memory fill off "
+        "(the rest of the suite has them on)",
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def deterministic_torch():
+    """A read of uninitialized memory (``torch.empty`` nobody wrote) fails every run of every
+    test, as it does under ``splitgrad verify`` (SPEC §7), instead of passing on a machine whose
+    allocator hands back zeros."""
+    with deterministic():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _nondeterministic_way_out(request):
+    """Tests marked ``nondeterministic`` run with the deterministic mode off."""
+    if request.node.get_closest_marker("nondeterministic") is None:
+        yield
+        return
+    with deterministic(False):
+        yield
