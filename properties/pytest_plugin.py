@@ -11,16 +11,28 @@ plan, :mod:`.plan`), e.g. ``test_property[P4-Linear-bfloat16-none]``. A deviatio
 declares (:attr:`~.backends.Backend.deviations`) makes its cells strict expected failures with
 its sentence as the reason (a declared deviation that no longer shows fails as XPASS). Parts of
 SPEC's API the backend lacks fail one test, ``test_api_complete``, naming them and the
-properties they block; the blocked cells are skipped, the others run. Nothing is shared between
-tests but read-only options, so ``pytest-xdist`` can spread them.
+properties they block (as ``splitgrad verify`` exits 2); the blocked cells are skipped, the
+others run. ``--splitgrad-xfails FILE`` lists cells the project expects to fail, strictly
+(:mod:`.xfails`). The header names the backend under test, the device, the hypothesis profile
+and seed, and torch's version. Nothing is shared between tests but read-only options, so
+``pytest-xdist`` can spread them.
 
-Only options are registered here (no import of torch or hypothesis at pytest start-up): the
-plugin costs nothing in a test run that does not collect the suite.
+Only options are registered at pytest start-up (torch and hypothesis are imported only when the
+suite is asked for): the plugin costs nothing in a test run that does not collect the suite.
 """
 
 from __future__ import annotations
 
-__all__ = ["pytest_addoption", "options_of"]
+import os
+
+__all__ = [
+    "pytest_addoption",
+    "pytest_configure",
+    "pytest_report_header",
+    "options_of",
+    "expected_failures",
+    "suite_requested",
+]
 
 _OPTIONS = (
     (
@@ -58,6 +70,12 @@ _OPTIONS = (
     ("--splitgrad-seed", "", "hypothesis seed (default: the profile's; ci is derandomized)"),
     ("--splitgrad-device", "", "cpu or cuda (default: cpu; cuda for transformer_engine)"),
     ("--splitgrad-threads", "1", "torch intra-op threads per test process (default: 1)"),
+    (
+        "--splitgrad-xfails",
+        "",
+        "file of cells expected to fail, one test id or verify label per line, '#' comments "
+        "with the reason; strict: a listed cell that passes fails as XPASS(strict)",
+    ),
 )
 
 
@@ -79,3 +97,93 @@ def options_of(config) -> dict[str, str]:
             value = config.getoption(theirs, default=None)
             out[key] = "" if value is None else str(value)
     return out
+
+
+def suite_requested(config) -> bool:
+    """Whether this pytest run asked for the conformance suite (a ``--splitgrad-*`` option, or
+    ``splitgrad.properties`` / ``test_conformance.py`` among the arguments)."""
+    args = [str(a) for a in config.invocation_params.args] + [str(a) for a in config.args]
+    if any(a.startswith("--splitgrad-") for a in args):
+        return True
+    here = os.path.dirname(os.path.abspath(__file__))
+    for a in config.args:
+        a = str(a).split("::", 1)[0]
+        if a.startswith("splitgrad.properties") or os.path.basename(a) == "test_conformance.py":
+            return True
+        if os.path.abspath(a) == here:
+            return True
+    return False
+
+
+def pytest_configure(config) -> None:
+    """Read ``--splitgrad-xfails`` once, before collection: a file that cannot be read or names
+    no cell stops the run with a usage error naming the line."""
+    path = config.getoption("--splitgrad-xfails", default="")
+    if not path:
+        return
+    import pytest
+
+    from .xfails import XfailsFileError, load_xfails
+
+    absolute = os.path.abspath(path)
+    try:
+        config._splitgrad_xfails = load_xfails(absolute)
+    except XfailsFileError as exc:
+        raise pytest.UsageError(f"--splitgrad-xfails: {exc}") from None
+    # pytest-xdist hands the controller's options to its workers: they read the same file.
+    config.option.splitgrad_xfails = absolute
+
+
+def expected_failures(config) -> dict:
+    """The entries of ``--splitgrad-xfails`` by canonical test id (empty without the option)."""
+    return getattr(config, "_splitgrad_xfails", {})
+
+
+def _backend_location(name: str) -> str:
+    """Where the backend's code comes from, without importing it (empty when unknown)."""
+    import importlib.util
+
+    if name.startswith("path:"):
+        return os.path.abspath(name[len("path:") :])
+    target = {"impl": "splitgrad.impl", "reference": "splitgrad.reference"}.get(name)
+    if name.startswith(("module:", "class:")):
+        target = name.split(":", 2)[1]
+    if not target:
+        return ""
+    try:
+        spec = importlib.util.find_spec(target)
+    except (ImportError, ValueError) as exc:
+        return f"not importable: {type(exc).__name__}: {exc}"
+    if spec is None:
+        return "not importable: no such module"
+    return spec.origin or ", ".join(spec.submodule_search_locations or ())
+
+
+def pytest_report_header(config) -> list[str]:
+    """The backend under test, device, hypothesis profile and seed, torch's version (only in a
+    run that asks for the suite)."""
+    if not suite_requested(config):
+        return []
+    import torch
+
+    from .profiles import active_profile_name
+
+    opts = options_of(config)
+    backend = opts["backend"]
+    where = _backend_location(backend)
+    device = opts["device"] or ("cuda" if backend == "transformer_engine" else "cpu")
+    if device == "cuda" and torch.cuda.is_available():
+        device += f" ({torch.cuda.get_device_name()})"
+    elif device == "cuda":
+        device += " (torch.cuda.is_available() is False)"
+    profile = opts["profile"] or active_profile_name()
+    seed = opts["seed"] or "the profile's"
+    lines = [
+        f"splitgrad conformance: backend {backend}" + (f" ({where})" if where else ""),
+        f"  device {device}, hypothesis profile {profile}, seed {seed}, torch {torch.__version__}"
+        f", {opts['threads'] or 1} thread(s) per process",
+    ]
+    expected = expected_failures(config)
+    if opts["xfails"]:
+        lines.append(f"  expected failures: {opts['xfails']} ({len(expected)} listed, strict)")
+    return lines

@@ -1,8 +1,9 @@
 """splitgrad's conformance suite as pytest tests (collected by ``pytest --pyargs
 splitgrad.properties``; options from :mod:`splitgrad.properties.pytest_plugin`).
 
-``test_api_complete`` fails once when the backend lacks part of SPEC's API; ``test_property``
-runs one cell of the campaign per test id.
+``test_api_complete`` fails once when the backend lacks part of SPEC's API (where ``splitgrad
+verify`` exits 2, with the same rule for when FP8 counts); ``test_property`` runs one cell of the
+campaign per test id. Cells listed in ``--splitgrad-xfails`` are strict expected failures.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from splitgrad.properties.pytest_plugin import options_of
+from splitgrad.properties.pytest_plugin import expected_failures, options_of
 
 
 class DeviationObserved(AssertionError):
@@ -65,7 +66,12 @@ def _setup(frozen_options: tuple[tuple[str, str], ...]):
     profile = opts["profile"] or active_profile_name()
     seed = int(opts["seed"]) if opts["seed"] else None
     device = opts["device"] or ("cuda" if opts["backend"] == "transformer_engine" else "cpu")
-    return backend, forced, cells, profile, seed, device, properties, families
+    # FP8 API counts when a recipe is asked for or a planned cell runs under FP8 (a forced FP8
+    # path): the rule splitgrad verify applies, so both report the same gaps.
+    fp8_asked = any(f != "none" for f in families) or any(
+        c.recipe_label != "none" for c in cells if c.path != "default"
+    )
+    return backend, forced, cells, profile, seed, device, properties, fp8_asked
 
 
 def _context(config):
@@ -76,21 +82,24 @@ def pytest_generate_tests(metafunc) -> None:
     if "splitgrad_cell" not in metafunc.fixturenames:
         return
     backend, _, cells, *_ = _context(metafunc.config)
+    listed = expected_failures(metafunc.config)
     params = []
     for cell in cells:
         marks = []
         declared = [
             d for d in backend.deviations if d.expected_in(cell.property_id, cell.kind, cell.dtype)
         ]
+        reasons = []
         if declared:
-            reason = " | ".join(
-                d.summary + (f" ({d.reference})" if d.reference else "") for d in declared
-            )
-            marks.append(
-                pytest.mark.xfail(
-                    strict=True, raises=DeviationObserved, reason=f"declared deviation: {reason}"
-                )
-            )
+            summaries = (d.summary + (f" ({d.reference})" if d.reference else "") for d in declared)
+            reasons.append("declared deviation: " + " | ".join(summaries))
+        entry = listed.get(cell.test_id)
+        if entry is not None:
+            reasons.append(entry.describe())
+        if reasons:
+            # A listed cell fails in any way; a declared deviation only the way it declares.
+            raises = DeviationObserved if entry is None else None
+            marks.append(pytest.mark.xfail(strict=True, raises=raises, reason="; ".join(reasons)))
         params.append(pytest.param(cell, id=cell.test_id, marks=marks))
     metafunc.parametrize("splitgrad_cell", params)
 
@@ -98,10 +107,13 @@ def pytest_generate_tests(metafunc) -> None:
 def test_api_complete(request) -> None:
     """The backend has every part of SPEC's API the chosen properties use."""
     from splitgrad.properties.campaign import api_gaps
+    from splitgrad.properties.xfails import API_COMPLETE
 
-    backend, _, cells, _, _, _, properties, families = _context(request.config)
-    fp8 = any(f != "none" for f in families)
-    gaps = api_gaps(backend, properties, fp8)
+    backend, _, cells, _, _, _, properties, fp8_asked = _context(request.config)
+    entry = expected_failures(request.config).get(API_COMPLETE)
+    if entry is not None:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=entry.describe()))
+    gaps = api_gaps(backend, properties, fp8_asked)
     if gaps:
         lines = [
             f"{what}" + (f" -> blocks {', '.join(blocked)}" if blocked else "")
@@ -119,7 +131,7 @@ def test_property(splitgrad_cell, request) -> None:
     from splitgrad.properties.campaign import BLOCKED, DEVIATION, NA, PASS, CellResult, run_cell
     from splitgrad.properties.strategies import LOW_PRECISION_DTYPES
 
-    backend, forced, _, profile, seed, device, _, families = _context(request.config)
+    backend, forced, _, profile, seed, device, _, fp8_asked = _context(request.config)
     c = splitgrad_cell
     if c.property_id in ("P1", "P2", "P3") and c.dtype not in LOW_PRECISION_DTYPES:
         pytest.skip(f"{c.property_id} in {c.dtype}: no wider dtype to measure error against")
@@ -134,7 +146,7 @@ def test_property(splitgrad_cell, request) -> None:
         recipes=c.recipes,
         recipe_label=c.recipe_label,
         seed=seed,
-        fp8_asked=any(f != "none" for f in families),
+        fp8_asked=fp8_asked,
     )
     if cell.status == NA:
         pytest.skip(f"n/a: {cell.message}")

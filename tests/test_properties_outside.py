@@ -1,27 +1,40 @@
 """The harness pointed at packages that are not splitgrad's: ``module:NAME``, ``path:DIR``,
-``class:MODULE:ATTR``, a package lacking part of SPEC's API, and the pytest plugin run the way
-an outside project's CI runs it (``pytest --pyargs splitgrad.properties ...``, with xdist and
-JUnit)."""
+``class:MODULE:ATTR``, a package lacking part of SPEC's API, plain re-exports of impl, and the
+pytest plugin run the way an outside project's CI runs it (``pytest --pyargs
+splitgrad.properties ...``, with xdist and JUnit, its header, an expected-failures file);
+TransformerEngine's FP8 recipes mapped by name."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from xml.etree import ElementTree as ET
 
 import pytest
 from outside_packages import write_packages
-from splitgrad.properties.backends import get_backend
-from splitgrad.properties.strategies import ModuleConfig
+from outside_reexport import write_reexports
+from splitgrad.properties import xfails
+from splitgrad.properties.backends import (
+    RecipeMappingError,
+    get_backend,
+    to_transformer_engine_recipe,
+)
+from splitgrad.properties.campaign import FAIL, NA, PASS, CellResult, api_gaps
+from splitgrad.properties.pytest_plugin import suite_requested
+from splitgrad.properties.registry import PROPERTIES
+from splitgrad.properties.strategies import ModuleConfig, make_recipe
 from splitgrad.properties.verify import main
 
 
 @pytest.fixture(scope="module")
 def outside(tmp_path_factory) -> Path:
-    root = write_packages(tmp_path_factory.mktemp("outside"))
+    root = write_reexports(write_packages(tmp_path_factory.mktemp("outside")))
     sys.path.insert(0, str(root))
     yield root
     sys.path.remove(str(root))
@@ -36,7 +49,7 @@ def test_renamed_reference_passes_without_private_helpers(outside: Path, capsys)
     """Every property on a package that refuses splitgrad's private gemm_*_names() to the
     harness: roles come from SPEC's parameter names."""
     backend = get_backend("module:renamed_ref")
-    assert backend.missing_api() == {"fp8_quantizer": backend.missing_api()["fp8_quantizer"]}
+    assert backend.missing_api() == {}  # no quantizer module of its own: P13 n/a, not a gap
     m = backend.build(ModuleConfig("LayerNormMLP", 4, 3), delay=True)
     # Called from a frame of splitgrad.properties, the helper is refused (or absent) ...
     harness_frame = {"__name__": "splitgrad.properties.somewhere", "m": m}
@@ -82,12 +95,39 @@ def test_missing_api_is_reported_once_with_exit_2(outside: Path, capsys, tmp_pat
     assert not any(s == "FAIL" for s in status_of.values())
 
 
-def test_fp8_gap_only_when_a_recipe_is_asked(outside: Path, capsys) -> None:
+def test_no_quantizer_module_is_p13_na_said_once_not_missing_api(outside: Path, capsys) -> None:
+    """fp8_autocast without a quantizer module of the package's own: complete; P13 n/a, said
+    once; the other FP8 cells run."""
     argv = ["--backend", "module:renamed_ref", "--module", "Linear", "--examples", "2"]
     status, out = _verify([*argv, "--property", "P1,P13", "--recipe", "delayed"], capsys)
-    assert status == 2, out
-    assert "missing API: renamed_ref has no FP8 quantizer" in out and "blocks P13" in out
-    assert "P1        Linear" in out and "FAIL" not in out
+    assert status == 0, out
+    assert "missing API" not in out and "FAIL" not in out
+    assert out.count("renamed_ref exposes no FP8 quantizer of its own") == 1, out
+    assert "P1        Linear" in out and "2 n/a" in out
+
+
+def test_plain_reexports_of_impl_lack_nothing(outside: Path) -> None:
+    for name in ("impl_star", "impl_names"):
+        backend = get_backend(f"module:{name}")
+        assert backend.missing_api() == {}, name
+        assert api_gaps(backend, list(PROPERTIES), True) == {}, name
+        config = ModuleConfig("Linear", 32, 32, dtype="bfloat16", recipe="delayed-max-hybrid")
+        assert backend.unsupported_reason("P1", config) is None
+        why = backend.unsupported_reason("P13", config)
+        assert why is not None and f"{name} exposes no FP8 quantizer of its own" in why
+    lacking = get_backend("module:impl_no_fp8").missing_api()
+    assert lacking == {"fp8": "impl_no_fp8 does not export fp8_autocast"}
+
+
+def test_verify_passes_a_plain_reexport_p13_na_said_once(outside: Path, capsys) -> None:
+    """The default slices (FP8, and impl's forced scaled_mm path, which a re-export keeps):
+    nothing missing, exit 0, P13 n/a with its reason once."""
+    argv = ["--backend", "module:impl_star", "--module", "Linear", "--dtype", "bfloat16"]
+    status, out = _verify([*argv, "--property", "P1,P13", "--examples", "2"], capsys)
+    assert status == 0, out
+    assert "missing API" not in out and "lacks part" not in out
+    assert out.count("impl_star exposes no FP8 quantizer of its own") == 1, out
+    assert "path=scaled_mm: pass" in out or "scaled_mm         " in out
 
 
 def test_planted_bug_in_an_outside_package_fails(outside: Path, capsys) -> None:
@@ -234,3 +274,300 @@ def test_pytest_plugin_declared_deviations_are_strict_xfails(outside: Path, tmp_
     assert "XFAIL" in proc.stdout and "bias gradient 2 % too large" in proc.stdout
     assert "XPASS(strict)" in proc.stdout and "made up: outputs off by a bias" in proc.stdout
     assert "1 failed" in proc.stdout and "1 xfailed" in proc.stdout
+
+
+def test_pytest_plugin_passes_a_plain_reexport_and_names_it_in_the_header(
+    outside: Path, tmp_path: Path
+) -> None:
+    """Same cells as the verify run above: test_api_complete passes, P13 skipped n/a with its
+    reason said once; the header names the backend, device, profile, seed and torch."""
+    import torch
+
+    xml = tmp_path / "reexport.xml"
+    proc = _pytest(
+        outside,
+        "--splitgrad-backend",
+        "module:impl_star",
+        "--splitgrad-module",
+        "Linear",
+        "--splitgrad-property",
+        "P1,P13",
+        "--splitgrad-dtype",
+        "bfloat16",
+        "--splitgrad-examples",
+        "2",
+        "--splitgrad-profile",
+        "ci",
+        "--splitgrad-seed",
+        "7",
+        f"--junitxml={xml}",
+        "-rs",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    results = _junit(xml)
+    assert results["test_api_complete"] == "passed"
+    assert results["test_property[P1-Linear-bfloat16-all-path=scaled_mm]"] == "passed"
+    assert results["test_property[P13-Linear-bfloat16-all]"] == "skipped"
+    assert proc.stdout.count("impl_star exposes no FP8 quantizer of its own") == 1, proc.stdout
+    head = proc.stdout.split("collected", 1)[0]
+    assert f"splitgrad conformance: backend module:impl_star ({outside / 'impl_star'}" in head
+    assert f"device cpu, hypothesis profile ci, seed 7, torch {torch.__version__}" in head
+
+
+def test_missing_fp8_fails_test_api_complete_as_verify_exits_2(
+    outside: Path, tmp_path: Path, capsys
+) -> None:
+    """impl's modules without fp8_autocast: impl's forced FP8 path plans cells under FP8, so
+    both routes report the gap (it used to be a silent skip and a passing test_api_complete)."""
+    argv = ["--backend", "module:impl_no_fp8", "--module", "Linear", "--property", "P13"]
+    status, out = _verify([*argv, "--dtype", "bfloat16", "--examples", "2"], capsys)
+    assert status == 2, out
+    assert "missing API: impl_no_fp8 does not export fp8_autocast (blocks P13)" in out
+    xml = tmp_path / "no_fp8.xml"
+    proc = _pytest(
+        outside,
+        "--splitgrad-backend",
+        "module:impl_no_fp8",
+        "--splitgrad-module",
+        "Linear",
+        "--splitgrad-property",
+        "P13",
+        "--splitgrad-dtype",
+        "bfloat16",
+        f"--junitxml={xml}",
+        "-rN",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    results = _junit(xml)
+    assert results.pop("test_api_complete") == "failure"
+    assert results and set(results.values()) == {"skipped"}, results
+    assert proc.stdout.count("impl_no_fp8 does not export fp8_autocast -> blocks P13") == 1
+
+
+def test_header_only_when_the_suite_is_asked_for() -> None:
+    def config(*args: str) -> SimpleNamespace:
+        plain = [a for a in args if not a.startswith("-")]
+        return SimpleNamespace(invocation_params=SimpleNamespace(args=args), args=plain)
+
+    assert not suite_requested(config("tests/test_budgets_meta.py", "-q"))
+    assert suite_requested(config("--pyargs", "splitgrad.properties", "-n", "2"))
+    assert suite_requested(config("tests", "--splitgrad-backend=module:mypkg"))
+    assert suite_requested(config("site-packages/splitgrad/properties/test_conformance.py"))
+
+
+# ---- the expected-failures file ---------------------------------------------------------------
+
+
+XFAILS = """\
+# made up, so that it shows as XPASS(strict)
+test_conformance.py::test_property[P1-Linear-float32-none]
+
+P3 Linear float32      # the planted 2 % bias gradient
+test_api_complete      # no split API in this package yet
+# a cell this run does not select: ignored
+test_property[P4-GroupedLinear-bfloat16-none-path=grouped]
+"""
+
+
+def test_xfails_file_spellings_and_reasons() -> None:
+    entries = xfails.parse_xfails(XFAILS, "xf.txt")
+    assert {k: (e.reason, e.line) for k, e in entries.items()} == {
+        "P1-Linear-float32-none": ("made up, so that it shows as XPASS(strict)", 2),
+        "P3-Linear-float32-none": ("the planted 2 % bias gradient", 4),
+        "test_api_complete": ("no split API in this package yet", 5),
+        "P4-GroupedLinear-bfloat16-none-path=grouped": (
+            "a cell this run does not select: ignored",
+            7,
+        ),
+    }
+    assert entries["P3-Linear-float32-none"].describe() == (
+        "expected failure (xf.txt:4): the planted 2 % bias gradient"
+    )
+    for label, canonical in (
+        ("P1 Linear bfloat16 all path=scaled_mm", "P1-Linear-bfloat16-all-path=scaled_mm"),
+        ("P6 LayerNormMLP bfloat16 mxfp8", "P6-LayerNormMLP-bfloat16-mxfp8"),
+        ("P1 GroupedLinear float32 path=grouped", "P1-GroupedLinear-float32-none-path=grouped"),
+    ):
+        assert xfails.canonical_id(label) == canonical
+
+
+@pytest.mark.parametrize(
+    ("line", "names"),
+    [
+        ("P4-Linaer-bfloat16-none", ["xf.txt:3", "'P4-Linaer-bfloat16-none'", "kind 'Linaer'"]),
+        ("P44 Linear float32", ["xf.txt:3", "property 'P44'"]),
+        ("P4-Linear-float8-none", ["dtype 'float8'", "float32"]),
+        ("P12-Linear-float32-none", ["P12 does not apply to Linear"]),
+        ("P1-Linear-float32-none-path=fast", ["forced path 'fast'", "scaled_mm"]),
+        ("P1-Linear-float32", ["is not a cell"]),
+        ("P3 Linear float32", ["xf.txt:3", "listed already at line 1"]),
+    ],
+)
+def test_xfails_file_names_a_line_that_names_no_cell(line: str, names: list[str]) -> None:
+    with pytest.raises(xfails.XfailsFileError) as exc:
+        xfails.parse_xfails(f"P3-Linear-float32-none  # bug\n\n{line}\n", "xf.txt")
+    for name in names:
+        assert name in str(exc.value), (name, str(exc.value))
+
+
+def test_xfails_judge_verify_cells_strictly() -> None:
+    entries = xfails.parse_xfails(
+        "P3 Linear float32  # known\nP1-Linear-bfloat16-all-path=scaled_mm\nP4 Linear float32\n",
+        "xf.txt",
+    )
+    failed = CellResult("P3", "Linear", "float32", status=FAIL, message="bias.grad off")
+    fixed = CellResult("P1", "Linear", "bfloat16", "all", status=PASS, path="scaled_mm")
+    na = CellResult("P4", "Linear", "float32", status=NA, message="no delay")
+    other = CellResult("P5", "Linear", "float32", status=FAIL, message="real bug")
+    notes = xfails.apply_to_cells([failed, fixed, na, other], entries)
+    assert failed.status == xfails.XFAIL and "expected failure (xf.txt:1): known" in failed.message
+    assert "bias.grad off" in failed.message
+    assert fixed.status == FAIL and fixed.message.startswith("XPASS(strict)")
+    assert "xf.txt:2" in fixed.message
+    assert (na.status, other.status) == (NA, FAIL)
+    assert notes == [
+        "XFAIL P3 Linear float32: expected failure (xf.txt:1): known",
+        "XPASS(strict) P1 Linear bfloat16 all path=scaled_mm: xf.txt:2",
+    ]
+
+
+def test_pytest_plugin_xfails_file_is_strict(outside: Path, tmp_path: Path) -> None:
+    """Listed cells that fail are XFAIL (test_api_complete included), a listed cell that
+    passes fails as XPASS(strict) with its reason, a listed cell outside the run is ignored."""
+    listed = tmp_path / "splitgrad-xfails.txt"
+    listed.write_text(XFAILS)
+    xml = tmp_path / "xfails.xml"
+    proc = _pytest(
+        outside,
+        "--splitgrad-backend",
+        "module:gappy_buggy",
+        "--splitgrad-module",
+        "Linear",
+        "--splitgrad-property",
+        "P1,P3",
+        "--splitgrad-dtype",
+        "float32",
+        "--splitgrad-recipe",
+        "none",
+        "--splitgrad-examples",
+        "20",
+        "--splitgrad-xfails",
+        listed.name,
+        f"--junitxml={xml}",
+        "-rxX",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert _junit(xml) == {
+        "test_api_complete": "xfailed",
+        "test_property[P1-Linear-float32-none]": "failure",
+        "test_property[P3-Linear-float32-none]": "xfailed",
+    }
+    assert "XPASS(strict)" in proc.stdout and "made up, so that it shows" in proc.stdout
+    assert "the planted 2 % bias gradient" in proc.stdout
+    assert f"expected failures: {listed} (4 listed, strict)" in proc.stdout
+
+
+def test_pytest_plugin_refuses_an_xfails_file_naming_no_cell(outside: Path, tmp_path: Path):
+    listed = tmp_path / "xf.txt"
+    listed.write_text("P3 Linear float32\nP4-Linaer-bfloat16-none  # typo\n")
+    proc = _pytest(outside, "--splitgrad-xfails", str(listed), cwd=tmp_path)
+    assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
+    err = proc.stderr + proc.stdout
+    assert f"--splitgrad-xfails: {listed}:2: 'P4-Linaer-bfloat16-none': unknown kind" in err
+    assert "Traceback" not in err
+
+
+# ---- TransformerEngine's recipe classes, mapped by name ----------------------------------------
+
+
+class _TEFormat(enum.Enum):
+    E4M3 = "e4m3"
+    E5M2 = "e5m2"
+    HYBRID = "hybrid"
+
+
+@dataclasses.dataclass
+class _TEDelayed:
+    margin: int = 0
+    fp8_format: _TEFormat = _TEFormat.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    reduce_amax: bool = True
+
+
+@dataclasses.dataclass
+class _TECurrent:
+    fp8_format: _TEFormat = _TEFormat.HYBRID
+
+
+@dataclasses.dataclass
+class _TEMX:
+    margin: int = 0
+    fp8_format: _TEFormat = _TEFormat.E4M3
+
+
+@dataclasses.dataclass
+class _TEBlock:
+    fp8_format: _TEFormat = _TEFormat.E4M3
+    x_block_scaling_dim: int = 1
+
+
+def _fake_te(**override) -> SimpleNamespace:
+    """A stand-in for ``transformer_engine.common.recipe``: TE's class and field names."""
+    names = {
+        "__name__": "transformer_engine.common.recipe",
+        "Format": _TEFormat,
+        "DelayedScaling": _TEDelayed,
+        "Float8CurrentScaling": _TECurrent,
+        "MXFP8BlockScaling": _TEMX,
+        "Float8BlockScaling": _TEBlock,
+    }
+    names.update(override)
+    return SimpleNamespace(**{k: v for k, v in names.items() if v is not None})
+
+
+def test_transformer_engine_recipes_mapped_by_name() -> None:
+    from splitgrad.reference import fp8
+
+    te = _fake_te()
+    delayed = fp8.DelayedScaling(
+        margin=2, fp8_format=fp8.Format.E4M3, amax_history_len=16, amax_compute_algo="most_recent"
+    )
+    assert to_transformer_engine_recipe(delayed, te) == _TEDelayed(
+        2, _TEFormat.E4M3, 16, "most_recent"
+    )
+    assert to_transformer_engine_recipe(fp8.Float8CurrentScaling(), te) == _TECurrent(
+        _TEFormat.HYBRID
+    )
+    assert to_transformer_engine_recipe(fp8.MXFP8BlockScaling(), te) == _TEMX(0, _TEFormat.E4M3)
+    assert to_transformer_engine_recipe(fp8.Float8BlockScaling(), te) == _TEBlock(_TEFormat.E4M3)
+    # Every recipe the harness draws maps.
+    from splitgrad.properties.strategies import RECIPES
+
+    for name in RECIPES:
+        mapped = to_transformer_engine_recipe(make_recipe(name), te)
+        assert type(mapped).__name__.startswith("_TE"), name
+
+
+def test_transformer_engine_recipe_without_a_counterpart_fails_naming_it() -> None:
+    from splitgrad.reference import fp8
+
+    @dataclasses.dataclass
+    class OldDelayed:  # a TE whose DelayedScaling has no amax_compute_algo
+        margin: int = 0
+        fp8_format: _TEFormat = _TEFormat.HYBRID
+        amax_history_len: int = 1024
+
+    with pytest.raises(RecipeMappingError, match=r"DelayedScaling\.amax_compute_algo \(= 'max'\)"):
+        to_transformer_engine_recipe(fp8.DelayedScaling(), _fake_te(DelayedScaling=OldDelayed))
+    with pytest.raises(RecipeMappingError, match="has no MXFP8BlockScaling"):
+        to_transformer_engine_recipe(fp8.MXFP8BlockScaling(), _fake_te(MXFP8BlockScaling=None))
+
+    class NoHybrid(enum.Enum):
+        E4M3 = "e4m3"
+
+    with pytest.raises(RecipeMappingError, match=r"fp8_format = <Format.HYBRID.*no Format.HYBRID"):
+        to_transformer_engine_recipe(fp8.Float8CurrentScaling(), _fake_te(Format=NoHybrid))

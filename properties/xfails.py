@@ -1,0 +1,209 @@
+"""Expected failures an outside team keeps in its own repository: ``--splitgrad-xfails FILE``
+for the pytest plugin, and for ``splitgrad verify`` (:func:`apply_to_cells`).
+
+In the spirit of array-api-tests' ``--xfails-file`` and scikit-learn's
+``expected_failed_checks``. One cell per line, as its pytest id or as ``splitgrad verify``
+labels it; ``#`` starts a comment, and the comment on the line (else the comment lines just
+above it) is the reason shown with the result::
+
+    # our backward_dw() overwrites .grad (tracked in mypkg#12)
+    test_property[P4-Linear-bfloat16-none]
+    P6-Linear-bfloat16-none
+    P3 GroupedLinear float32            # bias of empty groups, mypkg#15
+    P1 Linear bfloat16 all path=scaled_mm
+    test_api_complete                   # no hooks yet
+
+Strict: a listed cell that fails is an expected failure (XFAIL); one that passes is a failure
+(pytest's ``XPASS(strict)``), so a fixed deviation shows and its line gets removed. A listed cell
+that this run does not select (narrowed by ``--splitgrad-module`` and the like) is ignored; a line
+that names no cell of any run (a typo, a property that does not apply to that module) is an
+error naming it and its line, before anything runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ExpectedFailure",
+    "XfailsFileError",
+    "XFAIL",
+    "API_COMPLETE",
+    "parse_xfails",
+    "load_xfails",
+    "canonical_id",
+    "cell_id",
+    "apply_to_cells",
+]
+
+#: The status :func:`apply_to_cells` gives a listed cell that failed.
+XFAIL = "xfail"
+#: The plugin's test of the backend's API, listable like a cell.
+API_COMPLETE = "test_api_complete"
+
+
+class XfailsFileError(ValueError):
+    """The expected-failures file cannot be read, or a line in it names no cell."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpectedFailure:
+    """One line of the file: the cell (canonical test id), why, and where it is written."""
+
+    test_id: str
+    reason: str
+    source: str
+    line: int
+
+    @property
+    def where(self) -> str:
+        return f"{self.source}:{self.line}"
+
+    def describe(self) -> str:
+        """``expected failure (FILE:LINE): reason``."""
+        return f"expected failure ({self.where})" + (f": {self.reason}" if self.reason else "")
+
+
+def cell_id(property_id: str, kind: str, dtype: str, recipe: str = "none", path: str = "default"):
+    """The canonical id of a cell: the plugin's ``test_property[...]`` parameter,
+    ``P4-Linear-bfloat16-none`` (``-path=NAME`` appended for a forced path)."""
+    base = f"{property_id}-{kind}-{dtype}-{recipe}"
+    return base if path == "default" else f"{base}-path={path}"
+
+
+def _names() -> dict[str, Any]:
+    from .paths import IMPL_PATHS
+    from .plan import RECIPE_CHOICES
+    from .registry import PROPERTIES
+    from .strategies import DTYPES, KINDS
+
+    return {
+        "property": tuple(PROPERTIES),
+        "kind": tuple(KINDS),
+        "dtype": tuple(DTYPES),
+        "recipe": tuple(RECIPE_CHOICES),
+        "path": tuple(IMPL_PATHS),
+    }
+
+
+def canonical_id(text: str) -> str:
+    """The canonical id of the cell ``text`` names, in any of the accepted spellings (a pytest
+    node id ``...::test_property[P4-Linear-bfloat16-none]``, the bare parameter, or a verify
+    label ``P4 Linear bfloat16 [recipe] [path=NAME]``); raises :class:`XfailsFileError` saying
+    what is wrong with it."""
+    raw = text.strip()
+    item = raw.rsplit("::", 1)[-1]
+    if item == API_COMPLETE:
+        return API_COMPLETE
+    if item.startswith("test_property[") and item.endswith("]"):
+        item = item[len("test_property[") : -1]
+    if " " in item:
+        parts = item.split()
+        path = "default"
+        if parts[-1].startswith("path="):
+            path = parts.pop()[len("path=") :]
+        recipe = parts.pop() if len(parts) == 4 else "none"
+        if len(parts) != 3:
+            raise XfailsFileError(
+                f"{raw!r} is not a cell: expected 'PROPERTY KIND DTYPE [RECIPE] [path=NAME]'"
+            )
+    else:
+        parts = item.split("-")
+        path = "default"
+        if len(parts) == 5 and parts[4].startswith("path="):
+            path = parts.pop()[len("path=") :]
+        if len(parts) != 4:
+            raise XfailsFileError(
+                f"{raw!r} is not a cell: expected test_property[PROPERTY-KIND-DTYPE-RECIPE"
+                "[-path=NAME]], a verify label, or test_api_complete"
+            )
+        recipe = parts.pop()
+    property_id, kind, dtype = parts
+    names = _names()
+    for what, value in (
+        ("property", property_id),
+        ("kind", kind),
+        ("dtype", dtype),
+        ("recipe", recipe),
+    ):
+        if value not in names[what]:
+            raise XfailsFileError(
+                f"{raw!r}: unknown {what} {value!r}; expected one of {', '.join(names[what])}"
+            )
+    if path != "default" and path not in names["path"]:
+        raise XfailsFileError(
+            f"{raw!r}: unknown forced path {path!r}; expected one of {', '.join(names['path'])}"
+        )
+    from .paths import IMPL_PATHS
+    from .registry import applicable
+
+    if not applicable(property_id, kind):
+        raise XfailsFileError(f"{raw!r}: {property_id} does not apply to {kind}, no such cell")
+    if path != "default" and not IMPL_PATHS[path].applies(kind):
+        raise XfailsFileError(f"{raw!r}: forced path {path} does not apply to {kind}")
+    return cell_id(property_id, kind, dtype, recipe, path)
+
+
+def parse_xfails(text: str, source: str = "<xfails>") -> dict[str, ExpectedFailure]:
+    """The entries of an expected-failures file's ``text`` by canonical id; raises
+    :class:`XfailsFileError` naming ``source``, the line and the id that names no cell, or a
+    cell listed twice."""
+    out: dict[str, ExpectedFailure] = {}
+    pending: list[str] = []  # the comment block just above the next entry
+    for number, line in enumerate(text.splitlines(), start=1):
+        entry, _, comment = line.partition("#")
+        entry, comment = entry.strip(), comment.strip()
+        if not entry:
+            pending = [*pending, comment] if comment else ([] if not line.strip() else pending)
+            continue
+        try:
+            test_id = canonical_id(entry)
+        except XfailsFileError as exc:
+            raise XfailsFileError(f"{source}:{number}: {exc}") from None
+        if test_id in out:
+            raise XfailsFileError(
+                f"{source}:{number}: {entry!r} is listed already at line {out[test_id].line}"
+            )
+        reason = comment or " ".join(pending)
+        out[test_id] = ExpectedFailure(test_id, reason, source, number)
+    return out
+
+
+def load_xfails(path: str | Path) -> dict[str, ExpectedFailure]:
+    """:func:`parse_xfails` of the file at ``path``."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise XfailsFileError(f"cannot read the expected-failures file {path}: {exc}") from None
+    return parse_xfails(text, str(path))
+
+
+def apply_to_cells(cells: list[Any], expected: dict[str, ExpectedFailure]) -> list[str]:
+    """Judge ``splitgrad verify``'s finished cells (:class:`~.campaign.CellResult`) against the
+    expected failures, in place: a listed cell that failed, errored or deviated becomes
+    :data:`XFAIL` (its message says why it was expected); a listed cell that passed becomes a
+    ``FAIL`` saying ``XPASS(strict)``. n/a and blocked cells are left as they are. Returns one
+    line per changed cell, for the run's summary."""
+    from .campaign import DEVIATION, ERROR, FAIL, PASS
+
+    notes = []
+    for cell in cells:
+        entry = expected.get(
+            cell_id(cell.property_id, cell.kind, cell.dtype, cell.recipe, cell.path)
+        )
+        if entry is None:
+            continue
+        if cell.status in (FAIL, ERROR, DEVIATION):
+            cell.message = f"{entry.describe()} | {cell.status}: {cell.message}"
+            cell.status = XFAIL
+            notes.append(f"XFAIL {cell.label}: {entry.describe()}")
+        elif cell.status == PASS:
+            cell.status = FAIL
+            cell.message = (
+                f"XPASS(strict): listed as an {entry.describe()}, but it passed; remove the line"
+            )
+            notes.append(f"XPASS(strict) {cell.label}: {entry.where}")
+    return notes
