@@ -11,18 +11,27 @@ listing every mismatch.
 * :func:`check_pipeline` (P15): stages of split-backward modules under
   ``torch.distributed.pipelining`` schedules with :func:`~splitgrad.distributed.dw_builder`;
   loss and every gradient bitwise equal to running the same stages on the same micro-batches in
-  one process, then dividing by the micro-batch count as the schedule does. Bitwise holds because
-  each parameter's micro-batch contributions are added in micro-batch order (W steps run FIFO)
-  by the same kernels on the same shapes, and the stage boundaries only copy tensors.
+  one process *without delay* (SPEC §7), then dividing by the micro-batch count as the schedule
+  does. Bitwise holds because each parameter's micro-batch contributions are added in
+  micro-batch order (W steps run FIFO) by the same kernels on the same shapes (delayed ≡
+  non-delayed, P4), and the stage boundaries only copy tensors. Without FP8, every gradient is
+  also judged against ``splitgrad.reference``'s float64 truth, within the data-parallel budget
+  scaled by the reference's own same-dtype error (not the package's: a bug its delayed and
+  non-delayed paths share must still show).
 * :func:`check_data_parallel` (P16): :class:`~splitgrad.distributed.GradientReducer` over 2
   replicas, alone, under a zero-bubble pipeline (2 stages x 2 replicas) and next to the
   expert-parallel layer; every reduction launched before ``finish()`` (and some before the last
   ``backward_dw()``); gradients bitwise equal to ``(replica0 + replica1) / 2`` computed in one
-  process (a sum of two is exact in either order), and within the data-parallel budget of the
-  single-process global-batch run.
-* :func:`check_expert_parallel` (P14): :class:`~splitgrad.distributed.ExpertParallelMoE` over 2
-  ranks; experts bitwise the single-process ``GroupedLinear`` over all experts, their
-  ``backward_dw()`` run inside the dispatch all-to-all's backward.
+  process by the package without delay (a sum of two is exact in either order), and within the
+  data-parallel budget of the float64 global-batch truth of ``splitgrad.reference``.
+* :func:`check_expert_parallel` (P14): :class:`~splitgrad.distributed.ExpertParallelMoE` (or
+  the layer named by ``moe=``) over 2 ranks; experts bitwise the single-process
+  ``GroupedLinear`` over all experts, and, from the order of recorded events (the dispatch
+  all-to-all's backward start and wait, the experts' ``backward_dw()`` start and end), their
+  ``backward_dw()`` run while that all-to-all was in flight.
+
+A rank that raises or a harness step that meets an unexpected value (a gradient that is
+``None``) becomes a failure of the report naming what went wrong, never a crash of the check.
 """
 
 from __future__ import annotations
@@ -36,8 +45,7 @@ import torch
 import torch.distributed as dist
 
 from .data_parallel import GradientReducer
-from .expert_parallel import ExpertParallelMoE
-from .launch import run_ranks
+from .launch import RankFailure, run_ranks
 from .modules import split_modules
 from .pipeline import dw_builder, in_shape_inference
 
@@ -98,15 +106,62 @@ class DistributedReport:
         if got.shape != want.shape or got.dtype != want.dtype or not torch.equal(got, want):
             self.failures.append(f"{what}: not bitwise equal ({_diff(got, want)})")
 
-    def within(self, what: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    def within(
+        self, what: str, got: torch.Tensor | None, want: torch.Tensor | None, tol: float
+    ) -> None:
         self.compared += 1
+        if got is None or want is None:
+            if got is not want:
+                self.failures.append(f"{what}: got {_desc(got)}, expected {_desc(want)}")
+            return
         err = float((got.double() - want.double()).abs().max()) if got.numel() else 0.0
         if not err <= tol:
             self.failures.append(f"{what}: max error {err:.3g} > budget {tol:.3g}")
 
 
 def _desc(t: torch.Tensor | None) -> str:
-    return "None" if t is None else f"tensor {tuple(t.shape)} {t.dtype}"
+    return "None (no gradient)" if t is None else f"tensor {tuple(t.shape)} {t.dtype}"
+
+
+def _ranks(report: DistributedReport, what: str, fn, world: int, *args, timeout_s: float):
+    """:func:`run_ranks`, a failed or stuck rank (the package raised, or a harness step met
+    what it did not expect) turned into a failure of ``report`` with its traceback's end."""
+    try:
+        return run_ranks(fn, world, *args, timeout_s=timeout_s)
+    except RankFailure as exc:
+        tails = {r: tb.strip().splitlines()[-1:] for r, tb in exc.tracebacks.items()}
+        report.failures.append(f"{what}: {str(exc).splitlines()[0]}: {tails}")
+        report.notes.append(str(exc))
+        return None
+
+
+def _mean(grads: list, divisor: float):
+    """``sum(grads) / divisor``, or ``None`` if a gradient is missing (reported by name where it
+    is compared)."""
+    if any(g is None for g in grads):
+        return None
+    total = grads[0].clone()
+    for g in grads[1:]:
+        total += g
+    return total.div_(divisor)
+
+
+def _judge_truth(report, where: str, got: dict, naive: dict, truth: dict) -> None:
+    """Every gradient in ``got`` within the data-parallel budget of the float64 truth, the
+    budget scaled by the naive same-dtype run's own error (both from ``splitgrad.reference``,
+    not the package under test, so a bug the package's delayed and non-delayed paths share is
+    still measured)."""
+    from splitgrad.properties.budgets import data_parallel_tolerance
+
+    for name, g in got.items():
+        want, yard = truth.get(name), naive.get(name)
+        if want is None or yard is None or g is None:
+            report.within(f"{where} {name} vs the float64 truth", g, want, 0.0)
+            continue
+        naive_err = float((yard.double() - want.double()).abs().max()) if want.numel() else 0.0
+        scale = float(want.abs().max()) if want.numel() else 0.0
+        tol = data_parallel_tolerance(g.dtype, naive_err, scale)
+        report.within(f"{where} {name} vs the float64 truth", g, want, tol)
 
 
 def _diff(got: torch.Tensor, want: torch.Tensor) -> str:
@@ -148,6 +203,7 @@ class Block(torch.nn.Module):
     """``x + proj(tanh(gate(mlp(x))))``: a ``LayerNormMLP`` and a ``Linear`` of the package under
     test (delayed, plain or fused) around a ``torch.nn.Linear`` (reduced from autograd's hooks).
 
+    ``delay=False`` builds the same block without delay (the single-process baselines).
     ``microbatches_per_step``: pass ``is_first_microbatch=True`` to the first forward of every
     step (counting forwards, pipelining's shape-inference pass excluded), as a training loop with
     fused accumulation does; ``main_grad`` then starts from ``prefill_seed``'s random values,
@@ -165,16 +221,18 @@ class Block(torch.nn.Module):
         value_dtype=None,
         microbatches_per_step: int | None = None,
         prefill_seed: int = 0,
+        delay: bool = True,
     ) -> None:
         super().__init__()
-        kw = dict(params_dtype=dtype, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
+        kw = dict(params_dtype=dtype, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fused)
         self.mlp = lib.LayerNormMLP(hidden, ffn, **kw)
         self.gate = torch.nn.Linear(hidden, hidden, dtype=dtype)
         self.proj = lib.Linear(hidden, hidden, **kw)
         gen = torch.Generator().manual_seed(1000 + seed)
         with torch.no_grad():
-            for p in self.parameters():
-                # values rounded to value_dtype first, so a float64 twin holds the same numbers
+            for _, p in sorted(self.named_parameters(), key=lambda item: item[0]):
+                # by name (any package's registration order draws the same values), rounded
+                # to value_dtype first, so a float64 twin holds the same numbers
                 value = (torch.randn(p.shape, generator=gen) * 0.3).to(value_dtype or dtype)
                 p.copy_(value.to(dtype))
         self.microbatches_per_step = microbatches_per_step
@@ -230,7 +288,8 @@ def _scale(module: torch.nn.Module, factor: int) -> None:
 
 
 def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((out.float() - target.float()) ** 2).mean()
+    wide = torch.promote_types(out.dtype, torch.float32)  # float64 truth stays float64
+    return ((out.to(wide) - target.to(wide)) ** 2).mean()
 
 
 def _autocast(lib, recipe):
@@ -342,9 +401,14 @@ def _run_pipeline(
             target=target if last else None,
             losses=losses if last else None,
         )
-    for r in reducers.values():
-        r.finish()  # a no-op where the schedule's gradient scaling finished it already
+    errors = []
+    for i, r in reducers.items():
+        try:
+            r.finish()  # a no-op where the schedule's gradient scaling finished it already
+        except RuntimeError as exc:
+            errors.append(f"stage {i}: {exc}")
     return {
+        "errors": errors,
         "grads": {i: _clone(_gradients(b)) for i, b in blocks.items()},
         "losses": [loss.detach().clone() for loss in losses],
         "pending": {
@@ -359,20 +423,35 @@ def _run_pipeline(
     }
 
 
-def _single_pipeline(lib, cfg: PipelineConfig, num_stages: int, data_seeds=(0,)) -> dict:
-    """The same stages run one after the other on every micro-batch, each micro-batch's entries
-    drained before the next, gradients divided by the micro-batch count at the end."""
+def _single_pipeline(
+    lib,
+    cfg: PipelineConfig,
+    num_stages: int,
+    data_seeds=(0,),
+    *,
+    dtype: torch.dtype | None = None,
+    fused: bool | None = None,
+) -> dict:
+    """The same stages run one after the other on every micro-batch in one process, without
+    delay (SPEC §7: the baseline of P15 and P16), gradients divided by the micro-batch count by
+    the caller. ``dtype``/``fused`` override the config's (the float64 truth runs plain in
+    float64 on values rounded to the config's dtype)."""
     hidden, ffn, rows = _sizes(cfg.recipe)
+    dtype = cfg.dtype if dtype is None else dtype
+    fused = cfg.fused if fused is None else fused
     blocks = [
         Block(
             lib,
             hidden,
             ffn,
             i,
-            fused=cfg.fused,
-            dtype=cfg.dtype,
-            microbatches_per_step=cfg.n_microbatches if cfg.fused else None,
+            fused=fused,
+            dtype=dtype,
+            value_dtype=cfg.dtype,
+            # one step over every seed's micro-batches: only the very first overwrites
+            microbatches_per_step=cfg.n_microbatches * len(data_seeds) if fused else None,
             prefill_seed=99,
+            delay=False,
         )
         for i in range(num_stages)
     ]
@@ -380,7 +459,7 @@ def _single_pipeline(lib, cfg: PipelineConfig, num_stages: int, data_seeds=(0,))
     recipe = _make_recipe(lib, cfg.recipe)
     for seed in data_seeds:
         x, target = _data(seed, cfg.n_microbatches * rows, hidden, cfg.dtype)
-        for xb, tb in zip(x.split(rows), target.split(rows)):
+        for xb, tb in zip(x.to(dtype).split(rows), target.to(dtype).split(rows)):
             h = xb
             with _autocast(lib, recipe):
                 for b in blocks:
@@ -398,16 +477,37 @@ def _pipeline_rank(rank: int, world: int, lib_name: str, configs: list[PipelineC
     return [_run_pipeline(lib, cfg, rank, world) for cfg in configs]
 
 
+def _scaled_grads(run: dict, divisor: int) -> list[dict]:
+    for b in run["blocks"]:
+        _scale(b, divisor)
+    return [_clone(_gradients(b)) for b in run["blocks"]]
+
+
+def _reference_runs(cfg: PipelineConfig, num_stages: int, data_seeds=(0,)) -> dict:
+    """``splitgrad.reference`` without delay on the same stages and micro-batches: in the
+    config's dtype and accumulation (the naive yardstick) and plain in float64 (the truth);
+    ``None`` under FP8, whose truth is the same-recipe one that P3 and P13 judge."""
+    if cfg.recipe is not None:
+        return {"naive": None, "truth": None}
+    ref = load_package("splitgrad.reference")
+    divisor = cfg.n_microbatches * len(data_seeds)
+    naive = _single_pipeline(ref, cfg, num_stages, data_seeds)
+    truth = _single_pipeline(ref, cfg, num_stages, data_seeds, dtype=torch.float64, fused=False)
+    return {"naive": _scaled_grads(naive, divisor), "truth": _scaled_grads(truth, divisor)}
+
+
 def _pipeline_truth(rank: int, world: int, lib_name: str, configs, pp: int) -> list:
     lib = load_package(lib_name)
     out = []
     for cfg in configs:
         _, num_stages = stage_layout(cfg.schedule, 0, pp)
         run = _single_pipeline(lib, cfg, num_stages)
-        for b in run["blocks"]:
-            _scale(b, cfg.n_microbatches)
         out.append(
-            {"grads": [_clone(_gradients(b)) for b in run["blocks"]], "losses": run["losses"]}
+            {
+                "grads": _scaled_grads(run, cfg.n_microbatches),
+                "losses": run["losses"],
+                **_reference_runs(cfg, num_stages),
+            }
         )
     return out
 
@@ -428,9 +528,29 @@ def check_pipeline(
     configs = [
         PipelineConfig(s, f, r, dtype, n_mb) for s in schedules for f in fused for r in recipes
     ]
-    results = run_ranks(_pipeline_rank, world_size, lib_name, configs, timeout_s=timeout_s)
-    (truth,) = run_ranks(_pipeline_truth, 1, lib_name, configs, world_size, timeout_s=timeout_s)
     report = DistributedReport(f"P15 {lib_name} on {world_size} ranks")
+    results = _ranks(
+        report,
+        "pipeline ranks",
+        _pipeline_rank,
+        world_size,
+        lib_name,
+        configs,
+        timeout_s=timeout_s,
+    )
+    truths = _ranks(
+        report,
+        "single-process baseline",
+        _pipeline_truth,
+        1,
+        lib_name,
+        configs,
+        world_size,
+        timeout_s=timeout_s,
+    )
+    if results is None or truths is None:
+        return report
+    (truth,) = truths
     for k, cfg in enumerate(configs):
         want = truth[k]
         for rank, per_rank in enumerate(results):
@@ -438,7 +558,15 @@ def check_pipeline(
             where = f"{cfg.label} rank {rank}"
             for i, grads in got["grads"].items():
                 for name, g in grads.items():
-                    report.bitwise(f"{where} stage {i} {name}", g, want["grads"][i][name])
+                    report.bitwise(
+                        f"{where} stage {i} {name} vs the package without delay",
+                        g,
+                        want["grads"][i][name],
+                    )
+                if want["truth"] is not None:
+                    _judge_truth(
+                        report, f"{where} stage {i}", grads, want["naive"][i], want["truth"][i]
+                    )
                 left = {n: c for n, c in got["pending"][i].items() if c}
                 if left or got["runners_left"][i]:
                     report.failures.append(
@@ -511,16 +639,27 @@ def _dp_rank(rank: int, world: int, lib_name: str, configs: list[dict]) -> list:
 
 
 def _dp_truth(rank: int, _: int, lib_name: str, configs: list[dict], world: int) -> list:
-    """Per config: the replicas emulated in one process (their sum, then the two divisions the
-    distributed run does), the global batch through one model in the same dtype (the naive
-    yardstick) and in float64 (the truth)."""
+    """Per config: the replicas emulated in one process by the package without delay (their
+    sum, then the two divisions the distributed run does), and the global batch through
+    ``splitgrad.reference`` in the same dtype (the naive yardstick) and plain in float64 (the
+    truth)."""
     lib = load_package(lib_name)
+    ref = load_package("splitgrad.reference")
     hidden, ffn, rows = _sizes(None)
 
-    def run(dtype, seeds, value_dtype):
+    def run(package, dtype, seeds, value_dtype, fused):
         blocks = torch.nn.Sequential(
             *(
-                Block(lib, hidden, ffn, i, fused=fused, dtype=dtype, value_dtype=value_dtype)
+                Block(
+                    package,
+                    hidden,
+                    ffn,
+                    i,
+                    fused=fused,
+                    dtype=dtype,
+                    value_dtype=value_dtype,
+                    delay=False,
+                )
                 for i in range(2)
             )
         )
@@ -528,24 +667,20 @@ def _dp_truth(rank: int, _: int, lib_name: str, configs: list[dict], world: int)
             x, target = _data(seed, n_mb * rows, hidden, value_dtype)
             for xb, tb in zip(x.split(rows), target.split(rows)):
                 _loss(blocks(xb.to(dtype)), tb.to(dtype)).backward()
-            for b in reversed(list(blocks)):
-                _drain(b)
-        return _gradients(blocks)
+        return _clone(_gradients(blocks))
 
     out = []
     for cfg in configs:
         n_mb, fused, dtype = cfg["n_mb"], cfg["fused"], cfg["dtype"]
-        replicas = [run(dtype, (100 + r,), dtype) for r in range(world)]
-        emulated = {}
-        for name in replicas[0]:
-            total = replicas[0][name].clone()
-            for rep in replicas[1:]:
-                total += rep[name]
-            emulated[name] = total.div_(world).div_(n_mb)
+        replicas = [run(lib, dtype, (100 + r,), dtype, fused) for r in range(world)]
+        emulated = {name: _mean([rep[name] for rep in replicas], world) for name in replicas[0]}
+        emulated = {n: None if g is None else g.div_(n_mb) for n, g in emulated.items()}
         seeds = tuple(100 + r for r in range(world))
-        naive = {n: g.div(world * n_mb) for n, g in run(dtype, seeds, dtype).items()}
-        truth = {n: g.div(world * n_mb) for n, g in run(torch.float64, seeds, dtype).items()}
-        out.append({"emulated": _clone(emulated), "naive": _clone(naive), "truth": _clone(truth)})
+        divisor = world * n_mb
+        naive = {n: g.div(divisor) for n, g in run(ref, dtype, seeds, dtype, fused).items()}
+        truth = run(ref, torch.float64, seeds, dtype, False)
+        truth = {n: g.div(divisor) for n, g in truth.items()}
+        out.append({"emulated": emulated, "naive": naive, "truth": truth})
     return out
 
 
@@ -557,8 +692,6 @@ def check_data_parallel(
     timeout_s: float = 600.0,
 ) -> DistributedReport:
     """P16 alone, on 2 gloo replicas: fused and plain, no_sync() and num_microbatches."""
-    from splitgrad.properties.budgets import data_parallel_tolerance
-
     configs = [
         {"fused": f, "mode": m, "n_mb": n_microbatches, "dtype": d}
         for f in (False, True)
@@ -566,9 +699,21 @@ def check_data_parallel(
         for d in dtypes
     ]
     world = 2
-    results = run_ranks(_dp_rank, world, lib_name, configs, timeout_s=timeout_s)
-    (truth,) = run_ranks(_dp_truth, 1, lib_name, configs, world, timeout_s=timeout_s)
     report = DistributedReport(f"P16 {lib_name} on {world} replicas")
+    results = _ranks(report, "replicas", _dp_rank, world, lib_name, configs, timeout_s=timeout_s)
+    truths = _ranks(
+        report,
+        "single-process baseline",
+        _dp_truth,
+        1,
+        lib_name,
+        configs,
+        world,
+        timeout_s=timeout_s,
+    )
+    if results is None or truths is None:
+        return report
+    (truth,) = truths
     for k, cfg in enumerate(configs):
         label = f"{'fused' if cfg['fused'] else 'plain'} {cfg['mode']} {cfg['dtype']}"
         for rank, per_rank in enumerate(results):
@@ -579,12 +724,17 @@ def check_data_parallel(
             _check_launches(report, where, got)
             for name, g in got["grads"].items():
                 report.bitwise(
-                    f"{where} {name} vs (replica0 + replica1) / 2", g, truth[k]["emulated"][name]
+                    f"{where} {name} vs (replica0 + replica1) / 2 without delay",
+                    g,
+                    truth[k]["emulated"][name],
                 )
-                want, naive = truth[k]["truth"][name], truth[k]["naive"][name]
-                naive_err = float((naive.double() - want).abs().max())
-                tol = data_parallel_tolerance(g.dtype, naive_err, float(want.abs().max()))
-                report.within(f"{where} {name} vs the float64 global batch", g, want, tol)
+            _judge_truth(
+                report,
+                f"{where} (global batch)",
+                got["grads"],
+                truth[k]["naive"],
+                truth[k]["truth"],
+            )
     return report
 
 
@@ -634,8 +784,23 @@ def _load(module, values: dict) -> None:
 _MOE = {"tokens": 12, "hidden": 16, "experts": 4}
 
 
-def _moe_rank(rank: int, world: int, lib_name: str) -> dict:
+def _traced_backward_dw(module, timeline: list[str]) -> None:
+    """Bracket ``module.backward_dw()`` with events in ``timeline`` (on the instance, so the
+    layer under test cannot leave them out)."""
+    original = module.backward_dw
+
+    def backward_dw(*args, **kwargs):
+        timeline.append("experts backward_dw start")
+        result = original(*args, **kwargs)
+        timeline.append("experts backward_dw end")
+        return result
+
+    module.backward_dw = backward_dw
+
+
+def _moe_rank(rank: int, world: int, lib_name: str, moe_name: str) -> dict:
     lib = load_package(lib_name)
+    moe_cls = load_package(moe_name)
     tokens, hidden, experts = _MOE["tokens"], _MOE["hidden"], _MOE["experts"]
     local = experts // world
     proj_w, proj_b, expert_w, expert_b, xs, assign, dys = _moe_data(
@@ -647,7 +812,8 @@ def _moe_rank(rank: int, world: int, lib_name: str) -> dict:
     grouped = lib.GroupedLinear(local, hidden, hidden, delay_wgrad_compute=True)
     _load(grouped, {f"weight{i}": expert_w[e] for i, e in enumerate(mine)})
     _load(grouped, {f"bias{i}": expert_b[e] for i, e in enumerate(mine)})
-    moe = ExpertParallelMoE(grouped)
+    moe = moe_cls(grouped)
+    _traced_backward_dw(grouped, moe.timeline)
     model = torch.nn.ModuleDict({"proj": proj, "moe": moe})
     # data parallel for the replicated projection, the experts left to expert parallelism
     reducer = GradientReducer(
@@ -669,7 +835,7 @@ def _moe_rank(rank: int, world: int, lib_name: str) -> dict:
             e: (getattr(grouped, f"weight{i}").grad, getattr(grouped, f"bias{i}").grad)
             for i, e in enumerate(mine)
         },
-        "overlap_log": list(moe.overlap_log),
+        "timeline": list(moe.timeline),
         "pending": (proj.pending_wgrad_count, grouped.pending_wgrad_count),
         "launches": [t for *_, t in ((e["bucket"], e["time"]) for e in reducer.launch_log)],
         "dw_start": dw_start,
@@ -709,14 +875,42 @@ def _moe_truth(rank: int, world: int, lib_name: str, nranks: int) -> dict:
     }
 
 
+def _overlap_failure(timeline: list[str]) -> str | None:
+    """Why ``timeline`` does not show the experts' backward_dw() run (start and end) between the
+    dispatch all-to-all's backward start and its wait, exactly once; ``None`` if it does."""
+    start, done = "dispatch all-to-all backward start", "dispatch all-to-all backward wait done"
+    if timeline.count(start) != 1 or timeline.count(done) != 1:
+        return f"the dispatch all-to-all's backward ran {timeline.count(start)} times, expected 1"
+    lo, hi = timeline.index(start), timeline.index(done)
+    runs = [i for i, e in enumerate(timeline) if e == "experts backward_dw start"]
+    if len(runs) != 1:
+        return f"the experts' backward_dw() ran {len(runs)} times, expected 1"
+    (i,) = runs
+    ends = [j for j, e in enumerate(timeline) if e == "experts backward_dw end" and j > i]
+    if not (ends and lo < i < ends[0] < hi):
+        return "the experts' backward_dw() did not run while the dispatch all-to-all was in flight"
+    return None
+
+
 def check_expert_parallel(
-    lib_name: str = "splitgrad.impl", *, timeout_s: float = 300.0
+    lib_name: str = "splitgrad.impl",
+    *,
+    moe: str = "splitgrad.distributed:ExpertParallelMoE",
+    timeout_s: float = 300.0,
 ) -> DistributedReport:
-    """P14 (and P16 beside it) on 2 gloo ranks."""
+    """P14 (and P16 beside it) on 2 gloo ranks; ``moe`` names the expert-parallel layer
+    (``"module:Class"``, built as ``Class(grouped_linear)``)."""
     world = 2
-    results = run_ranks(_moe_rank, world, lib_name, timeout_s=timeout_s)
-    (truth,) = run_ranks(_moe_truth, 1, lib_name, world, timeout_s=timeout_s)
     report = DistributedReport(f"P14 {lib_name} on {world} ranks")
+    results = _ranks(
+        report, "expert-parallel ranks", _moe_rank, world, lib_name, moe, timeout_s=timeout_s
+    )
+    truths = _ranks(
+        report, "single-process baseline", _moe_truth, 1, lib_name, world, timeout_s=timeout_s
+    )
+    if results is None or truths is None:
+        return report
+    (truth,) = truths
     tokens = _MOE["tokens"]
     for rank, got in enumerate(results):
         rows = slice(rank * tokens, (rank + 1) * tokens)
@@ -727,11 +921,9 @@ def check_expert_parallel(
             report.bitwise(f"rank {rank} expert {e} weight.grad", w, tw)
             report.bitwise(f"rank {rank} expert {e} bias.grad", b, tb)
         report.compared += 1
-        if got["overlap_log"] != [1]:
-            report.failures.append(
-                f"rank {rank}: experts' backward_dw inside the dispatch all-to-all saw pending "
-                f"counts {got['overlap_log']}, expected [1] (one entry run while in flight)"
-            )
+        why = _overlap_failure(got["timeline"])
+        if why:
+            report.failures.append(f"rank {rank}: {why}; events in order: {got['timeline']}")
         if got["pending"] != (0, 0):
             report.failures.append(f"rank {rank}: entries left pending {got['pending']}")
         for name, g in got["proj"].items():
@@ -783,8 +975,17 @@ def _pp_dp_truth(rank: int, world: int, lib_name: str, configs: list[PipelineCon
         emulated = []
         for i in range(num_stages):
             g0, g1 = _gradients(reps[0]["blocks"][i]), _gradients(reps[1]["blocks"][i])
-            emulated.append({n: (g0[n] + g1[n]).div_(2).div_(cfg.n_microbatches) for n in g0})
-        out.append({"grads": _clone_list(emulated), "losses": [r["losses"] for r in reps]})
+            means = {n: _mean([g0[n], g1[n]], 2) for n in g0}
+            emulated.append(
+                {n: None if g is None else g.div_(cfg.n_microbatches) for n, g in means.items()}
+            )
+        out.append(
+            {
+                "grads": _clone_list(emulated),
+                "losses": [r["losses"] for r in reps],
+                **_reference_runs(cfg, num_stages, data_seeds=(0, 1)),
+            }
+        )
     return out
 
 
@@ -801,20 +1002,41 @@ def check_pipeline_data_parallel(
 ) -> DistributedReport:
     """P16 with P15 on 4 gloo ranks: 2 pipeline stages x 2 data-parallel replicas."""
     configs = [PipelineConfig(s, f, None, torch.float32, 4) for s in schedules for f in fused]
-    results = run_ranks(_pp_dp_rank, 4, lib_name, configs, timeout_s=timeout_s)
-    (truth,) = run_ranks(_pp_dp_truth, 1, lib_name, configs, timeout_s=timeout_s)
     report = DistributedReport(f"P16 x P15 {lib_name}: 2 stages x 2 replicas")
+    results = _ranks(report, "ranks", _pp_dp_rank, 4, lib_name, configs, timeout_s=timeout_s)
+    truths = _ranks(
+        report,
+        "single-process baseline",
+        _pp_dp_truth,
+        1,
+        lib_name,
+        configs,
+        timeout_s=timeout_s,
+    )
+    if results is None or truths is None:
+        return report
+    (truth,) = truths
     for k, cfg in enumerate(configs):
         for rank, per_rank in enumerate(results):
             got = per_rank[k]
             replica = rank // 2
             where = f"{cfg.label} rank {rank} (replica {replica})"
+            for error in got["errors"]:
+                report.failures.append(f"{where}: finish() raised: {error}")
             for i, grads in got["grads"].items():
                 for name, g in grads.items():
                     report.bitwise(
-                        f"{where} stage {i} {name} vs (replica0 + replica1) / 2",
+                        f"{where} stage {i} {name} vs (replica0 + replica1) / 2 without delay",
                         g,
                         truth[k]["grads"][i][name],
+                    )
+                if truth[k]["truth"] is not None:
+                    _judge_truth(
+                        report,
+                        f"{where} stage {i} (global batch)",
+                        grads,
+                        truth[k]["naive"][i],
+                        truth[k]["truth"][i],
                     )
                 launches = got["launches"][i]
                 report.compared += 1

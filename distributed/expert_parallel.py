@@ -39,9 +39,10 @@ def _wait(work, timeout: datetime.timedelta, what: str) -> None:
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group, during_backward, timeout):
+    def forward(ctx, x, output_splits, input_splits, group, during_backward, timeout, timeline):
         ctx.splits = (output_splits, input_splits)
         ctx.group, ctx.during_backward, ctx.timeout = group, during_backward, timeout
+        ctx.timeline = timeline
         out = x.new_empty(sum(output_splits), *x.shape[1:])
         work = dist.all_to_all_single(
             out, x.contiguous(), output_splits, input_splits, group=group, async_op=True
@@ -56,10 +57,15 @@ class _AllToAll(torch.autograd.Function):
         work = dist.all_to_all_single(
             dx, grad.contiguous(), input_splits, output_splits, group=ctx.group, async_op=True
         )
+        label = ctx.timeline[0] if ctx.timeline else None
+        if label:
+            ctx.timeline[1].append(f"{label} all-to-all backward start")
         if ctx.during_backward is not None:
             ctx.during_backward()  # overlaps the all-to-all in flight
         _wait(work, ctx.timeout, "all_to_all (backward)")
-        return dx, None, None, None, None, None
+        if label:
+            ctx.timeline[1].append(f"{label} all-to-all backward wait done")
+        return dx, None, None, None, None, None, None
 
 
 def all_to_all(
@@ -70,12 +76,18 @@ def all_to_all(
     *,
     during_backward: Callable[[], None] | None = None,
     timeout: datetime.timedelta = _DEFAULT_TIMEOUT,
+    timeline: list[str] | None = None,
+    label: str = "all_to_all",
 ) -> torch.Tensor:
     """Differentiable ``all_to_all_single`` over dim 0: rank r receives ``output_splits[s]`` rows
     from each rank s and sends ``input_splits[s]`` rows to it. Its backward is the reverse
-    all-to-all, started asynchronously; ``during_backward()`` runs while it is in flight."""
+    all-to-all, started asynchronously; ``during_backward()`` runs while it is in flight. With a
+    ``timeline`` list, the backward appends ``"<label> all-to-all backward start"`` once the
+    collective is launched and ``"<label> all-to-all backward wait done"`` once it is waited on,
+    so what ran in between can be read from the order of events."""
+    trace = (label, timeline) if timeline is not None else None
     return _AllToAll.apply(
-        x, list(output_splits), list(input_splits), group, during_backward, timeout
+        x, list(output_splits), list(input_splits), group, during_backward, timeout, trace
     )
 
 
@@ -123,6 +135,10 @@ class ExpertParallelMoE(torch.nn.Module):
         #: ``pending_wgrad_count`` of the experts each time the overlapped backward_dw ran
         #: (one list per step is up to the caller to clear; for tests and tracing).
         self.overlap_log: list[int] = []
+        #: Events in the order they happened (clearing is up to the caller): the backward's
+        #: ``"dispatch all-to-all backward start"`` / ``"... wait done"`` and the same for
+        #: ``combine``; a caller may append its own (P14 brackets the experts' backward_dw()).
+        self.timeline: list[str] = []
 
     def _experts_backward_dw(self) -> None:
         pending = self.experts.pending_wgrad_count
@@ -159,7 +175,14 @@ class ExpertParallelMoE(torch.nn.Module):
             if self.experts.need_backward_dw():
                 overlap = self._experts_backward_dw
         dispatched = all_to_all(
-            x[order], recv, send, self.group, during_backward=overlap, timeout=self.timeout
+            x[order],
+            recv,
+            send,
+            self.group,
+            during_backward=overlap,
+            timeout=self.timeout,
+            timeline=self.timeline,
+            label="dispatch",
         )
         # received rows are (source, expert)-major; the experts want them expert-major
         blocks = dispatched.split([n for row in per_src for n in row])
@@ -168,5 +191,13 @@ class ExpertParallelMoE(torch.nn.Module):
         y_local = self.experts(torch.cat(by_expert), m_splits)
         parts = y_local.split([per_src[s][i] for i in range(local) for s in range(world)])
         back = torch.cat([parts[i * world + s] for s in range(world) for i in range(local)])
-        combined = all_to_all(back, send, recv, self.group, timeout=self.timeout)
+        combined = all_to_all(
+            back,
+            send,
+            recv,
+            self.group,
+            timeout=self.timeout,
+            timeline=self.timeline,
+            label="combine",
+        )
         return torch.empty_like(combined).index_copy(0, order, combined)

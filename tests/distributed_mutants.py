@@ -8,6 +8,7 @@ from __future__ import annotations
 import types
 
 import splitgrad.impl as _impl
+from splitgrad.distributed import ExpertParallelMoE
 
 
 def _package(name: str, **overrides) -> types.ModuleType:
@@ -62,3 +63,21 @@ lying_need_backward_dw = _package(
     "lying_need_backward_dw", **{k: _lying(getattr(_impl, k)) for k in _KINDS}
 )
 lifo = _package("lifo", **{k: _lifo(getattr(_impl, k)) for k in _KINDS})
+
+
+class LateBackwardDwMoE(ExpertParallelMoE):
+    """The expert-parallel layer with its overlap moved: the experts' ``backward_dw()`` runs
+    from a hook on the layer's input gradient, after the dispatch all-to-all has been waited on,
+    instead of while it is in flight (every gradient still right: only the order shows it)."""
+
+    def __init__(self, experts, group=None, **options) -> None:
+        super().__init__(experts, group, overlap_backward_dw=False, **options)
+
+    def forward(self, x, expert_index):
+        y = super().forward(x, expert_index)
+        if x.requires_grad:
+            x.register_hook(self._late_backward_dw)
+        return y
+
+    def _late_backward_dw(self, grad):
+        self._experts_backward_dw()
