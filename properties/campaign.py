@@ -124,6 +124,8 @@ class CellResult:
     bitwise: int = 0
     #: The failure did not repeat when hypothesis replayed its case (see :data:`NONDETERMINISTIC`).
     nondeterministic: bool = False
+    #: ``case`` is hypothesis' shrunk one (not an enumerated example, which it runs as given).
+    shrunk: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -195,8 +197,8 @@ def api_gaps(backend: Backend, properties, fp8: bool) -> dict[str, tuple[str, li
 
     out = {}
     for part, why in backend.missing_api().items():
-        if part == "fp8_quantizer" or (part == "fp8" and not fp8):
-            continue  # a quantizer module is not SPEC's API: P13 is n/a without one
+        if part in ("fp8", "fp8_quantizer") and not fp8:
+            continue
         blocked = [pid for pid in properties if pid in SPECS and blocked_by(pid, part, fp8)]
         out[part] = (why, blocked)
     return out
@@ -286,14 +288,8 @@ def run_cell(
     ]
     if blocked:
         only_fp8 = all(p in ("fp8", "fp8_quantizer") for p in blocked)
-        no_quantizer = blocked == ["fp8_quantizer"]
-        cell.status = NA if no_quantizer or (only_fp8 and not fp8_asked) else BLOCKED
+        cell.status = NA if only_fp8 and not fp8_asked else BLOCKED
         cell.message = "; ".join(missing[p] for p in blocked)
-        if no_quantizer:
-            cell.message = (
-                f"{property_id} compares the backend's own FP8 quantizer module with the "
-                f"reference's, and it has none: {cell.message}"
-            )
         return cell
     probe = ModuleConfig(
         kind=kind,
@@ -356,7 +352,8 @@ def run_cell(
     args = (property_id, (kind,), dtypes or (dtype,), (device,))
     fused = None if backend.supports_fused else False
     kw = {"recipes": recipes, "without": without, "size_multiple": size_multiple}
-    for explicit in reversed(explicit_cases(*args, fused=fused, **kw)):
+    enumerated = explicit_cases(*args, fused=fused, **kw)
+    for explicit in reversed(enumerated):
         campaign = example(case=explicit)(campaign)
     if seed is not None:
         campaign = hypothesis_seed(seed)(campaign)
@@ -375,6 +372,7 @@ def run_cell(
             cell.seconds = time.perf_counter() - start
             return cell
         cell.case = case
+        cell.shrunk = case not in enumerated  # hypothesis shrinks generated examples only
         cell.message = _describe(exc)
         ratio = getattr(exc, "ratio", math.inf)
         cell.worst_ratio = ratio if cell.worst_ratio is None else max(cell.worst_ratio, ratio)

@@ -325,14 +325,11 @@ def _replay(backend, properties: list[str], text: str, device: str | None) -> in
         part: why
         for part, why in missing.items()
         if part == f"module:{case.config.kind}"
-        or (part != "fp8_quantizer" and blocked_by(pid, part, case.config.recipe is not None))
+        or blocked_by(pid, part, case.config.recipe is not None)
     }
     if gaps:
         print(f"{pid} blocked on {backend.name}: missing API: {'; '.join(gaps.values())}")
         return 2
-    if "fp8_quantizer" in missing and blocked_by(pid, "fp8_quantizer"):
-        print(f"{pid} n/a on {backend.name}: {missing['fp8_quantizer']}")
-        return 0
     why = backend.unsupported_reason(pid, case.config)
     if why:
         print(f"{pid} n/a on {backend.name}: {why}")
@@ -541,7 +538,7 @@ def _main(argv: list[str]) -> int:
         print(f"\n{c.status} {c.label}{where}:")
         print("  " + c.message.replace("\n", "\n  "))
         if c.case is not None:
-            what = "failing case" if c.nondeterministic else "shrunk case"
+            what = "shrunk case" if c.shrunk and not c.nondeterministic else "failing case"
             print(
                 f"  {what}: {c.case.config.label()}; micro-batches "
                 f"{[(m.lead_shape, m.m_splits, m.is_first_microbatch) for m in mbs]}"

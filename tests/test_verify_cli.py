@@ -87,7 +87,8 @@ def test_campaign_prints_table_and_writes_json_and_junit(tmp_path: Path, capsys)
         ("P4", "GroupedLinear"),
         ("P12", "GroupedLinear"),
     }
-    assert all(c["status"] == "pass" and c["examples"] == 3 for c in data["cells"])
+    # 3 drawn examples per cell, plus the enumerated boundary ones that always run.
+    assert all(c["status"] == "pass" and c["examples"] >= 3 for c in data["cells"])
     suite = ET.parse(xml).getroot().find("testsuite")
     assert suite.get("tests") == "5" and suite.get("failures") == "0"
 
@@ -123,7 +124,9 @@ def test_failure_prints_shrunk_case_and_a_working_repro(tmp_path: Path, capsys) 
     ]
     assert main(argv) == 1
     out = capsys.readouterr().out
-    assert "FAIL" in out and "shrunk case: Linear 1x1 float32" in out
+    # Every example fails, so the first enumerated boundary example does, reported as given.
+    assert "FAIL P1 Linear float32 after 1 example(s)" in out
+    assert "failing case: Linear " in out and "shrunk case" not in out
     repro = next(
         line.split("reproduce: ", 1)[1] for line in out.splitlines() if "reproduce: " in line
     )
@@ -179,7 +182,8 @@ def test_default_run_has_a_small_fp8_slice(capsys) -> None:
         ["bfloat16", "none"],
         ["bfloat16", "all"],
     ]
-    assert table[-1][4] == str(FP8_SLICE_EXAMPLES)
+    # The column counts the enumerated examples too, on top of the slice's drawn ones.
+    assert int(table[-1][4]) >= FP8_SLICE_EXAMPLES > 0
 
 
 def test_fp8_case_replays(capsys) -> None:
@@ -292,3 +296,63 @@ def test_help_texts_are_plain_and_complete(capsys) -> None:
     from importlib.metadata import version
 
     assert run(cli.main, "--version").strip() == f"splitgrad {version('splitgrad')}"
+
+
+NO_HOOKS = textwrap.dedent(
+    '''
+    """The reference without register_wgrad_accumulation_and_reduce_hooks on Linear."""
+    from splitgrad.reference import *  # noqa: F403
+    from splitgrad.reference import Linear as _Linear
+
+    class Linear(_Linear):
+        register_wgrad_accumulation_and_reduce_hooks = None
+    '''
+)
+
+
+def test_missing_api_exits_2_and_a_failure_alongside_exits_1(tmp_path: Path, capsys) -> None:
+    argv = ["--module", "Linear", "--dtype", "float32", "--examples", "2", "--recipe", "none"]
+    argv += ["--property", "P1,P4"]
+    pkg = tmp_path / "no_hooks_lib"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(NO_HOOKS)
+    assert main(["--backend", f"path:{pkg}", *argv]) == 2
+    out = capsys.readouterr().out
+    assert "missing API: " in out and "(reported once; exit status 2)" in out
+    assert [ln.split()[-1] for ln in out.splitlines() if ln.startswith("P4 ")] == ["blocked"]
+    # The same gap with a real failure: the failure takes precedence, and the text says so.
+    broken = tmp_path / "no_hooks_broken_lib"
+    broken.mkdir()
+    (broken / "__init__.py").write_text(
+        BROKEN + "    register_wgrad_accumulation_and_reduce_hooks = None\n"
+    )
+    assert main(["--backend", f"path:{broken}", *argv]) == 1
+    out = capsys.readouterr().out
+    assert "(reported once; exit status 1: a cell failed)" in out and "\nFAIL P1 Linear" in out
+    assert "a failure takes precedence" in build_parser_help()
+
+
+def build_parser_help() -> str:
+    from splitgrad.properties.verify import build_parser
+
+    return " ".join(build_parser().format_help().split())
+
+
+def test_reexport_of_impl_is_complete_and_p13_is_na_once(tmp_path: Path, capsys) -> None:
+    pkg = tmp_path / "reexport_lib"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from splitgrad.impl import *  # noqa: F403\n")
+    argv = ["--backend", f"path:{pkg}", "--module", "Linear", "--property", "P1,P13"]
+    assert main([*argv, "--examples", "2", "--impl-path", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "missing API" not in out and "lacks part of SPEC's API" not in out
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith("P13 ")]
+    assert rows and all(r[-1] == "n/a" for r in rows)
+    notes = [ln for ln in out.splitlines() if "no FP8 quantizer" in ln]
+    assert len(notes) == 1 and notes[0].startswith("note: FP8 cells n/a: "), out
+    case_argv = ["--backend", f"path:{pkg}", "--property", "P13", "--case"]
+    from splitgrad.properties.registry import example_case
+
+    case = example_case("Linear", dtype="bfloat16", recipe="delayed-max-e4m3")
+    assert main([*case_argv, case.to_json()]) == 0
+    assert "P13 n/a" in capsys.readouterr().out
