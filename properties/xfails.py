@@ -1,5 +1,6 @@
 """Expected failures an outside team keeps in its own repository: ``--splitgrad-xfails FILE``
-for the pytest plugin, and for ``splitgrad verify`` (:func:`apply_to_cells`).
+for the pytest plugin, and ``--xfails FILE`` for ``splitgrad verify`` (:func:`add_option`,
+:func:`apply_to_cells`).
 
 In the spirit of array-api-tests' ``--xfails-file`` and scikit-learn's
 ``expected_failed_checks``. One cell per line, as its pytest id or as ``splitgrad verify``
@@ -22,6 +23,7 @@ error naming it and its line, before anything runs.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ __all__ = [
     "canonical_id",
     "cell_id",
     "apply_to_cells",
+    "add_option",
 ]
 
 #: The status :func:`apply_to_cells` gives a listed cell that failed.
@@ -207,3 +210,26 @@ def apply_to_cells(cells: list[Any], expected: dict[str, ExpectedFailure]) -> li
             )
             notes.append(f"XPASS(strict) {cell.label}: {entry.where}")
     return notes
+
+
+def _entries_of(path: str) -> dict[str, ExpectedFailure]:
+    try:
+        return load_xfails(path)
+    except XfailsFileError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_option(parser: argparse.ArgumentParser, flag: str = "--xfails") -> None:
+    """Add ``flag FILE`` to a command line (``splitgrad verify``): the file is read and checked
+    while parsing, so a line that names no cell is a usage error (exit status 2) before anything
+    runs, and the parsed value is the entries for :func:`apply_to_cells` (empty without it)."""
+    parser.add_argument(
+        flag,
+        metavar="FILE",
+        type=_entries_of,
+        default={},
+        help="cells expected to fail, one per line (a pytest id such as "
+        "test_property[P4-Linear-bfloat16-none], or a label such as 'P4 Linear bfloat16'), "
+        "'#' comments giving the reason; strict: a listed cell that passes fails as "
+        "XPASS(strict)",
+    )

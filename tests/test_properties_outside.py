@@ -433,6 +433,22 @@ def test_xfails_judge_verify_cells_strictly() -> None:
     ]
 
 
+def test_xfails_option_for_verify_checks_the_file_while_parsing(tmp_path: Path, capsys) -> None:
+    from splitgrad.properties.verify import build_parser
+
+    good, bad = tmp_path / "good.txt", tmp_path / "bad.txt"
+    good.write_text("P3 Linear float32  # known\n")
+    bad.write_text("P3 Linear float32\nP3 Linear float33\n")
+    parser = build_parser()
+    xfails.add_option(parser)
+    assert parser.parse_args([]).xfails == {}
+    assert list(parser.parse_args(["--xfails", str(good)]).xfails) == ["P3-Linear-float32-none"]
+    with pytest.raises(Exception) as exc:  # verify's parser raises its usage error (exit 2)
+        parser.parse_args(["--xfails", str(bad)])
+    text = str(exc.value) + capsys.readouterr().err
+    assert f"{bad}:2: 'P3 Linear float33': unknown dtype 'float33'" in text
+
+
 def test_pytest_plugin_xfails_file_is_strict(outside: Path, tmp_path: Path) -> None:
     """Listed cells that fail are XFAIL (test_api_complete included), a listed cell that
     passes fails as XPASS(strict) with its reason, a listed cell outside the run is ignored."""
