@@ -198,6 +198,46 @@ MUTANTS = (
             ("base.py", "        del entry\n        self._run_hooks()\n", "        del entry\n"),
         ),
     ),
+    # Blind spots of a sampled campaign (issue 14, item 4): boundary sizes, gradient layouts and
+    # misuse variants the default depth must always run (SPEC §7: enumerated, not sampled).
+    Mutant(
+        "grouped-mm-one-row-bias",
+        "grouped GEMM path: the forward bias is skipped for a group of one row",
+        (
+            (
+                "gemm.py",
+                "            if y_g.shape[0]:\n                y_g.add_(b)\n",
+                "            if y_g.shape[0] > 1:\n                y_g.add_(b)\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "grouped-mm-expanded-dy",
+        "grouped GEMM path: dgrad hands torch._grouped_mm the dy autograd gave, unmade "
+        "contiguous (the stride-0 dy of loss.sum() is refused)",
+        (
+            (
+                "gemm.py",
+                "    return torch._grouped_mm(_row_major(dy), stacked_weights, offs=offs)",
+                "    return torch._grouped_mm(dy, stacked_weights, offs=offs)",
+            ),
+        ),
+    ),
+    Mutant(
+        "main-grad-check-skipped-on-first",
+        "Linear's wgrad closure skips the main_grad check when is_first_microbatch overwrites "
+        "(a queued entry then writes into a broken main_grad instead of raising)",
+        (
+            (
+                "linear.py",
+                "        def wgrad_closure(dy, x=None):\n"
+                "            module._check_main_grads(named_weights)\n",
+                "        def wgrad_closure(dy, x=None):\n"
+                "            if not overwrite:\n"
+                "                module._check_main_grads(named_weights)\n",
+            ),
+        ),
+    ),
 )
 
 

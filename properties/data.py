@@ -3,6 +3,11 @@
 Parameters get values on the scale a trained layer has (weights ~ 1/sqrt(fan_in), non-trivial
 biases and norm scales) rather than the constructors' defaults (zero biases, unit gammas), so a
 dropped bias or gamma gradient shows up as a large error instead of hiding behind a zero.
+
+Each micro-batch's ``x`` and ``dy`` come in the layout its :class:`MicroBatch` names
+(:func:`with_layout`): the values are those of the contiguous tensor, only strides differ (the
+expanded ``dy`` layouts are constants or one repeated row, the values those losses give). The
+gaps of a strided layout hold NaN, so a kernel that reads past a view's elements fails loudly.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import math
 
 import torch
 
-from .strategies import GATED, Case, MicroBatch, ModuleConfig
+from .strategies import DY_LAYOUTS, GATED, Case, MicroBatch, ModuleConfig
 
 __all__ = [
     "ParamSpec",
@@ -27,6 +32,7 @@ __all__ = [
     "gemm_weight_names",
     "gemm_bias_names",
     "role_of",
+    "with_layout",
 ]
 
 GEMM_WEIGHT, GEMM_BIAS, NORM = "gemm_weight", "gemm_bias", "norm"
@@ -125,8 +131,41 @@ class MicroBatchData:
     spec: MicroBatch
 
     def fresh_input(self) -> torch.Tensor:
-        """A new leaf copy of ``x`` that requires grad (one per module run)."""
-        return self.x.detach().clone().requires_grad_(True)
+        """A new leaf copy of ``x`` in the micro-batch's layout that requires grad (one per
+        module run)."""
+        return with_layout(self.x.detach(), self.spec.x_layout).requires_grad_(True)
+
+    def fresh_dy(self) -> torch.Tensor:
+        """A new copy of ``dy`` in the micro-batch's layout (its own storage)."""
+        return with_layout(self.dy, self.spec.dy_layout)
+
+
+def with_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A new tensor with ``t``'s values in ``layout`` (:data:`~.strategies.DY_LAYOUTS`), on
+    storage of its own. The expanded layouts need values constant along the expanded
+    dimensions (all of them, or the rows for ``"expanded_rows"``): the first element (row) is
+    expanded; raises ``ValueError`` naming an unknown layout."""
+    if layout not in DY_LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {DY_LAYOUTS}")
+    t = t.detach()
+    if layout == "contiguous":
+        return t.clone(memory_format=torch.contiguous_format)
+    if layout == "transposed":
+        # t.transpose(0, 1) of a contiguous tensor (dims 0, 1 of the leading shape; a 2-D
+        # tensor becomes column-major).
+        return t.transpose(0, 1).clone(memory_format=torch.contiguous_format).transpose(0, 1)
+    if layout in ("sliced", "narrowed"):
+        n = t.shape[-1]
+        width = 2 * n if layout == "sliced" else n + 1
+        big = torch.full((*t.shape[:-1], width), math.nan, dtype=t.dtype, device=t.device)
+        view = big[..., ::2] if layout == "sliced" else big[..., :n]
+        view.copy_(t)
+        return view
+    if layout == "expanded_rows":
+        row = t.reshape(-1, t.shape[-1])[:1].clone() if t.numel() else t.new_zeros(1, t.shape[-1])
+        return row.reshape((1,) * (t.dim() - 1) + (t.shape[-1],)).expand(t.shape)
+    value = t.reshape(-1)[:1].clone() if t.numel() else t.new_zeros(1)
+    return value.reshape((1,) * t.dim()).expand(t.shape)
 
 
 def make_micro_batch(config: ModuleConfig, mb: MicroBatch, seed: int, index: int) -> MicroBatchData:
@@ -135,12 +174,20 @@ def make_micro_batch(config: ModuleConfig, mb: MicroBatch, seed: int, index: int
     dt, dev = config.torch_dtype, config.device
     x = torch.randn((*mb.lead_shape, config.in_features), generator=g, dtype=torch.float64)
     dy = torch.randn((*mb.lead_shape, config.output_features), generator=g, dtype=torch.float64)
+    if mb.dy_layout == "expanded":
+        dy = torch.ones_like(dy)  # loss.sum()
+    elif mb.dy_layout == "expanded_mean":
+        dy = torch.full_like(dy, 1.0 / max(1, dy.numel()))  # loss.mean()
+    elif mb.dy_layout == "expanded_rows":
+        flat = dy.reshape(-1, dy.shape[-1])  # (y * v).sum(): one row for every row
+        dy = flat[:1].expand_as(flat).reshape(dy.shape) if dy.numel() else dy
     if config.recipe is not None:
         # FP8: each micro-batch at its own magnitude (x and dy scaled by 2**-2 .. 2**3), so that
         # delayed scaling meets values beyond the last step's amax (saturation) and below it.
         s = torch.randint(-2, 4, (2,), generator=generator(seed, 5_000 + index))
         x, dy = x * 2.0 ** float(s[0]), dy * 2.0 ** float(s[1])
-    return MicroBatchData(x.to(dtype=dt, device=dev), dy.to(dtype=dt, device=dev), mb)
+    x = with_layout(x.to(dtype=dt, device=dev), mb.x_layout)
+    return MicroBatchData(x, with_layout(dy.to(dtype=dt, device=dev), mb.dy_layout), mb)
 
 
 def make_micro_batches(case: Case) -> list[MicroBatchData]:

@@ -45,8 +45,9 @@ def check_p11(backend: Backend, case: Case) -> CheckResult:
                 tracked.append((f"saved activation {tuple(tensor.shape)}", StorageWeakRef(s)))
             return tensor
 
-        x = d.x.detach().clone().requires_grad_(True)
-        dy = d.dy.detach().clone()
+        # Fresh copies in the micro-batch's layouts (d keeps its own alive).
+        x = d.fresh_input()
+        dy = d.fresh_dy()
         if x.numel():
             tracked.append(("input", StorageWeakRef(x.untyped_storage())))
         if dy.numel():

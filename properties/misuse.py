@@ -19,7 +19,7 @@ from .backends import Backend
 from .data import GEMM_WEIGHT, make_micro_batches, param_specs
 from .results import CheckResult, PropertyViolation, Tracker
 from .runner import ModuleRun
-from .strategies import KINDS, Case, ModuleConfig, cases, make_recipe
+from .strategies import KINDS, Case, ModuleConfig, boundary_cases, cases, make_recipe
 
 __all__ = [
     "UB_MESSAGE",
@@ -29,6 +29,7 @@ __all__ = [
     "check_p9",
     "check_p10",
     "p10_cases",
+    "p10_explicit",
 ]
 
 
@@ -265,8 +266,10 @@ def check_p10(backend: Backend, case: Case) -> CheckResult:
     splits = d.spec.m_splits
     inp = d.fresh_input()
 
+    flag = d.spec.is_first_microbatch
+
     def call(x, ms=splits):
-        return run.forward(x, ms, None)
+        return run.forward(x, ms, flag)
 
     if misuse == "bad_last_dim":
         bad = torch.zeros(*d.spec.lead_shape, config.in_features + 1, dtype=dt, requires_grad=True)
@@ -448,7 +451,7 @@ def check_p10(backend: Backend, case: Case) -> CheckResult:
     if misuse == "dw_no_delay":
         fresh.fb(d)
     if misuse.startswith("main_grad"):
-        fresh.forward(d.fresh_input(), splits, None)  # the same forwards moved its histories
+        fresh.forward(d.fresh_input(), splits, flag)  # the same forwards moved its histories
     run.fb(d)
     fresh.fb(d)
     run.drain()
@@ -475,14 +478,84 @@ def _ctor_args(config: ModuleConfig, **override: int) -> list[int]:
 
 @st.composite
 def p10_cases(draw, kinds, dtypes, devices, recipes):
-    """One micro-batch without ``is_first_microbatch`` flags and a misuse from :func:`misuses`
-    as ``variant`` (``main_grad_*`` and ``wgrad_fails`` name the weight, e.g.
-    ``"main_grad_shape:fc2_weight"``)."""
-    case = draw(
-        cases(kinds, dtypes, devices, n_micro_batches=(1, 1), first_flags=False, recipes=recipes)
-    )
+    """One micro-batch (its ``is_first_microbatch`` flag passed to every forward) and a misuse
+    from :func:`misuses` as ``variant`` (``main_grad_*`` and ``wgrad_fails`` name the weight,
+    e.g. ``"main_grad_shape:fc2_weight"``)."""
+    case = draw(cases(kinds, dtypes, devices, n_micro_batches=(1, 1), recipes=recipes))
     variant = draw(st.sampled_from(misuses(case.config, case.delay)))
     if variant.startswith("main_grad") or variant == "wgrad_fails":
         weights = [s.name for s in param_specs(case.config) if s.role == GEMM_WEIGHT]
         variant = f"{variant}:{draw(st.sampled_from(weights))}"
     return dataclasses.replace(case, variant=variant)
+
+
+# Misuses whose outcome the is_first_microbatch flag can change under fused accumulation (a
+# backward or backward_dw() runs with the overwrite flag); the others raise in the forward.
+_FLAGGED = ("main_grad", "wgrad_fails", "dw_empty", "dw_no_delay", "hook_raises")
+
+
+def _weights(config: ModuleConfig) -> list[str]:
+    return [s.name for s in param_specs(config) if s.role == GEMM_WEIGHT]
+
+
+def p10_explicit(kinds, dtypes, devices, recipes) -> list[Case]:
+    """P10's enumeration (SPEC §7): every misuse of :func:`misuses` for every module kind,
+    fused and plain accumulation, delay on and off; under fused accumulation each misuse that
+    runs a backward for each ``is_first_microbatch`` flag (``None``, ``True``, ``False``), and
+    each ``main_grad`` misuse on every GEMM weight. Recipes, boundary shapes and layouts cycle
+    through :func:`~.strategies.boundary_cases` (a misuse of block recipes only on those)."""
+    base = boundary_cases(kinds, dtypes, devices, n_micro_batches=(1, 1), recipes=recipes)
+    out: list[Case] = []
+    counter = 0
+    for kind in kinds:
+        bases = [c for c in base if c.config.kind == kind] or [
+            dataclasses.replace(c, config=dataclasses.replace(c.config, kind=kind))
+            for c in base
+            if c.config.kind != "GroupedLinear" and kind != "GroupedLinear"
+        ]
+        for fused in (False, True):
+            for delay in (False, True):
+                configs = [
+                    dataclasses.replace(c.config, fuse_wgrad_accumulation=fused) for c in bases
+                ]
+                names: list[str] = []
+                for cfg in configs:
+                    names += [v for v in misuses(cfg, delay) if v not in names]
+                for variant in names:
+                    fits = [i for i, cfg in enumerate(configs) if variant in misuses(cfg, delay)]
+                    if variant.startswith(("main_grad", "wgrad_fails")):
+                        # The configs with the most GEMM weights: every weight gets a case.
+                        most = max(len(_weights(configs[i])) for i in fits)
+                        fits = [i for i in fits if len(_weights(configs[i])) == most]
+                    flags = (
+                        (None, True, False) if fused and variant.startswith(_FLAGGED) else (None,)
+                    )
+                    weights = (
+                        [s.name for s in param_specs(configs[fits[0]]) if s.role == GEMM_WEIGHT]
+                        if variant.startswith(("main_grad", "wgrad_fails"))
+                        else [""]
+                    )
+                    for j in range(max(len(flags), len(weights))):
+                        i = fits[counter % len(fits)]
+                        counter += 1
+                        c = bases[i]
+                        if weights[0]:
+                            names_i = [
+                                s.name for s in param_specs(configs[i]) if s.role == GEMM_WEIGHT
+                            ]
+                            target = f"{variant}:{names_i[j % len(names_i)]}"
+                        else:
+                            target = variant
+                        (mb,) = c.micro_batches
+                        flag = flags[j % len(flags)] if len(flags) > 1 else mb.is_first_microbatch
+                        out.append(
+                            dataclasses.replace(
+                                c,
+                                config=configs[i],
+                                micro_batches=(dataclasses.replace(mb, is_first_microbatch=flag),),
+                                delay=delay,
+                                variant=target,
+                                seed=len(out),
+                            )
+                        )
+    return out

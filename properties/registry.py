@@ -32,11 +32,11 @@ from hypothesis import strategies as st
 
 from .accuracy import check_p1, check_p2, check_p3
 from .backends import Backend
-from .fp8 import check_p13, p13_cases
+from .fp8 import P13_VALUES, check_p13, p13_cases
 from .grouped import check_p12
 from .input_only import check_p17, p17_cases
 from .memory import check_p11
-from .misuse import check_p9, check_p10, p10_cases
+from .misuse import check_p9, check_p10, p10_cases, p10_explicit
 from .results import CheckResult
 from .split import (
     check_p4,
@@ -49,7 +49,16 @@ from .split import (
     p6_cases,
     p7_cases,
 )
-from .strategies import KINDS, LOW_PRECISION_DTYPES, Case, MicroBatch, ModuleConfig, cases
+from .strategies import (
+    KINDS,
+    LOW_PRECISION_DTYPES,
+    RECIPES,
+    Case,
+    MicroBatch,
+    ModuleConfig,
+    boundary_cases,
+    cases,
+)
 
 __all__ = [
     "PROPERTIES",
@@ -58,6 +67,7 @@ __all__ = [
     "PropertySpec",
     "SPECS",
     "case_strategy",
+    "explicit_cases",
     "applicable",
     "run_check",
     "example_case",
@@ -247,6 +257,152 @@ def case_strategy(
     if fused is None and not without:
         return strategy
     return strategy.map(lambda c: restrict_case(c, without, fused))
+
+
+def explicit_cases(
+    property_id: str,
+    kinds: tuple[str, ...] = KINDS,
+    dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+    devices: tuple[str, ...] = ("cpu",),
+    fused: bool | None = None,
+    recipes: tuple[str | None, ...] = (None,),
+    without: frozenset[str] = frozenset(),
+    size_multiple: int = 1,
+) -> list[Case]:
+    """The cases a cell of ``property_id`` always runs before its drawn ones (SPEC §7: finite
+    dimensions enumerated, boundary sizes always among the examples), for the same arguments as
+    :func:`case_strategy` and passed through the same restrictions: the boundary patterns of
+    :func:`~.strategies.boundary_cases` (every recipe, every layout) completed with the
+    property's own structure, enumerated where it is finite (P5's prefill, P7's variants, P13's
+    value patterns, P17's modes; P10: every misuse x fused x delay x ``is_first_microbatch``,
+    :func:`~.misuse.p10_explicit`)."""
+    spec = _spec_of(property_id)
+    kinds, dtypes, devices, recipes = tuple(kinds), tuple(dtypes), tuple(devices), tuple(recipes)
+    out = _EXPLICIT.get(property_id, _explicit_plain)(kinds, dtypes, devices, recipes)
+    out = [c for c in out if c.config.kind in spec.kinds]
+    if size_multiple > 1:
+        out = [aligned_case(c, size_multiple) for c in out]
+    if fused is False:
+        without = without | {"fused"}
+    if fused is not None or without:
+        out = [restrict_case(c, without, fused) for c in out]
+    return out
+
+
+def _explicit_plain(kinds, dtypes, devices, recipes) -> list[Case]:
+    return boundary_cases(kinds, dtypes, devices, recipes=recipes)
+
+
+def _explicit_accuracy(kinds, dtypes, devices, recipes) -> list[Case]:
+    low = tuple(d for d in dtypes if d in LOW_PRECISION_DTYPES) or ("float32",)
+    return boundary_cases(kinds, low, devices, recipes=recipes)
+
+
+def _explicit_p4(kinds, dtypes, devices, recipes) -> list[Case]:
+    from .data import param_specs
+
+    out = []
+    for i, c in enumerate(boundary_cases(kinds, dtypes, devices, recipes=recipes)):
+        # Every other case freezes one parameter (a different role each time).
+        names = [s.name for s in param_specs(c.config)]
+        frozen = (names[(i // 2) % len(names)],) if i % 2 else ()
+        out.append(dataclasses.replace(c, frozen=frozen, delay=True))
+    return out
+
+
+def _explicit_p5(kinds, dtypes, devices, recipes) -> list[Case]:
+    base = boundary_cases(kinds, dtypes, devices, recipes=recipes)
+    return [
+        dataclasses.replace(c, variant=("", "prefill")[i % 2], delay=True)
+        for i, c in enumerate(base)
+    ]
+
+
+def _explicit_p6(kinds, dtypes, devices, recipes) -> list[Case]:
+    out = []
+    base = boundary_cases(kinds, dtypes, devices, n_micro_batches=(3, 3), recipes=recipes)
+    for i, c in enumerate(base):
+        n = len(c.micro_batches)
+        if i % 2:
+            schedule = ("fb", "dw", "zero") * (n - 1) + ("fb", "dw")
+        else:
+            schedule = ("fb",) * n + ("dw",) * n
+        out.append(dataclasses.replace(c, schedule=schedule, delay=True))
+    return out
+
+
+def _explicit_p7(kinds, dtypes, devices, recipes) -> list[Case]:
+    from .data import param_specs
+
+    out = []
+    base = boundary_cases(
+        kinds, dtypes, devices, n_micro_batches=(2, 2), square=True, recipes=recipes
+    )
+    variants = ("tied", "tied-chain", "frozen")
+    for i, c in enumerate(base + base[: max(0, len(variants) - len(base))]):
+        variant = variants[i % len(variants)]
+        mbs = c.micro_batches
+        if variant == "tied-chain" and c.config.kind == "GroupedLinear":
+            mbs = (
+                mbs[0],
+                dataclasses.replace(mbs[1], lead_shape=mbs[0].lead_shape, m_splits=mbs[0].m_splits),
+            )
+        names = [s.name for s in param_specs(c.config)]
+        frozen = (names[i % len(names)],) if variant == "frozen" else ()
+        out.append(
+            dataclasses.replace(c, micro_batches=mbs, variant=variant, frozen=frozen, delay=True)
+        )
+    return out
+
+
+def _explicit_p9(kinds, dtypes, devices, recipes) -> list[Case]:
+    kinds = tuple(k for k in kinds if k != "GroupedLinear") or ("Linear",)
+    return boundary_cases(kinds, dtypes, devices, n_micro_batches=(1, 2), recipes=recipes)
+
+
+def _explicit_p12(kinds, dtypes, devices, recipes) -> list[Case]:
+    return boundary_cases(("GroupedLinear",), dtypes, devices, recipes=recipes)
+
+
+def _explicit_p13(kinds, dtypes, devices, recipes) -> list[Case]:
+    fp8 = tuple(r for r in recipes if r is not None) or tuple(RECIPES)
+    base = boundary_cases(kinds, dtypes, devices, n_micro_batches=(2, 3), recipes=fp8)
+    return [
+        dataclasses.replace(c, variant=P13_VALUES[i % len(P13_VALUES)]) for i, c in enumerate(base)
+    ]
+
+
+def _explicit_p17(kinds, dtypes, devices, recipes) -> list[Case]:
+    from .data import param_specs
+    from .input_only import INPUT, MODES
+
+    out = []
+    for i, c in enumerate(boundary_cases(kinds, dtypes, devices, recipes=recipes)):
+        n = len(c.micro_batches)
+        recipe = c.config.recipe or ""
+        index = n - 1 if recipe.startswith("delayed") else i % n
+        names = [s.name for s in param_specs(c.config)]
+        # The input alone, one parameter alone, the input and a parameter, all parameters.
+        asked = ((INPUT,), (names[i % len(names)],), (INPUT, names[0]), tuple(names))[i % 4]
+        mode = MODES[(i // 2) % len(MODES)]
+        out.append(dataclasses.replace(c, variant=f"{mode}@{index}", asked=asked))
+    return out
+
+
+_EXPLICIT = {
+    "P1": _explicit_accuracy,
+    "P2": _explicit_accuracy,
+    "P3": _explicit_accuracy,
+    "P4": _explicit_p4,
+    "P5": _explicit_p5,
+    "P6": _explicit_p6,
+    "P7": _explicit_p7,
+    "P9": _explicit_p9,
+    "P10": p10_explicit,
+    "P12": _explicit_p12,
+    "P13": _explicit_p13,
+    "P17": _explicit_p17,
+}
 
 
 def aligned_case(case: Case, multiple: int) -> Case:

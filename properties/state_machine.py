@@ -16,6 +16,7 @@ with the harness's 4-step histories, past their length).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from hypothesis import strategies as st
@@ -56,7 +57,7 @@ def make_p6_machine(
         @rule(data=st.data(), first=st.sampled_from([None, True, False]))
         def forward_backward(self, data: st.DataObject, first: bool | None) -> None:
             (mb,) = data.draw(micro_batches(self.case.config, 1, first_flags=False))
-            mb = type(mb)(mb.lead_shape, mb.m_splits, first)
+            mb = dataclasses.replace(mb, is_first_microbatch=first)
             self.model.fb(make_micro_batch(self.case.config, mb, self.case.seed, self.count))
             self.count += 1
             for key, value in self.model.eager.fp8_snapshot().items():

@@ -16,6 +16,18 @@ and every token count (each ``GroupedLinear`` group's included) is a multiple of
 Such shapes are bigger than the high-precision ones, so under the same :data:`MAX_WORK` they get
 one aligned unit of tokens per micro-batch (two for a ``GroupedLinear``, so that two groups can
 be non-empty), at most three groups, and sizes of one or two alignment units.
+
+Layouts (SPEC §7): each micro-batch also draws the memory layout of its input ``x``
+(:data:`X_LAYOUTS`) and of its output gradient ``dy`` (:data:`DY_LAYOUTS`) as real models and
+losses produce them: a transpose of a contiguous tensor (sequence-first activations), a strided
+slice, a row-padded slice, and for ``dy`` the stride-0 gradients of ``loss.sum()``,
+``loss.mean()`` and ``(y * v).sum()``. Values never depend on the layout except for the expanded
+``dy`` (a constant or one row repeated, as such losses give); :mod:`.data` builds both.
+
+Boundary examples (SPEC §7): :func:`boundary_cases` gives the explicit cases every campaign cell
+runs before its drawn ones: 0- and 1-row micro-batches and groups (an all-empty split
+included), feature sizes at alignment edges (15, 16, 17; one and two units of a block recipe),
+every layout, and every FP8 recipe of the cell.
 """
 
 from __future__ import annotations
@@ -38,6 +50,10 @@ __all__ = [
     "recipe_alignment",
     "LOW_PRECISION_DTYPES",
     "MAX_WORK",
+    "X_LAYOUTS",
+    "DY_LAYOUTS",
+    "EXPANDED_LAYOUTS",
+    "boundary_cases",
     "ModuleConfig",
     "MicroBatch",
     "Case",
@@ -87,6 +103,15 @@ RECIPE_FAMILIES: dict[str, tuple[str, ...]] = {
     "block": ("block", "block-hybrid"),
 }
 _ALIGNMENT = {"MXFP8BlockScaling": 32, "Float8BlockScaling": 128}
+
+# Memory layouts of a micro-batch's input and output gradient (see the module docstring):
+# "transposed": t.transpose(0, 1) of a contiguous tensor (column-major for 2-D);
+# "sliced": big[..., ::2]; "narrowed": big[..., :n] of rows one element wider (unaligned rows);
+# "expanded": ones(()).expand (loss.sum()); "expanded_mean": the same at 1/numel (loss.mean());
+# "expanded_rows": one row expanded over the rows (stride 0 along rows: (y * v).sum()).
+X_LAYOUTS = ("contiguous", "transposed", "sliced", "narrowed")
+EXPANDED_LAYOUTS = ("expanded", "expanded_mean", "expanded_rows")
+DY_LAYOUTS = (*X_LAYOUTS, *EXPANDED_LAYOUTS)
 
 
 def make_recipe(name: str) -> Any:
@@ -222,6 +247,16 @@ class MicroBatch:
     lead_shape: tuple[int, ...]
     m_splits: tuple[int, ...] | None = None
     is_first_microbatch: bool | None = None
+    x_layout: str = "contiguous"
+    dy_layout: str = "contiguous"
+
+    def __post_init__(self) -> None:
+        if self.x_layout not in X_LAYOUTS:
+            raise ValueError(f"unknown input layout {self.x_layout!r}; expected one of {X_LAYOUTS}")
+        if self.dy_layout not in DY_LAYOUTS:
+            raise ValueError(
+                f"unknown output-gradient layout {self.dy_layout!r}; expected one of {DY_LAYOUTS}"
+            )
 
     @property
     def rows(self) -> int:
@@ -262,6 +297,8 @@ class Case:
                     lead_shape=tuple(mb["lead_shape"]),
                     m_splits=None if mb.get("m_splits") is None else tuple(mb["m_splits"]),
                     is_first_microbatch=mb.get("is_first_microbatch"),
+                    x_layout=mb.get("x_layout", "contiguous"),
+                    dy_layout=mb.get("dy_layout", "contiguous"),
                 )
                 for mb in raw.pop("micro_batches")
             )
@@ -377,9 +414,10 @@ def micro_batches(
     out = []
     for _ in range(count):
         first = draw(st.sampled_from([None, True, False])) if first_flags else None
+        layouts = draw(_layouts())
         if config.kind == "GroupedLinear":
             splits = draw(m_splits(config.num_gemms, limit, align))
-            out.append(MicroBatch((sum(splits),), splits, first))
+            out.append(MicroBatch((sum(splits),), splits, first, *layouts))
             continue
         if align > 1:
             rows = align * draw(st.integers(1, max(1, min(limit // align, 2))))
@@ -391,8 +429,17 @@ def micro_batches(
             divisors = [d for d in range(1, rows + 1) if rows % d == 0]
             d = draw(st.sampled_from(divisors))
             shape = (d, rows // d)
-        out.append(MicroBatch(shape, None, first))
+        out.append(MicroBatch(shape, None, first, *layouts))
     return tuple(out)
+
+
+def _layouts() -> st.SearchStrategy[tuple[str, str]]:
+    # Half of the draws keep the contiguous layout (shrinking to it); the rest are spread over
+    # the others, so that random values still dominate dy.
+    def one(names: tuple[str, ...]) -> st.SearchStrategy[str]:
+        return st.one_of(st.just(names[0]), st.sampled_from(names[1:]))
+
+    return st.tuples(one(X_LAYOUTS), one(DY_LAYOUTS))
 
 
 @st.composite
@@ -441,3 +488,136 @@ def cases(
     count = draw(st.integers(*n_micro_batches))
     mbs = draw(micro_batches(config, count, first_flags=first_flags))
     return Case(config=config, micro_batches=mbs, seed=draw(seeds()), delay=draw(st.booleans()))
+
+
+# ---- boundary examples ---------------------------------------------------------------------
+
+# (in_features, out_features) per pattern in units: high precision at the 16-element alignment
+# edge of torch._grouped_mm / _scaled_mm (16 and 16 +- 1) and the smallest sizes; block recipes
+# at one and two alignment units (the next multiple), 128-wide blocks at one unit only.
+_EDGE_SIZES = ((16, 17), (17, 16), (15, 16), (1, 1))
+_UNIT_SIZES = ((1, 2), (2, 1), (1, 1), (2, 2))
+# Row counts per pattern (in alignment units under block recipes): a 1-row and a 0-row
+# micro-batch, a (batch, seq) input, 1-row groups next to empty ones, an all-empty split.
+_ROWS = (((1,), (0,)), ((2, 3), (1,)), ((0,), (2,)), ((1, 1), (3,)))
+# Under block recipes: one unit of rows per micro-batch at most (a leading 1 stays 1).
+_UNIT_ROWS = (((1,), (0,)), ((1, 1), (1,)), ((0,), (1,)), ((1,), (1,)))
+_SPLITS = (
+    (3, ((1, 0, 1), (0, 0, 0))),
+    (2, ((0, 1), (1, 1))),
+    (1, ((1,), (0,))),
+    (3, ((2, 1, 0), (0, 0, 1))),
+)
+
+
+def _boundary_config(
+    kind: str,
+    pattern: int,
+    dtype: str,
+    device: str,
+    recipe: str | None,
+    fused: bool | None,
+    bias: bool | None,
+    square: bool,
+) -> ModuleConfig:
+    align = recipe_alignment(recipe)
+    if align == 1:
+        k, m = _EDGE_SIZES[pattern]
+        if kind in NORM_KINDS:
+            k = max(k, 3)  # a norm over 1-2 features has no judgeable dx (see module_configs)
+    else:
+        k, m = (a * align for a in _UNIT_SIZES[pattern if align < 128 else 2])
+    return ModuleConfig(
+        kind=kind,
+        in_features=k,
+        out_features=k if square and kind != "LayerNormMLP" else m,
+        num_gemms=_SPLITS[pattern][0] if kind == "GroupedLinear" else 1,
+        bias=pattern != 3 if bias is None else bias,
+        fuse_wgrad_accumulation=pattern in (1, 2) if fused is None else fused,
+        normalization=NORMALIZATIONS[pattern % 2],
+        activation=ACTIVATIONS[pattern] if kind == "LayerNormMLP" else "gelu",
+        zero_centered_gamma=kind in NORM_KINDS and pattern == 3,
+        dtype=dtype,
+        device=device,
+        recipe=recipe,
+    )
+
+
+def _boundary_batches(
+    config: ModuleConfig, pattern: int, count: int, first_flags: bool, slot: int, offset: int = 0
+) -> tuple[MicroBatch, ...]:
+    align = config.alignment
+    if config.kind == "GroupedLinear":
+        splits = list(_SPLITS[pattern][1])
+        if align > 1 and pattern == 3:
+            splits = [(0, 1, 1), (1, 0, 0)]  # at most two units of rows (see the docstring)
+        shapes = [((align * sum(s),), tuple(align * n for n in s)) for s in splits]
+    else:
+        rows = _ROWS[pattern] if align == 1 else _UNIT_ROWS[pattern]
+        # The last leading dimension carries the alignment units ((1, 1) -> (1, align)).
+        shapes = [((*r[:-1], r[-1] * align), None) for r in rows]
+    # A later round of cases with fewer micro-batches than shapes takes the next shapes.
+    shapes = shapes[offset % len(shapes) :] + shapes[: offset % len(shapes)]
+    while len(shapes) < count:
+        shapes.append(shapes[len(shapes) % 2])
+    out = []
+    for j, (lead, splits_j) in enumerate(shapes[:count]):
+        first = (True, False, None)[(pattern + j) % 3] if first_flags else None
+        k = slot + j
+        out.append(
+            MicroBatch(
+                lead,
+                splits_j,
+                first,
+                X_LAYOUTS[k % len(X_LAYOUTS)],
+                DY_LAYOUTS[k % len(DY_LAYOUTS)],
+            )
+        )
+    return tuple(out)
+
+
+def boundary_cases(
+    kinds: Sequence[str] = KINDS,
+    dtypes: Sequence[str] = ("float32", "bfloat16"),
+    devices: Sequence[str] = ("cpu",),
+    n_micro_batches: tuple[int, int] = (1, 3),
+    fused: bool | None = None,
+    bias: bool | None = None,
+    square: bool = False,
+    first_flags: bool = True,
+    recipes: Sequence[str | None] = (None,),
+) -> list[Case]:
+    """The explicit cases a cell with these arguments (those of :func:`cases`) always runs:
+    four boundary patterns (0- and 1-row micro-batches and groups, an all-empty split, sizes at
+    alignment edges, both norms, every activation, fused and plain, delay on and off), more when
+    there are more recipes, so that every recipe of ``recipes`` and every kind of ``kinds`` is
+    one of them; the micro-batches run through every input and output-gradient layout."""
+    n = max(len(_ROWS), len(recipes), len(kinds))
+    lo, hi = n_micro_batches
+    out, slot = [], 0
+    for i in range(n):
+        pattern = i % len(_ROWS)
+        config = _boundary_config(
+            kinds[i % len(kinds)],
+            pattern,
+            dtypes[i % len(dtypes)],
+            devices[i % len(devices)],
+            recipes[i % len(recipes)],
+            fused,
+            bias,
+            square,
+        )
+        count = min(max(2, lo), hi)
+        mbs = _boundary_batches(config, pattern, count, first_flags, slot, i // len(_ROWS))
+        slot += count
+        out.append(Case(config=config, micro_batches=mbs, seed=i, delay=pattern in (0, 1)))
+    # Too few micro-batch slots to reach every layout (one micro-batch per case): more cases.
+    while slot < len(DY_LAYOUTS):
+        i = len(out) % n
+        base = out[i]
+        mbs = _boundary_batches(
+            base.config, i % len(_ROWS), len(base.micro_batches), first_flags, slot, len(out) // n
+        )
+        slot += len(mbs)
+        out.append(dataclasses.replace(base, micro_batches=mbs, seed=len(out)))
+    return out

@@ -221,3 +221,163 @@ def test_plan_ids_are_unique_and_match_verify() -> None:
     only = plan_cells(S.KINDS, ("float32",), ["P4"], impl_paths=["grouped"])
     assert [c.test_id for c in only] == ["P4-GroupedLinear-float32-none-path=grouped"]
     assert all(c.path == "default" for c in plan_cells(S.KINDS, ("float32",), ["P4"], ["none"]))
+
+
+# ---- SPEC §7: finite dimensions enumerated, boundary sizes always run ----------------------
+
+
+def _cell_explicit(cell) -> list[S.Case]:
+    """The explicit cases run_cell gives ``cell`` (its recipes and size multiple as there)."""
+    from splitgrad.properties.paths import IMPL_PATHS
+    from splitgrad.properties.registry import explicit_cases
+
+    recipes, multiple = cell.recipes, 1
+    if cell.path != "default":
+        path = IMPL_PATHS[cell.path]
+        multiple = path.size_multiple
+        if path.recipes is not None:
+            recipes = tuple(r for r in recipes if r in path.recipes) or (None,)
+    return explicit_cases(
+        cell.property_id, (cell.kind,), (cell.dtype,), recipes=recipes, size_multiple=multiple
+    )
+
+
+def _default_cells():
+    from splitgrad.properties.plan import plan_cells
+
+    return plan_cells(S.KINDS, ("float32", "bfloat16"), list(PROPERTIES))
+
+
+def test_every_default_cell_runs_the_boundary_examples() -> None:
+    """0- and 1-row micro-batches (1 alignment unit under block FP8), 1-row groups next to
+    empty ones, an all-empty split, every recipe of the cell and every layout, in every cell
+    of the default campaign (so also in a --examples 10 slice)."""
+    for cell in _default_cells():
+        cases = _cell_explicit(cell)
+        assert cases, cell.test_id
+        assert {c.config.kind for c in cases} <= {cell.kind, "Linear"}, cell.test_id
+        mbs = [mb for c in cases for mb in c.micro_batches]
+        units = {c.config.alignment for c in cases}
+        if cell.kind == "GroupedLinear":
+            groups = {n for mb in mbs for n in mb.m_splits}
+            assert 0 in groups and groups & units, cell.test_id
+            assert any(mb.m_splits and not any(mb.m_splits) for mb in mbs), cell.test_id
+        elif cell.property_id != "P12":
+            rows = {mb.rows for mb in mbs}
+            assert 0 in rows and rows & units, cell.test_id
+        fp8 = {r for r in cell.recipes if r is not None}
+        if cell.path == "scaled_mm":
+            fp8 = {r for r in fp8 if r.startswith(("delayed", "current"))}
+        assert fp8 <= {c.config.recipe for c in cases}, cell.test_id
+        assert {mb.x_layout for mb in mbs} == set(S.X_LAYOUTS), cell.test_id
+        assert {mb.dy_layout for mb in mbs} == set(S.DY_LAYOUTS), cell.test_id
+
+
+def test_boundary_sizes_sit_at_alignment_edges() -> None:
+    """High precision: 16 and 16 +- 1 (torch._grouped_mm / _scaled_mm's 16-element alignment)
+    and 1; block recipes: one and two units (MXFP8: 32 and 64; 128-wide blocks: 128)."""
+    sizes = {c.config.in_features for c in S.boundary_cases(("Linear",))}
+    assert {1, 15, 16, 17} <= sizes
+    for recipe, want in (("mxfp8", {32, 64}), ("block", {128})):
+        cases = S.boundary_cases(("Linear", "GroupedLinear"), recipes=(recipe,))
+        got = {c.config.in_features for c in cases} | {c.config.out_features for c in cases}
+        assert got == want, recipe
+        align = S.recipe_alignment(recipe)
+        for c in cases:
+            for mb in c.micro_batches:
+                assert mb.rows % align == 0 and all(n % align == 0 for n in mb.m_splits or ())
+
+
+def test_explicit_cases_run_first_in_a_cell(monkeypatch) -> None:
+    """run_cell runs the explicit cases, in order, before hypothesis draws any."""
+    from splitgrad.properties import campaign
+    from splitgrad.properties.backends import get_backend
+    from splitgrad.properties.registry import explicit_cases
+    from splitgrad.properties.results import CheckResult
+
+    seen: list[S.Case] = []
+
+    def record(property_id, backend, case):
+        seen.append(case)
+        return CheckResult()
+
+    monkeypatch.setattr(campaign, "run_check", record)
+    cell = campaign.run_cell(get_backend("impl"), "P10", "Linear", "float32", examples=2)
+    want = explicit_cases("P10", ("Linear",), ("float32",))
+    assert cell.status == campaign.PASS
+    assert seen[: len(want)] == want and len(seen) >= len(want) + 1
+
+
+def test_p10_enumerates_misuse_x_fused_x_delay_x_first_microbatch() -> None:
+    """Every misuse for every (fused, delay); under fused accumulation each misuse that runs a
+    backward with every is_first_microbatch flag, each main_grad misuse on every weight."""
+    from splitgrad.properties.misuse import misuses, p10_explicit
+
+    for kind in S.KINDS:
+        cases = p10_explicit((kind,), ("float32",), ("cpu",), (None,))
+        got = {
+            (
+                c.config.fuse_wgrad_accumulation,
+                c.delay,
+                c.variant,
+                c.micro_batches[0].is_first_microbatch,
+            )
+            for c in cases
+        }
+        variants = {(f, d, v.split(":")[0]) for f, d, v, _ in got}
+        for c in S.boundary_cases((kind,), n_micro_batches=(1, 1)):
+            for fused in (False, True):
+                for delay in (False, True):
+                    cfg = dataclasses.replace(c.config, fuse_wgrad_accumulation=fused)
+                    for v in misuses(cfg, delay):
+                        assert (fused, delay, v) in variants, (kind, fused, delay, v)
+        weights = {s.name for c in cases for s in param_specs(c.config) if s.role == "gemm_weight"}
+        for delay in (False, True):
+            for w in weights:
+                assert any(v == f"main_grad_shape:{w}" for f, d, v, _ in got if d == delay)
+            for flag in (None, True, False):
+                for name in ("wgrad_fails", "main_grad_missing", "dw_empty"):
+                    if name == "wgrad_fails" and not delay:
+                        continue
+                    assert any(
+                        f and d == delay and v.startswith(name) and fl is flag
+                        for f, d, v, fl in got
+                    ), (kind, delay, name, flag)
+
+
+def test_layouts_keep_the_values_and_change_only_strides() -> None:
+    cfg = S.ModuleConfig("Linear", 5, 4)
+    plain = make_micro_batches(S.Case(cfg, (S.MicroBatch((2, 3)),), 7))[0]
+    for x_layout in S.X_LAYOUTS:
+        for dy_layout in S.DY_LAYOUTS:
+            mb = S.MicroBatch((2, 3), x_layout=x_layout, dy_layout=dy_layout)
+            (d,) = make_micro_batches(S.Case(cfg, (mb,), 7))
+            assert d.x.equal(plain.x), x_layout
+            assert d.x.is_contiguous() == (x_layout == "contiguous"), x_layout
+            x = d.fresh_input()
+            assert x.is_leaf and x.requires_grad and x.stride() == d.x.stride()
+            assert x.untyped_storage().data_ptr() != d.x.untyped_storage().data_ptr()
+            dy = d.fresh_dy()
+            assert dy.stride() == d.dy.stride() and dy.equal(d.dy)
+            if dy_layout in S.EXPANDED_LAYOUTS:
+                assert 0 in d.dy.stride()
+                if dy_layout == "expanded":
+                    assert bool((d.dy == 1).all())  # loss.sum()
+                if dy_layout == "expanded_mean":
+                    assert bool((d.dy == 1 / d.dy.numel()).all())  # loss.mean()
+            else:
+                assert d.dy.equal(plain.dy) and 0 not in d.dy.stride(), dy_layout
+                assert d.dy.is_contiguous() == (dy_layout == "contiguous"), dy_layout
+
+
+def test_strategies_draw_every_layout() -> None:
+    s = case_strategy("P2", kinds=("Linear",))
+    for layout in S.X_LAYOUTS:
+        assert _found(s, lambda c, v=layout: any(mb.x_layout == v for mb in c.micro_batches))
+    for layout in S.DY_LAYOUTS:
+        assert _found(s, lambda c, v=layout: any(mb.dy_layout == v for mb in c.micro_batches))
+    old = S.Case.from_json(
+        '{"config":{"kind":"Linear","in_features":2,"out_features":2},'
+        '"micro_batches":[{"lead_shape":[1]}]}'
+    )
+    assert old.micro_batches[0].x_layout == old.micro_batches[0].dy_layout == "contiguous"
