@@ -152,6 +152,15 @@ def _offsets(m_splits: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(ends, dtype=torch.int32, device=device)
 
 
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with strides exactly ``(K, 1)``, as ``torch._grouped_mm`` wants: ``contiguous()``
+    keeps the strides of a dimension of size 0 or 1 (0 from ``expand``, a slice's step, a
+    padded row), and autograd may hand any of them (the expanded dy of ``loss.sum()``)."""
+    if t.stride() == (t.shape[1], 1):
+        return t
+    return t.clone(memory_format=torch.contiguous_format) if t.numel() else t.new_empty(t.shape)
+
+
 def grouped_mm_forward(
     x: torch.Tensor,
     stacked_weights: torch.Tensor,
@@ -164,7 +173,7 @@ def grouped_mm_forward(
     (``_grouped_mm`` has no bias epilogue), in place on the output rows.
     """
     offs = _offsets(m_splits, x.device)
-    y = torch._grouped_mm(x.contiguous(), stacked_weights.transpose(1, 2), offs=offs)
+    y = torch._grouped_mm(_row_major(x), stacked_weights.transpose(1, 2), offs=offs)
     if biases is not None:
         for y_g, b in zip(y.split(m_splits), biases):
             if y_g.shape[0]:
@@ -177,5 +186,4 @@ def grouped_mm_dgrad(
 ) -> torch.Tensor:
     """``dx_g = dy_g W_g`` for all groups in one grouped GEMM. dy: (N, M) -> (N, K)."""
     offs = _offsets(m_splits, dy.device)
-    # contiguous(): autograd may hand an expanded (stride-0) or otherwise unaligned dy.
-    return torch._grouped_mm(dy.contiguous(), stacked_weights, offs=offs)
+    return torch._grouped_mm(_row_major(dy), stacked_weights, offs=offs)
