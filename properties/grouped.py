@@ -73,7 +73,7 @@ def check_p12(backend: Backend, case: Case) -> CheckResult:
         # The Linears see the very views torch.split gives (same addresses as the grouped
         # module's row blocks): some CPU GEMM kernels sum in another order for an operand at
         # another alignment, which is a different kernel, not a different rule.
-        x_all = d.x.detach().clone().requires_grad_(True)
+        x_all = d.fresh_input()  # the same layout as the grouped module's input
         x_parts = x_all.split(splits)
         dy_parts = d.dy.split(splits)
         ys = []
