@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from xml.etree import ElementTree as ET
 
+from . import xfails
 from .campaign import (
     BLOCKED,
     DEVIATION,
@@ -204,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--junit", type=Path, metavar="PATH", help="write the results as JUnit XML")
     p.add_argument("--case", metavar="JSON", help="replay one case (needs exactly one --property)")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first failing cell")
+    xfails.add_option(p)
     p.add_argument(
         "--quiet",
         action="store_true",
@@ -528,7 +530,10 @@ def _main(argv: list[str]) -> int:
     if not args.quiet and tty:
         _progress_bar(len(plan), len(plan), "")
     elapsed = time.perf_counter() - start
+    xfail_notes = xfails.apply_to_cells(cells, args.xfails)
     print(format_table(cells))
+    for line in xfail_notes:
+        print(f"note: {line}")
     failed = [c for c in cells if c.status in (FAIL, ERROR)]
     deviating = [c for c in cells if c.status == DEVIATION]
     blocked = [c for c in cells if c.status == BLOCKED]
@@ -596,6 +601,11 @@ def _main(argv: list[str]) -> int:
     print(
         f"\n{n_pass} passed, {len(failed)} failed, {len(deviating)} known deviations, "
         f"{sum(c.status == NA for c in cells)} n/a"
+        + (
+            f", {sum(c.status == xfails.XFAIL for c in cells)} expected failures"
+            if args.xfails
+            else ""
+        )
         + (f", {len(blocked)} blocked" if blocked else "")
         + f" in {elapsed:.1f}s"
     )
