@@ -19,7 +19,7 @@ import torch
 from . import budgets as B
 from .backends import Backend, get_backend
 from .data import MicroBatchData, make_main_grads, make_micro_batches
-from .internals import dgrad_operand_floors, wgrad_operand_floors
+from .internals import dgrad_operand_floors, rounding_bounds, wgrad_operand_floors
 from .kink import CaseRejected, choices, kink_deltas, kink_sites
 from .results import CheckResult, PropertyViolation, Tracker
 from .runner import ModuleRun, Snapshot
@@ -221,6 +221,7 @@ def judge(
     prefill: torch.Tensor | None = None,
     label: str = "",
     fp8_exact: bool | None = None,
+    bound: torch.Tensor | None = None,
 ) -> None:
     """One P1–P3 comparison. High precision: ``budget`` against the float64 truth. FP8:
     ``budget`` against the FP8 truth when every quantized operand is an input (the quantized
@@ -229,7 +230,9 @@ def judge(
     ``prefill``: the slot's value before the run (``main_grad``, or a prefilled ``.grad``; its
     floor is then taken at :func:`~.budgets.accumulation_magnitude`); ``label`` prefixes ``name``
     in messages; ``fp8_exact=False`` says some quantized operand is computed by the module even
-    though ``name`` alone would not tell (a module chained on itself quantizes its own output).
+    though ``name`` alone would not tell (a module chained on itself quantizes its own output);
+    ``bound``: the tensor's order-independent rounding bound (:func:`~.internals.rounding_bounds`,
+    high precision only; see :func:`~.budgets.with_rounding_bound`).
     """
     exact = case.config.recipe is None or (
         _fp8_exact_operands(case.config, name) if fp8_exact is None else fp8_exact
@@ -239,6 +242,10 @@ def judge(
     if exact and prefill is not None and reference is not None:
         magnitude = B.accumulation_magnitude(reference, prefill)
     if case.config.recipe is None:
+        if actual is not None:
+            element_floor = B.with_rounding_bound(
+                budget, truth, dtype or actual.dtype, module_dtype, element_floor, bound, magnitude
+            )
         t.budget(
             label + name,
             actual,
@@ -299,9 +306,11 @@ def check_p1(backend: Backend, case: Case) -> CheckResult:
     """P1: every micro-batch's output within :data:`~.budgets.OUTPUT` of the float64 truth."""
     t = Tracker()
     test, naive, truth, truth8 = accuracy_runs(backend, case)
+    bounds = rounding_bounds(case)
     for i, (a, n, r) in enumerate(zip(test.outputs, naive.outputs, truth.outputs)):
         r8 = truth8.outputs[i] if truth8 is not None else None
-        judge(t, case, f"output[micro-batch {i}]", a, n, r, r8, B.OUTPUT)
+        name = f"output[micro-batch {i}]"
+        judge(t, case, name, a, n, r, r8, B.OUTPUT, bound=bounds.get(name))
     return t.result
 
 
@@ -396,13 +405,16 @@ def compare_dgrads(
     label: str = "",
     fp8_exact: bool | None = None,
     uses: int = 1,
+    bounds: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """P2's comparisons of ``test`` against one candidate truth: every input gradient
     (:data:`~.budgets.DGRAD`) and norm-parameter gradient (:data:`~.budgets.NORM_GRAD`).
     ``prefills``: ``.grad`` values the norm parameters held before the run, by snapshot key;
     ``label`` prefixes every tensor name in messages (the differential property's step);
-    ``uses``: the module ran that many times in a row (:func:`~.budgets.chained`)."""
+    ``uses``: the module ran that many times in a row (:func:`~.budgets.chained`); ``bounds``:
+    rounding bounds by tensor name (:func:`~.internals.rounding_bounds`)."""
     prefills = prefills or {}
+    bounds = bounds or {}
     for i, (a, n, r) in enumerate(zip(test.xgrads, naive.xgrads, cand.xgrads)):
         ne = naive_error(n, [c.xgrads[i] for c in candidates])
         r8 = truth8.xgrads[i] if truth8 is not None else None
@@ -421,6 +433,7 @@ def compare_dgrads(
             element_floor=floors.get(name),
             label=label,
             fp8_exact=fp8_exact,
+            bound=bounds.get(name),
         )
     for key in sorted(cand.norm):
         n = naive.norm.get(key)
@@ -441,6 +454,7 @@ def compare_dgrads(
             prefill=prefills.get(key),
             label=label,
             fp8_exact=fp8_exact,
+            bound=bounds.get(key),
         )
 
 
@@ -458,11 +472,14 @@ def compare_wgrads(
     label: str = "",
     fp8_exact: bool | None = None,
     uses: int = 1,
+    bounds: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """P3's comparisons against one candidate truth: every GEMM weight/bias gradient and
     ``main_grad`` (:data:`~.budgets.WGRAD`); a slot the truth leaves ``None`` (a fused weight's
     ``.grad``, a frozen parameter) must be ``None``. ``prefills``: what a slot held before the
-    run, by snapshot key (its floor is then taken at :func:`~.budgets.accumulation_magnitude`)."""
+    run, by snapshot key (its floor is then taken at :func:`~.budgets.accumulation_magnitude`);
+    ``bounds`` as in :func:`compare_dgrads`."""
+    bounds = bounds or {}
     for key in sorted(cand.gemm):
         a = test.gemm.get(key)
         if cand.gemm[key] is None:
@@ -490,6 +507,7 @@ def compare_wgrads(
             prefill=prefills.get(key),
             label=label,
             fp8_exact=fp8_exact,
+            bound=bounds.get(key),
         )
 
 
@@ -500,9 +518,12 @@ def check_p2(backend: Backend, case: Case) -> CheckResult:
     test, naive, truth, truth8 = accuracy_runs(backend, case)
     candidates, note = _truth_candidates(case, truth)
     floors = dgrad_operand_floors(case)
+    bounds = rounding_bounds(case)
 
     def compare(t: Tracker, cand: AccuracyRun) -> None:
-        compare_dgrads(t, case, test, naive, cand, candidates, truth8, note, floors)
+        compare_dgrads(
+            t, case, test, naive, cand, candidates, truth8, note, floors, bounds=bounds
+        )
 
     return best_of(candidates, compare)
 
@@ -524,7 +545,11 @@ def check_p3(backend: Backend, case: Case) -> CheckResult:
         else {}
     )
 
+    bounds = rounding_bounds(case)
+
     def compare(t: Tracker, cand: AccuracyRun) -> None:
-        compare_wgrads(t, case, test, naive, cand, candidates, truth8, note, floors, prefills)
+        compare_wgrads(
+            t, case, test, naive, cand, candidates, truth8, note, floors, prefills, bounds=bounds
+        )
 
     return best_of(candidates, compare)

@@ -60,6 +60,11 @@ __all__ = [
     "DATA_PARALLEL_FLOOR_STEPS",
     "data_parallel_tolerance",
     "chained",
+    "unit_roundoff",
+    "sum_gamma",
+    "with_rounding_bound",
+    "ROUNDING_SIGMAS",
+    "ACTIVATION_EVAL_STEPS",
 ]
 
 
@@ -367,6 +372,82 @@ def kink_bound(
     if b1 is not None:
         size = size + b1.abs()
     return scale * size
+
+
+# ---- the rounding bound: sound for any summation order -----------------------------------
+#
+# The error budgets above compare with the naive run's error (one sample) and a floor of a few
+# steps at max|truth|. Where a tensor is a difference of much larger terms (a tied chain's input
+# gradient made of O(1) products, a LayerNorm row whose mean dwarfs its spread, a row of 4
+# features), or where one module feeds itself (P7's m(m(x)): a legal one-step difference in the
+# first output is amplified by the second use's norm), that floor is far below what rounding
+# can do, and correct runs failed at 500 examples per cell. So every high-precision comparison
+# also gets a per-element rounding bound (properties/internals.py: rounding_bounds), propagated
+# along the reference's formulas in float64 from the case's own values:
+#
+# * Reductions, worst case for ANY order (split-K, pairwise, blocked, atomics): Higham's
+#   sum_gamma(k, u) = k u / (1 - k u) times the sum of the terms' absolute values, per GEMM
+#   output element, per bias/norm-parameter sum, per row mean; carried to later results
+#   linearly through |J| (``w``). This is what a GPU kernel's reduction order can change, and it
+#   does not depend on the order, so no retuning.
+# * Roundings of stored results (the module dtype: GEMM outputs, bias sums, ln_out, the
+#   activation, d_act, d_fc1, dx) and of fp32 elementwise operations (half an ulp of the value
+#   each): these sit at the same points whatever the kernel, and their signs are independent
+#   rounding accidents, so they add as a root sum of squares (``s``, carried through J**2),
+#   taken ROUNDING_SIGMAS times (the probabilistic model of Higham & Mary, 2019: lambda sqrt(n) u
+#   holds with a probability that grows fast with lambda).
+# * LayerNorm's conditioning follows from its formulas: the mean's summation error enters
+#   x - mean whole and is multiplied by rstd (bound ~ u (|x| + |mean|) / std), and rstd's error
+#   comes from var's through -rstd^3 / 2.
+# * relu' is taken on the truth's side (the kink is properties/kink.py's business).
+#
+# The budget is then, per element,
+#
+#     |actual - truth| <= multiplier * naive error + max(floor [+ operand allowance], bound)
+#
+# so it never loosens where the old floor was already the larger. First order: products of
+# two errors (~u^2) are dropped.
+ROUNDING_SIGMAS = 2.0
+# An activation formula (tanh-GELU, SiLU and their derivatives: a handful of fp32 operations on
+# terms of about |h|) is taken as this many compute-dtype roundings of |h| + |f(h)|.
+ACTIVATION_EVAL_STEPS = 8.0
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Round-to-nearest unit roundoff of ``dtype``: half its epsilon."""
+    return torch.finfo(dtype).eps / 2
+
+
+def sum_gamma(k: int, u: float) -> float:
+    """Higham's ``gamma_k = k u / (1 - k u)``: a sum of ``k`` terms in any order, with unit
+    roundoff ``u``, is within ``gamma_k * sum|terms|`` of the exact sum. Raises for ``k u >= 1``
+    (no bound exists)."""
+    if k * u >= 1.0:
+        raise ValueError(f"sum_gamma: no rounding bound for a sum of k={k} terms at u={u}")
+    return k * u / (1.0 - k * u)
+
+
+def with_rounding_bound(
+    budget: ErrorBudget,
+    truth: torch.Tensor | None,
+    dtype: torch.dtype,
+    module_dtype: torch.dtype | None,
+    element_floor: torch.Tensor | None,
+    bound: torch.Tensor | None,
+    floor_magnitude: float | None = None,
+) -> torch.Tensor | None:
+    """The ``element_floor`` for :func:`check_error_budget` that makes its budget, per element,
+    ``multiplier * naive + max(floor + element_floor, bound)`` (see "the rounding bound";
+    ``bound`` from :func:`~.internals.rounding_bounds`, truth's shape)."""
+    if bound is None or truth is None or truth.numel() == 0 or bound.shape != truth.shape:
+        return element_floor
+    t = truth.detach().double().cpu()
+    size = float(t.abs().max())
+    if floor_magnitude is not None:
+        size = max(size, floor_magnitude)
+    floor = budget.floor_steps_for(module_dtype or dtype) * rounding_step(dtype, size)
+    extra = torch.zeros_like(t) if element_floor is None else element_floor.double().cpu()
+    return torch.maximum(extra + floor, bound.double().cpu()) - floor
 
 
 # Tier 3: finite differences in float64 (torch.autograd.gradcheck's defaults).

@@ -10,6 +10,7 @@ run sees them) with the reference's own formulas, so they equal the truth run's 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
@@ -173,3 +174,410 @@ def dgrad_operand_floors(case: Case) -> dict[str, torch.Tensor]:
     if c.normalization == "LayerNorm":
         floors["layer_norm_bias.grad"] = B.DGRAD_OPERAND_SIGMAS * d_beta_sq.sqrt()
     return floors
+
+
+# ---- the rounding bound (budgets.py: "the rounding bound") ----------------------------------
+
+
+@dataclasses.dataclass
+class Bounded:
+    """An intermediate: ``v`` its float64 truth, and ``s``, what a correct low-precision run's
+    error on it adds up to: each rounding point (a stored result, an fp32 elementwise operation)
+    contributes the square of half an ulp of its value, each reduction the square of its worst
+    case in any summation order (Higham's ``sum_gamma(k) * sum|terms|``, counted three times:
+    a uniform rounding of that size has a third of its square as variance), all carried to later
+    results through ``J**2``. The bound is ``ROUNDING_SIGMAS * sqrt(s / 3)``."""
+
+    v: torch.Tensor
+    s: torch.Tensor
+
+    @staticmethod
+    def exact(v: torch.Tensor) -> Bounded:
+        """A value every run holds bit for bit (an input, a parameter, ``dy``)."""
+        v = v.detach().double().cpu()
+        return Bounded(v, torch.zeros_like(v))
+
+    def like(self, other: torch.Tensor) -> Bounded:
+        """Broadcast to ``other``'s shape (one shared error: a row's mean or rstd)."""
+        return Bounded(self.v.expand_as(other), self.s.expand_as(other))
+
+    def rows(self, sl: slice) -> Bounded:
+        return Bounded(self.v[sl], self.s[sl])
+
+    def cols(self, sl: slice) -> Bounded:
+        return Bounded(self.v[:, sl], self.s[:, sl])
+
+    def t(self) -> Bounded:
+        return Bounded(self.v.t(), self.s.t())
+
+    def bound(self) -> torch.Tensor:
+        """The elementwise rounding bound."""
+        # A rounding to nearest errs uniformly within half an ulp: standard deviation 1/sqrt(3)
+        # of the ulp-half each term of s counts.
+        return B.ROUNDING_SIGMAS * (self.s / 3.0).sqrt()
+
+
+def _worst(site: torch.Tensor) -> torch.Tensor:
+    """A reduction's worst case in any order, ``site``, as a term of ``s``: counted at full size
+    (three variances of a uniform rounding of that size)."""
+    return 3.0 * site**2
+
+
+def _cat(parts: list[Bounded], dim: int, empty: torch.Tensor) -> Bounded:
+    if not parts:
+        return Bounded(empty, empty)
+    return Bounded(*(torch.cat([getattr(p, f) for p in parts], dim) for f in "vs"))
+
+
+class _Arith:
+    """Operations on :class:`Bounded` values, rounding where the reference rounds: ``u`` the
+    unit roundoff of the module dtype (a stored result), ``uc`` that of the compute dtype (fp32
+    GEMM accumulation, norms, activations)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.u = B.unit_roundoff(dtype)
+        self.uc = B.unit_roundoff(torch.float32 if dtype != torch.float64 else dtype)
+
+    def store(self, a: Bounded, u: float | None = None) -> Bounded:
+        """``a`` rounded once to the module dtype (or to unit roundoff ``u``)."""
+        u = self.u if u is None else u
+        return Bounded(a.v, a.s + (u * a.v) ** 2)
+
+    def mm(self, a: Bounded, b: Bounded) -> Bounded:
+        """``a @ b`` accumulated in fp32 in any order."""
+        k = a.v.shape[-1]
+        site = B.sum_gamma(k, self.uc) * (a.v.abs() @ b.v.abs())
+        return Bounded(a.v @ b.v, a.v**2 @ b.s + a.s @ b.v**2 + _worst(site))
+
+    def sum0(self, a: Bounded) -> Bounded:
+        """Sum over rows in any order."""
+        n = a.v.shape[0]
+        site = B.sum_gamma(n, self.uc) * a.v.abs().sum(0)
+        return Bounded(a.v.sum(0), a.s.sum(0) + _worst(site))
+
+    def mean1(self, a: Bounded) -> Bounded:
+        """Mean over the last dimension (keepdim): the sum in any order, then a division."""
+        k = a.v.shape[-1]
+        mean = a.v.mean(-1, keepdim=True)
+        site = B.sum_gamma(k, self.uc) * a.v.abs().mean(-1, keepdim=True)
+        s = a.s.sum(-1, keepdim=True) / k**2 + (self.uc * mean) ** 2 + _worst(site)
+        return Bounded(mean, s)
+
+    def add(self, a: Bounded, b: Bounded, sign: float = 1.0) -> Bounded:
+        """``a + sign * b`` in the compute dtype."""
+        v = a.v + sign * b.v
+        return Bounded(v, a.s + b.s + (self.uc * v) ** 2)
+
+    def mul(self, a: Bounded, b: Bounded) -> Bounded:
+        """``a * b`` in the compute dtype."""
+        v = a.v * b.v
+        return Bounded(v, a.s * b.v**2 + a.v**2 * b.s + (self.uc * v) ** 2)
+
+    def fn(self, f, fprime, a: Bounded, size: torch.Tensor) -> Bounded:
+        """Elementwise ``f(a)``: the operand's error through ``f'``, plus the formula's own
+        evaluation, :data:`~.budgets.ACTIVATION_EVAL_STEPS` compute-dtype roundings of ``size``
+        (the terms it combines)."""
+        d = fprime(a.v)
+        own = (B.ACTIVATION_EVAL_STEPS * self.uc * size) ** 2
+        return Bounded(f(a.v), d**2 * a.s + own)
+
+
+def _projection(xhat: torch.Tensor, layer_norm: bool) -> torch.Tensor:
+    """Per row, ``P = I - (11^T + xhat xhat^T) / K`` (LayerNorm) or ``I - xhat xhat^T / K``
+    (RMSNorm): ``d xhat = rstd P dx`` and ``dx = rstd P (gamma * d_ln)``."""
+    k = xhat.shape[-1]
+    outer = xhat[:, :, None] * xhat[:, None, :]
+    if layer_norm:
+        outer = outer + 1.0
+    return torch.eye(k, dtype=torch.float64) - outer / k
+
+
+def _through(jac: torch.Tensor, a: Bounded) -> torch.Tensor:
+    """``s`` of ``a``'s error through the per-row Jacobian ``jac`` (N, K_out, K_in): the exact
+    Jacobian, so the projection's cancellations are kept."""
+    return (jac**2 @ a.s[:, :, None]).squeeze(-1)
+
+
+def _norm_fwd(ar: _Arith, x: Bounded, state, c) -> tuple[Bounded, dict]:
+    """The norm of ``x`` (``layer_norm_fwd`` / ``rms_norm_fwd``). The input's error goes through
+    the norm's exact Jacobian ``rstd P``. LayerNorm's conditioning is the mean's summation error,
+    ``sum_gamma(K) * mean|x|``: it shifts every ``x - mean`` of the row and is multiplied by
+    ``rstd`` (a row whose mean is large next to its spread, or of a few features, gets a bound
+    far above a rounding of ``|ln_out|``); the variance's summation error moves ``xhat`` by
+    ``|xhat| * gamma_K / 2``; each elementwise operation and ``rsqrt`` round once or twice."""
+    layer_norm = c.normalization == "LayerNorm"
+    k = x.v.shape[-1]
+    gamma = state["layer_norm_weight"] + (1.0 if c.zero_centered_gamma else 0.0)
+    mean = x.v.mean(-1, keepdim=True) if layer_norm else torch.zeros_like(x.v[:, :1])
+    d = x.v - mean
+    var = (d * d).mean(-1, keepdim=True)
+    rstd = (var + EPS).rsqrt()
+    xhat = d * rstd
+    jac = rstd[:, :, None] * _projection(xhat, layer_norm)
+    sq = _through(jac, x)
+    gk = B.sum_gamma(k + 1, ar.uc)
+    rel_var = var / (var + EPS)
+    if layer_norm:
+        sq = sq + _worst(rstd * gk * x.v.abs().mean(-1, keepdim=True))
+    sq = sq + _worst(xhat.abs() * 0.5 * gk * rel_var)
+    # x - mean, d * d, rsqrt (twice: not correctly rounded), d * rstd: one rounding each.
+    sq = sq + ar.uc**2 * (rstd**2 * d**2 + 0.25 * rel_var**2 * xhat**2 + 5 * xhat**2)
+    # rstd: var's summation, two roundings of rsqrt, and the input's error through
+    # d rstd / dx = -rstd^2 xhat / K (first order).
+    rstd_b = Bounded(
+        rstd,
+        _worst(0.5 * rstd * gk * rel_var)
+        + (ar.uc * rstd) ** 2 * (4 + rel_var**2)
+        + ((rstd**2 * xhat / k) ** 2 * x.s).sum(-1, keepdim=True),
+    )
+    xh = Bounded(xhat, sq)
+    y = xhat * gamma
+    ys = gamma**2 * sq + (ar.uc * y) ** 2 * (1 + (4 if c.zero_centered_gamma else 0))
+    yb = Bounded(y, ys)
+    if layer_norm:
+        yb = ar.add(yb, Bounded.exact(state["layer_norm_bias"].expand_as(y)))
+    saved = {"xhat": xh, "rstd": rstd_b, "gamma": gamma, "proj": _projection(xhat, layer_norm)}
+    return ar.store(yb), saved
+
+
+def _norm_bwd(ar: _Arith, dy: Bounded, saved: dict, c) -> tuple[Bounded, Bounded, Bounded | None]:
+    """dx, dgamma, dbeta along ``layer_norm_bwd`` / ``rms_norm_bwd`` (dgamma, dbeta before the
+    slot's rounding). ``d_ln``'s error goes through the exact Jacobian ``rstd P diag(gamma)``;
+    the saved ``xhat`` / ``rstd`` errors through ``dx``'s derivatives in them; the formula's own
+    roundings at the size of its terms (``|g|``, ``|mean g|``, ``|xhat mean(g xhat)|``)."""
+    layer_norm = c.normalization == "LayerNorm"
+    xh, rstd, gamma, proj = saved["xhat"], saved["rstd"], saved["gamma"], saved["proj"]
+    k = xh.v.shape[-1]
+    r = rstd.v
+    g = dy.v * gamma
+    mgx = (g * xh.v).mean(-1, keepdim=True)
+    mg = g.mean(-1, keepdim=True) if layer_norm else torch.zeros_like(mgx)
+    dx = r * (g - mg - xh.v * mgx)
+    jac = r[:, :, None] * proj * gamma[None, None, :]
+    sq = _through(jac, dy)
+    # Through the saved xhat: d dx = -rstd (d xhat * mean(g xhat) + xhat * mean(g d xhat)).
+    sq = sq + r**2 * (xh.s * mgx**2 + xh.v**2 * (g**2 * xh.s).sum(-1, keepdim=True) / k**2)
+    # Through rstd: dx is proportional to it.
+    sq = sq + (dx / r) ** 2 * rstd.s
+    # The formula's own work: its two means (any order) and five roundings of its terms.
+    gk = B.sum_gamma(k + 1, ar.uc)
+    means = g.abs().mean(-1, keepdim=True) + xh.v.abs() * (g * xh.v).abs().mean(-1, keepdim=True)
+    terms = g.abs() + mg.abs() + (xh.v * mgx).abs()
+    sq = sq + _worst(r * gk * means) + (ar.uc * r * terms) ** 2 * 5
+    dxb = ar.store(Bounded(dx, sq))
+    prod = Bounded(dy.v * xh.v, dy.s * xh.v**2 + dy.v**2 * xh.s + (ar.uc * dy.v * xh.v) ** 2)
+    dgamma = ar.sum0(prod)
+    dbeta = ar.sum0(dy) if layer_norm else None
+    return dxb, dgamma, dbeta
+
+
+def _linear_fwd(ar: _Arith, x: Bounded, w: torch.Tensor, b: torch.Tensor | None) -> Bounded:
+    """``x W^T + b``: the GEMM rounded to the module dtype, then the bias sum rounded again."""
+    y = ar.store(ar.mm(x, Bounded.exact(w).t()))
+    if b is not None:
+        y = ar.store(ar.add(y, Bounded.exact(b.expand_as(y.v))))
+    return y
+
+
+def _act_pieces(name: str):
+    from splitgrad.reference import functional as F
+
+    return {
+        "gelu": (F.gelu_tanh, F.gelu_tanh_grad),
+        "geglu": (F.gelu_tanh, F.gelu_tanh_grad),
+        "relu": (F.relu, F.relu_grad),
+        "swiglu": (F.silu, F.silu_grad),
+    }[name]
+
+
+def _second_derivative(fprime, v: torch.Tensor) -> torch.Tensor:
+    """``f''`` by central differences of the reference's own ``f'`` in float64."""
+    step = 1e-5 * (1.0 + v.abs())
+    return (fprime(v + step) - fprime(v - step)) / (2 * step)
+
+
+def _module_bounds(ar: _Arith, c, state, x: Bounded, dy_of) -> tuple[Bounded, dict]:
+    """One use of a Linear / LayerNormLinear / LayerNormMLP on the rows ``x``: its forward, then
+    its backward from ``dy_of(y)``: ``(y, grads)`` with grads keyed ``"x"`` and by parameter
+    name (this use's contribution, before the slot's rounding)."""
+    grads: dict[str, Bounded] = {}
+    h_in, saved = _norm_fwd(ar, x, state, c) if c.has_norm else (x, {})
+    if c.kind in ("Linear", "LayerNormLinear"):
+        y = _linear_fwd(ar, h_in, state["weight"], state.get("bias") if c.bias else None)
+        dy = dy_of(y)
+        d_in = ar.store(ar.mm(dy, Bounded.exact(state["weight"])))
+        grads["weight"] = ar.mm(dy.t(), h_in)
+        if c.bias:
+            grads["bias"] = ar.sum0(dy)
+    else:
+        f, fprime = _act_pieces(c.activation)
+        gated = c.activation in ("swiglu", "geglu")
+        w1, w2 = state["fc1_weight"], state["fc2_weight"]
+        h = _linear_fwd(ar, h_in, w1, state.get("fc1_bias") if c.bias else None)
+        half = h.v.shape[-1] // 2
+        a = h.cols(slice(0, half)) if gated else h
+        fa = ar.fn(f, fprime, a, a.v.abs() + f(a.v).abs())
+        act = ar.store(ar.mul(fa, h.cols(slice(half, None))) if gated else fa)
+        y = _linear_fwd(ar, act, w2, state.get("fc2_bias") if c.bias else None)
+        dy = dy_of(y)
+        d_act = ar.store(ar.mm(dy, Bounded.exact(w2)))
+        # relu' is judged at the truth's side of the kink (properties/kink.py): no jump here.
+        curv = (lambda v: v * 0.0) if c.activation == "relu" else None
+        slope = ar.fn(fprime, curv or (lambda v: _second_derivative(fprime, v)), a, 1.0 + a.v.abs())
+        if gated:
+            b = h.cols(slice(half, None))
+            d_fc1 = ar.store(_cat([ar.mul(ar.mul(d_act, slope), b), ar.mul(d_act, fa)], -1, h.v))
+        else:
+            d_fc1 = ar.store(ar.mul(d_act, slope))
+        d_in = ar.store(ar.mm(d_fc1, Bounded.exact(w1)))
+        grads["fc2_weight"] = ar.mm(dy.t(), act)
+        grads["fc1_weight"] = ar.mm(d_fc1.t(), h_in)
+        if c.bias:
+            grads["fc2_bias"] = ar.sum0(dy)
+            grads["fc1_bias"] = ar.sum0(d_fc1)
+    if c.has_norm:
+        dx, dgamma, dbeta = _norm_bwd(ar, d_in, saved, c)
+        grads["layer_norm_weight"] = dgamma
+        if dbeta is not None:
+            grads["layer_norm_bias"] = dbeta
+    else:
+        dx = d_in
+    grads["x"] = dx
+    return y, grads
+
+
+def _use(ar: _Arith, c, state, x: Bounded, dy_of, splits) -> tuple[Bounded, dict]:
+    """One use of the module on the rows ``x``; a GroupedLinear is a Linear per group of rows
+    (``m_splits``), its forward taken whole before ``dy_of`` sees it."""
+    if c.kind != "GroupedLinear":
+        return _module_bounds(ar, c, state, x, dy_of)
+    lin = dataclasses.replace(c, kind="Linear", num_gemms=1)
+    bounds = []
+    for i, (start, n) in enumerate(zip(itertools.accumulate((0, *splits)), splits)):
+        s = {"weight": state[f"weight{i}"]}
+        if c.bias:
+            s["bias"] = state[f"bias{i}"]
+        bounds.append((slice(start, start + n), s))
+    ys = [_module_bounds(ar, lin, s, x.rows(r), lambda y: y)[0] for r, s in bounds]
+    dy = dy_of(_cat(ys, 0, x.v.new_zeros(0, c.out_features)))
+    grads: dict[str, Bounded] = {}
+    dxs = []
+    for i, (r, s) in enumerate(bounds):
+        _, g = _module_bounds(ar, lin, s, x.rows(r), lambda _y, r=r: dy.rows(r))
+        dxs.append(g.pop("x"))
+        grads.update({f"{k}{i}": v for k, v in g.items()})
+    grads["x"] = _cat(dxs, 0, x.v.new_zeros(0, c.in_features))
+    return _cat(ys, 0, x.v.new_zeros(0, c.out_features)), grads
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fb:
+    op: str
+    index: int
+
+
+def rounding_bounds(
+    case: Case, steps=None, prefill_grads: bool = False, frozen=()
+) -> dict[str, torch.Tensor]:
+    """Per compared tensor, the elementwise bound on a correct run's rounding error after
+    ``steps`` (``properties.truth.Step``\\ s; default one forward and backward per micro-batch
+    in order), for any summation order of its fp32 reductions (budgets.py, "the rounding
+    bound"): keys ``"output[micro-batch i]"`` (its last forward), ``"inp.grad[micro-batch i]"``
+    and the snapshot keys of the gradient slots (``"fc1_weight.main_grad"``...); a module
+    chained on itself (``"chain"``) carries its first use's output bound into the second use.
+    Empty under FP8 (judged by the FP8 budgets) and in float64 (no wider truth)."""
+    from .data import GEMM_WEIGHT, make_grad_prefill, make_main_grads, param_specs
+
+    c = case.config
+    if c.recipe is not None or c.torch_dtype == torch.float64:
+        return {}
+    ar = _Arith(c.torch_dtype)
+    u32 = B.unit_roundoff(torch.float32)
+    state = {k: v.detach().double().cpu() for k, v in make_state(c, case.seed).items()}
+    data = make_micro_batches(case)
+    steps = [_Fb("fb", i) for i in range(len(data))] if steps is None else steps
+    main = {
+        s.name for s in param_specs(c) if s.role == GEMM_WEIGHT and c.fuse_wgrad_accumulation
+    }
+    prefill_main = make_main_grads(c, case.seed)
+    prefill_grad = make_grad_prefill(c, case.seed) if prefill_grads else {}
+    slots: dict[str, Bounded | None] = {}
+    for spec in param_specs(c):
+        if spec.name in frozen:
+            continue
+        if spec.name in main:
+            slots[spec.name] = Bounded.exact(prefill_main[spec.name])
+        elif prefill_grads:
+            slots[spec.name] = Bounded.exact(prefill_grad[spec.name])
+        else:
+            slots[spec.name] = None
+    out: dict[str, torch.Tensor] = {}
+    flags = [mb.is_first_microbatch for mb in case.micro_batches]
+
+    def accumulate(grads: dict[str, Bounded], rows: int, flag: bool | None) -> None:
+        for name, g in grads.items():
+            if name not in slots:
+                continue
+            prev = slots[name]
+            if name in main:
+                # fp32: a flagged contribution overwrites (SPEC §3); otherwise the slot may
+                # enter the GEMM's own reduction and meet each of its terms.
+                if flag or prev is None:
+                    slots[name] = ar.store(g, u32)
+                    continue
+                site = B.sum_gamma(rows + 1, u32) * (prev.v.abs() + g.v.abs())
+                slots[name] = ar.store(Bounded(prev.v + g.v, prev.s + g.s + _worst(site)), u32)
+            elif prev is None:
+                slots[name] = ar.store(g)
+            else:
+                g = ar.store(g)
+                slots[name] = ar.store(Bounded(prev.v + g.v, prev.s + g.s))
+
+    def record(i: int, y: Bounded, dx: Bounded) -> None:
+        lead = case.micro_batches[i].lead_shape
+        out[f"output[micro-batch {i}]"] = y.bound().reshape(*lead, c.output_features)
+        out[f"inp.grad[micro-batch {i}]"] = dx.bound().reshape(*lead, c.in_features)
+
+    def rows_of(i: int) -> tuple[Bounded, Bounded, tuple[int, ...] | None]:
+        d = data[i]
+        x = Bounded.exact(d.x.reshape(-1, c.in_features))
+        return x, Bounded.exact(d.dy.reshape(-1, c.output_features)), d.spec.m_splits
+
+    for step in steps:
+        i = step.index
+        if step.op == "zero":
+            for name in slots:
+                # Only fused weights have a main_grad prefill (and a zeroed main_grad).
+                zero = Bounded.exact(torch.zeros_like(prefill_main[name])) if name in main else None
+                slots[name] = zero
+            continue
+        x, dy, splits = rows_of(i)
+        n = x.v.shape[0]
+        if step.op == "fb":
+            y, g = _use(ar, c, state, x, lambda _y, dy=dy: dy, splits)
+            record(i, y, g.pop("x"))
+            accumulate(g, n, flags[i])
+        elif step.op == "tied":
+            x1, dy1, splits1 = rows_of(i + 1)
+            y0, g0 = _use(ar, c, state, x, lambda _y, dy=dy: dy, splits)
+            y1, g1 = _use(ar, c, state, x1, lambda _y, dy=dy1: dy, splits1)
+            record(i, y0, g0.pop("x"))
+            record(i + 1, y1, g1.pop("x"))
+            accumulate(g1, x1.v.shape[0], None)  # the second use's wgrad runs first
+            accumulate(g0, n, flags[i])
+        else:  # chain: y = m(m(x)), one backward
+            inner: dict[str, Bounded] = {}
+
+            def second(y0: Bounded, dy=dy, splits=splits, inner=inner) -> Bounded:
+                y1, g1 = _use(ar, c, state, y0, lambda _y: dy, splits)
+                inner.update(g1, y=y1)
+                return inner.pop("x")
+
+            _, g0 = _use(ar, c, state, x, second, splits)
+            record(i, inner.pop("y"), g0.pop("x"))
+            accumulate(inner, n, None)
+            accumulate(g0, n, flags[i])
+    for name, slot in slots.items():
+        if slot is not None:
+            out[f"{name}.{'main_grad' if name in main else 'grad'}"] = slot.bound()
+    return out

@@ -53,7 +53,7 @@ from .data import (
     make_micro_batches,
     param_specs,
 )
-from .internals import dgrad_operand_floors, wgrad_operand_floors
+from .internals import dgrad_operand_floors, rounding_bounds, wgrad_operand_floors
 from .kink import CaseRejected, choices, has_relu_kink, kink_deltas, kink_sites
 from .results import Tracker
 from .runner import ModuleRun
@@ -327,6 +327,7 @@ def judge_steps(
         truth8 = _only(truth8, only) if truth8 is not None else None
         candidates = [_only(c, only) for c in candidates]
     prefills = _prefills(case, prefill_grads, frozen)
+    bounds = rounding_bounds(case, steps, prefill_grads, frozen)
     norm_prefills = {k: v for k, v in prefills.items() if k in truth.norm}
     label = label or "against the float64 truth: "
 
@@ -349,6 +350,7 @@ def judge_steps(
                 label,
                 exact,
                 2 if chain else 1,
+                bounds,
             )
         if "wgrad" in parts:
             compare_wgrads(
@@ -365,6 +367,7 @@ def judge_steps(
                 label,
                 exact,
                 2 if chain else 1,
+                bounds,
             )
 
     t.merge(best_of(candidates, compare))
