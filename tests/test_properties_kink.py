@@ -185,4 +185,5 @@ def test_campaign_counts_rejections_apart(monkeypatch) -> None:
         checks, "kink_sites", lambda case: [fake] * 4 if case.seed % 2 else real(case)
     )
     cell = run_cell(get_backend("reference"), "P2", "Linear", "bfloat16", examples=12)
-    assert cell.status == PASS and cell.examples == 12 and cell.rejected > 0
+    # The cell's explicit boundary cases come on top of the 12 drawn (registry.explicit_cases).
+    assert cell.status == PASS and cell.examples >= 12 and cell.rejected > 0
