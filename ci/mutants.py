@@ -244,6 +244,18 @@ MUTANTS = (
 # FP8 mutants (SPEC §6): run with ``--recipe all`` added to verify's arguments.
 FP8_MUTANTS = (
     Mutant(
+        "fp8-empty-uninitialized",
+        "an FP8 GEMM with M, N or K of 0 (an expert with no tokens) returns uninitialized memory, "
+        "as torch._scaled_mm does for K=0 on some machines (torch 2.13)",
+        (
+            (
+                "fp8_gemm.py",
+                "        y = torch.zeros(empty, dtype=compute_dtype, device=a.data.device)\n",
+                "        y = torch.empty(empty, dtype=compute_dtype, device=a.data.device)\n",
+            ),
+        ),
+    ),
+    Mutant(
         "fp8-wgrad-rowwise",
         "wgrad multiplies the row-wise FP8 copies of dy and x instead of the column-wise ones "
         "(quantized along the wrong dimension for that GEMM; only block recipes have two copies)",
