@@ -77,6 +77,7 @@ class EmptyCase:
     mode: str
     delay: bool
     splits: tuple[int, ...] | None = None
+    dtype: str = "bfloat16"
 
     @property
     def rows(self) -> int:
@@ -85,7 +86,8 @@ class EmptyCase:
     def __str__(self) -> str:
         splits = "" if self.splits is None else "-" + "_".join(map(str, self.splits))
         delay = "-delay" if self.delay else ""
-        return f"{self.lib}-{self.kind}-{self.recipe}-{self.path}-{self.mode}{delay}{splits}"
+        where = f"{self.lib}-{self.kind}-{self.dtype}-{self.recipe}-{self.path}"
+        return f"{where}-{self.mode}{delay}{splits}"
 
 
 def _group_splits(recipe: str) -> list[tuple[int, int]]:
@@ -111,7 +113,11 @@ def _cases() -> list[EmptyCase]:
                     for s in splits:
                         for mode in MODES:
                             for delay in (False, True):
-                                out.append(EmptyCase(lib, kind, recipe, path, mode, delay, s))
+                                case = EmptyCase(lib, kind, recipe, path, mode, delay, s)
+                                out.append(case)
+                                if lib == "impl" and kind == "GroupedLinear":
+                                    # The MoE case also in fp32 (the scaled path's other dtype).
+                                    out.append(dataclasses.replace(case, dtype="float32"))
     return out
 
 
@@ -168,9 +174,10 @@ def _prefill(module, mode: str) -> None:
             p.grad = value.to(p.dtype)
 
 
-def _run(case: EmptyCase, dtype: torch.dtype = torch.bfloat16):
+def _run(case: EmptyCase):
     """Forward and backward (and the queued wgrad) of one micro-batch; returns
     ``(module, x, y, gradients before)``."""
+    dtype = getattr(torch, case.dtype)
     module = _build(case, dtype)
     _prefill(module, case.mode)
     before = {name: _grad_of(p, name, case.mode) for name, p in module.named_parameters()}
@@ -264,12 +271,13 @@ def _returned_cases() -> list[EmptyCase]:
 def test_empty_dimensions_returned_gradients(case):
     """``torch.autograd.grad`` over every parameter: the gradients it returns for parameters
     that saw no rows are exact zeros, and nothing is written to ``.grad``."""
-    module = _build(case, torch.bfloat16)
+    dtype = getattr(torch, case.dtype)
+    module = _build(case, dtype)
     names = [n for n, _ in module.named_parameters()]
     params = [p for _, p in module.named_parameters()]
     k = module.hidden_size if case.kind == "LayerNormMLP" else module.in_features
     gen = torch.Generator().manual_seed(2)
-    x = torch.randn(case.rows, k, generator=gen, dtype=torch.float64).to(torch.bfloat16)
+    x = torch.randn(case.rows, k, generator=gen, dtype=torch.float64).to(dtype)
     x.requires_grad_()
     recipe = RECIPES[case.recipe]
     autocast = (
