@@ -22,6 +22,7 @@ under an enabled ``fp8_autocast`` every module runs its GEMMs in FP8 (SPEC §6).
 """
 
 from splitgrad.reference import fp8 as _recipes
+from splitgrad.reference.convert import make_convert_linears as _make_convert_linears
 from splitgrad.reference.fp8 import *  # noqa: F403 (the recipes and fp8_autocast, written once)
 
 from .base import SplitBackwardModule
@@ -33,3 +34,6 @@ from .store import WeightGradStore, WgradEntry
 
 __all__ = ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "SplitBackwardModule"]
 __all__ += ["WeightGradStore", "WgradEntry", *_recipes.EXPORTED]
+
+convert_linears = _make_convert_linears(Linear)
+__all__ += ["convert_linears"]

@@ -11,6 +11,7 @@ shared with ``splitgrad.impl``), :mod:`.functional` (formulas and rounding point
 
 from . import fp8
 from .base import SplitBackwardModule
+from .convert import make_convert_linears as _make_convert_linears
 from .fp8 import *  # noqa: F403 (the recipes and fp8_autocast: SPEC §6)
 from .grouped_linear import GroupedLinear
 from .layernorm_linear import LayerNormLinear
@@ -20,3 +21,6 @@ from .upcast import module_config, upcast
 
 __all__ = ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "SplitBackwardModule"]
 __all__ += [*fp8.EXPORTED, "module_config", "upcast"]
+
+convert_linears = _make_convert_linears(Linear)
+__all__ += ["convert_linears"]
