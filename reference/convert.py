@@ -34,8 +34,11 @@ What it refuses (nothing is changed when it raises; every check runs before the 
 A model with no ``torch.nn.Linear`` (or none that ``module_filter_fn`` accepts) is returned
 unchanged with a ``UserWarning`` naming its type. Layers that already are a splitgrad
 ``Linear`` are not ``torch.nn.Linear`` and are left as they are, so converting twice changes
-nothing the second time. A layer registered under several parents is swapped everywhere for one
-new module; the filter sees it once, at its first fqn in ``named_modules()`` order.
+nothing the second time. ``torch.nn.MultiheadAttention``'s ``out_proj`` is left as it is: the
+attention reads its weight and bias without calling it, so a converted one would never run (and
+would mark its weight as deferred). A layer registered under several parents is swapped
+everywhere for one new module; the filter sees it once, at its first fqn in ``named_modules()``
+order.
 """
 
 from __future__ import annotations
@@ -185,20 +188,23 @@ def _convert(
     chosen: dict[int, torch.nn.Module | None] = {}
     seen_slots: set[tuple[int, str]] = set()
     found = 0
-    for parent_fqn, parent in model.named_modules(remove_duplicate=False):
-        for name, child in parent._modules.items():
-            if not isinstance(child, torch.nn.Linear) or (id(parent), name) in seen_slots:
-                continue
-            seen_slots.add((id(parent), name))
-            fqn = f"{parent_fqn}.{name}" if parent_fqn else name
-            if id(child) not in chosen:
-                found += 1
-                keep = module_filter_fn is None or bool(module_filter_fn(child, fqn))
-                if keep:
-                    _check_layer(fqn, child)
-                chosen[id(child)] = _replacement(fqn, child, linear_cls, options) if keep else None
-            if chosen[id(child)] is not None:
-                slots.append((parent, name, child))
+    # Pre-order, every occurrence: named_modules() order for the filter, all slots for the swap.
+    for fqn, child in model.named_modules(remove_duplicate=False):
+        if not fqn or not isinstance(child, torch.nn.Linear):
+            continue
+        parent_fqn, _, name = fqn.rpartition(".")
+        parent = model.get_submodule(parent_fqn)
+        if (id(parent), name) in seen_slots or isinstance(parent, torch.nn.MultiheadAttention):
+            continue  # MultiheadAttention never calls its out_proj: it reads only its parameters
+        seen_slots.add((id(parent), name))
+        if id(child) not in chosen:
+            found += 1
+            keep = module_filter_fn is None or bool(module_filter_fn(child, fqn))
+            if keep:
+                _check_layer(fqn, child)
+            chosen[id(child)] = _replacement(fqn, child, linear_cls, options) if keep else None
+        if chosen[id(child)] is not None:
+            slots.append((parent, name, child))
     if not slots:
         reason = (
             f"module_filter_fn accepted none of its {found} torch.nn.Linear layers"
