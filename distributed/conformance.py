@@ -56,6 +56,7 @@ __all__ = [
     "check_pipeline",
     "check_data_parallel",
     "check_expert_parallel",
+    "check_fully_sharded",
 ]
 
 #: The torch.distributed.pipelining schedules P15 runs (by class name).
@@ -757,6 +758,165 @@ def _check_launches(report: DistributedReport, where: str, got: dict) -> None:
             report.failures.append(f"{where}: no reduction started before the last backward_dw()")
 
 
+# ---- P16 under fully_shard (FSDP2) -----------------------------------------------------------
+
+
+def _fsdp_step(lib, rank: int, *, mode: str, n_mb: int, delay: bool) -> dict:
+    """One step of 2 Blocks, each and the root wrapped with ``fully_shard``, on one rank.
+    Delayed: a GradientReducer, micro-batches marked by ``mode`` ("no_sync": the reducer's
+    context, which turns FSDP2's gradient sync off too; "count": ``num_microbatches`` and
+    ``set_requires_gradient_sync`` set by hand), every ``backward_dw()`` deferred until after
+    the last backward and run block by block. Not delayed: FSDP2 alone. Returns the full
+    (all-gathered) gradients divided by the micro-batch count, and the launch log."""
+    import contextlib
+    import time
+
+    from torch.distributed.fsdp import fully_shard
+
+    hidden, ffn, rows = _sizes(None)
+    blocks = torch.nn.Sequential(
+        *(Block(lib, hidden, ffn, i, fused=False, dtype=torch.float32, delay=delay) for i in (0, 1))
+    )
+    for b in blocks:
+        fully_shard(b)
+    fully_shard(blocks)
+    reducer = None
+    if delay:
+        reducer = GradientReducer(blocks, num_microbatches=n_mb if mode == "count" else None)
+    x, target = _data(100 + rank, n_mb * rows, hidden, torch.float32)
+    pass_times = []
+    for j, (xb, tb) in enumerate(zip(x.split(rows), target.split(rows))):
+        last = j == n_mb - 1
+        ctx = contextlib.nullcontext()
+        if reducer is not None and mode == "no_sync":
+            ctx = contextlib.nullcontext() if last else reducer.no_sync()
+        else:
+            blocks.set_requires_gradient_sync(last)
+        with ctx:
+            _loss(blocks(xb), tb).backward()
+        pass_times.append(time.perf_counter())
+    dw_starts, dw_ends = [], []
+    for b in reversed(list(blocks)):
+        dw_starts.append(time.perf_counter())
+        _drain(b)
+        dw_ends.append(time.perf_counter())
+    error = None
+    if reducer is not None:
+        try:
+            reducer.finish()
+        except RuntimeError as exc:
+            error = str(exc)
+    grads = {}
+    for name, p in blocks.named_parameters():
+        grads[name] = None if p.grad is None else p.grad.full_tensor().div_(n_mb)
+    return {
+        "grads": grads,
+        "launches": [] if reducer is None else [dict(e) for e in reducer.launch_log],
+        "buckets": [] if reducer is None else reducer.bucket_names,
+        "finish": None if reducer is None else reducer.finish_time,
+        "dw_starts": dw_starts,
+        "dw_ends": dw_ends,
+        "pass_times": pass_times,
+        "error": error,
+    }
+
+
+def _fsdp_rank(rank: int, world: int, lib_name: str, configs: list[dict]) -> dict:
+    """Every config, delayed with the reducer and (the baseline) FSDP2 alone without delay; on
+    rank 0 also the single-process baselines of :func:`_dp_truth` (same thread count)."""
+    lib = load_package(lib_name)
+    out = {"runs": [], "baseline": [], "truth": None}
+    for cfg in configs:
+        out["runs"].append(_fsdp_step(lib, rank, delay=True, **cfg))
+        out["baseline"].append(_fsdp_step(lib, rank, delay=False, **cfg))
+    if rank == 0:
+        plain = [{"n_mb": c["n_mb"], "fused": False, "dtype": torch.float32} for c in configs]
+        out["truth"] = _dp_truth(0, 1, lib_name, plain, world)
+    return out
+
+
+def check_fully_sharded(
+    lib_name: str = "splitgrad.impl",
+    *,
+    n_microbatches: int = 2,
+    timeout_s: float = 600.0,
+) -> DistributedReport:
+    """P16 under ``fully_shard`` (FSDP2) on 2 gloo ranks: the reducer's reduce-scatters of the
+    delayed modules launched from the module hooks, before the last ``backward_dw()``;
+    gradients bitwise equal to FSDP2 alone without delay, and to ``(replica0 + replica1) / 2``
+    computed in one process, and within the data-parallel budget of the float64 global batch."""
+    configs = [{"mode": m, "n_mb": n_microbatches} for m in ("no_sync", "count")]
+    world = 2
+    report = DistributedReport(f"P16 fully_shard {lib_name} on {world} ranks")
+    results = _ranks(
+        report, "FSDP2 ranks", _fsdp_rank, world, lib_name, configs, timeout_s=timeout_s
+    )
+    if results is None:
+        return report
+    truth = results[0]["truth"]
+    for k, cfg in enumerate(configs):
+        label = f"fully_shard {cfg['mode']}"
+        for rank, per_rank in enumerate(results):
+            got, base = per_rank["runs"][k], per_rank["baseline"][k]
+            where = f"{label} rank {rank}"
+            if got["error"]:
+                report.failures.append(f"{where}: finish() raised: {got['error']}")
+            _check_fsdp_launches(report, where, got)
+            for name, g in got["grads"].items():
+                report.bitwise(f"{where} {name} vs FSDP2 without delay", g, base["grads"][name])
+                report.bitwise(
+                    f"{where} {name} vs (replica0 + replica1) / 2 without delay",
+                    g,
+                    truth[k]["emulated"][name],
+                )
+            _judge_truth(
+                report,
+                f"{where} (global batch)",
+                got["grads"],
+                truth[k]["naive"],
+                truth[k]["truth"],
+            )
+    report.notes.append(
+        "launch log (rank 0, no_sync): " + fsdp_launch_summary(results[0]["runs"][0])
+    )
+    return report
+
+
+def fsdp_launch_summary(run: dict) -> str:
+    """The launches of one :func:`_fsdp_step` run, in ms after the last backward pass ended,
+    next to when each block's ``backward_dw()`` started and ended."""
+    t0 = run["pass_times"][-1]
+    ms = lambda t: f"{1e3 * (t - t0):.2f} ms"  # noqa: E731
+    parts = [f"{e['collective']} {e['params']} at {ms(e['time'])}" for e in run["launches"]]
+    drains = [
+        f"backward_dw of block {len(run['dw_starts']) - 1 - i} {ms(a)}-{ms(b)}"
+        for i, (a, b) in enumerate(zip(run["dw_starts"], run["dw_ends"]))
+    ]
+    return "; ".join(drains + parts) + f"; finish() at {ms(run['finish'])}"
+
+
+def _check_fsdp_launches(report: DistributedReport, where: str, got: dict) -> None:
+    """Each bucket reduce-scattered once, before finish(), and the first before the last
+    block's ``backward_dw()`` started."""
+    launched = [e["bucket"] for e in got["launches"]]
+    report.compared += 1
+    if sorted(launched) != list(range(len(got["buckets"]))):
+        report.failures.append(
+            f"{where}: buckets launched {launched}, expected each of {len(got['buckets'])} once"
+        )
+    kinds = {e.get("collective") for e in got["launches"]}
+    if got["launches"] and kinds != {"reduce_scatter"}:
+        report.failures.append(f"{where}: launches were {kinds}, expected reduce_scatter")
+    if got["launches"] and got["finish"] is not None:
+        late = [e["bucket"] for e in got["launches"] if e["time"] > got["finish"]]
+        if late:
+            report.failures.append(f"{where}: buckets {late} launched after finish() was called")
+    if not got["launches"] or got["launches"][0]["time"] >= got["dw_starts"][-1]:
+        report.failures.append(
+            f"{where}: no reduce-scatter started before the last backward_dw() began"
+        )
+
+
 # ---- P14 (and P16 next to it): expert parallel --------------------------------------------
 
 
@@ -1061,4 +1221,5 @@ def run_all(lib_name: str = "splitgrad.impl") -> list[DistributedReport]:
         check_data_parallel(lib_name),
         check_pipeline(lib_name, world_size=2),
         check_pipeline_data_parallel(lib_name),
+        check_fully_sharded(lib_name),
     ]

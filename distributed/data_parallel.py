@@ -50,7 +50,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from . import _autograd
+from . import _autograd, fsdp
 from .modules import SplitModule, gradient_tensor, split_modules
 
 __all__ = ["GradientReducer", "reducer_of"]
@@ -69,6 +69,8 @@ class _Param:
     param: torch.nn.Parameter
     main_grad: bool
     owner: SplitModule | None  # set for delayed GEMM parameters (reduced from module hooks)
+    local: str = ""  # its name inside the owner
+    fsdp: object = None  # its FSDPParam under fully_shard
     bucket: int = -1
     passes: int = 0  # producing backward passes seen this step (non-delayed parameters)
     last_task: int = -1
@@ -159,6 +161,14 @@ class GradientReducer:
             raise RuntimeError(
                 "this module already has a GradientReducer (hooks cannot be removed): reuse it"
             )
+        self._fsdp = fsdp.describe(module) if fsdp.is_fully_sharded(module) else None
+        if self._fsdp is not None:
+            if process_group is not None and process_group is not self._fsdp.process_group:
+                raise ValueError(
+                    "process_group differs from the group fully_shard shards over: under FSDP2 "
+                    "the reducer reduce-scatters over FSDP2's own group (pass None)"
+                )
+            process_group = self._fsdp.process_group
         self.module = module
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
@@ -176,6 +186,9 @@ class GradientReducer:
             for local, p in sm.gemm_params:
                 owner[id(p)] = (sm, local)
         self._params: list[_Param] = []
+        # FSDP2 reduces these itself (non-delayed parameters under fully_shard)
+        self._fsdp_own: list[tuple[str, object]] = []
+        unmanaged: list[str] = []
         for name, p in names.items():
             if not p.requires_grad or id(p) in ignored or name in ignored_names:
                 continue
@@ -187,8 +200,37 @@ class GradientReducer:
                     "module owns it: no module hook would report its gradient"
                 )
             main_grad = sm is not None and sm.uses_main_grad(local)
-            self._params.append(_Param(name, p, main_grad, sm if deferred else None))
+            fp = None
+            if self._fsdp is not None:
+                fp = self._fsdp.params.get(id(p))
+                if fp is None:
+                    unmanaged.append(name)
+                    continue
+                # fully_shard's new sharded Parameters do not carry skip_backward_post_hook
+                deferred = sm is not None and sm.delayed
+                if main_grad:
+                    raise ValueError(
+                        f"{name}: fuse_wgrad_accumulation=True under fully_shard is not supported "
+                        "(FSDP2 owns the gradient storage and never reads main_grad)"
+                    )
+                if not deferred:
+                    self._fsdp_own.append((name, fp))
+                    continue
+                p = fp.sharded_param
+            self._params.append(
+                _Param(name, p, main_grad, sm if deferred else None, local or "", fp)
+            )
+        if unmanaged:
+            raise ValueError(
+                f"under fully_shard every trainable parameter must be managed by FSDP2, but "
+                f"{unmanaged} are not: apply fully_shard to the root module too"
+            )
         if not self._params:
+            if self._fsdp is not None:
+                raise ValueError(
+                    "nothing for GradientReducer to reduce: the fully_shard-ed module has no "
+                    "delayed split-backward module, and FSDP2 reduces every other gradient itself"
+                )
             raise ValueError("module has no trainable parameter to reduce")
         by_device: dict[str, str] = {}
         for st in self._params:
@@ -228,6 +270,14 @@ class GradientReducer:
             hook = _ModuleHook(weakref.ref(self), owner)
             owner.sm.module.register_wgrad_accumulation_and_reduce_hooks(hook)
             owner.sm.module.register_forward_hook(hook.after_forward)
+        # FSDP2 post-backward passes per group this step: id(group) -> [last task, count]
+        self._fsdp_passes: dict[int, list[int]] = {}
+        if self._fsdp is not None:
+            self._attach_to_fsdp()
+        else:
+            module.register_forward_pre_hook(
+                functools.partial(_call_weakly_hook, weakref.ref(self), "_check_not_sharded_later")
+            )
         _REDUCERS[module] = self
 
     # ---- buckets -----------------------------------------------------------------------------
@@ -242,8 +292,10 @@ class GradientReducer:
         size, kind = 0.0, None
         for st in ordered:
             this_kind = (st.main_grad, st.param.dtype, st.param.device, st.delayed)
+            if st.fsdp is not None:  # one reduce-scatter per delayed module
+                this_kind += (id(st.owner.module),)
             nbytes = st.param.numel() * (4 if st.main_grad else st.param.element_size())
-            if current and (this_kind != kind or size + nbytes > cap):
+            if current and (this_kind != kind or (st.fsdp is None and size + nbytes > cap)):
                 buckets.append(_Bucket(len(buckets), current))
                 current, size = [], 0.0
             current.append(st)
@@ -271,10 +323,17 @@ class GradientReducer:
                 f"no_sync() with num_microbatches={self.num_microbatches}: use one or the other"
             )
         previous, self._no_sync = self._no_sync, True
+        groups = self._fsdp.groups if self._fsdp is not None else []
+        # FSDP2's own gradient sync is off for the same passes (its set_requires_gradient_sync)
+        flags = [(g, g.reduce_grads, g.all_reduce_grads) for g in groups]
+        for g in groups:
+            g.reduce_grads = g.all_reduce_grads = False
         try:
             yield
         finally:
             self._no_sync = previous
+            for g, reduce_grads, all_reduce_grads in flags:
+                g.reduce_grads, g.all_reduce_grads = reduce_grads, all_reduce_grads
 
     def _begin_step_if_needed(self) -> None:
         if self._finished:
@@ -396,6 +455,9 @@ class GradientReducer:
             self._next_bucket += 1
 
     def _launch(self, bucket: _Bucket) -> None:
+        if self._fsdp is not None:
+            self._launch_reduce_scatter(bucket)
+            return
         grads = []
         for st in bucket.params:
             g = gradient_tensor(st.param, st.main_grad)
@@ -416,6 +478,107 @@ class GradientReducer:
                 "step": self._step,
             }
         )
+
+    # ---- fully_shard (FSDP2) ---------------------------------------------------------------
+
+    def _attach_to_fsdp(self) -> None:
+        """Route the delayed gradients past FSDP2 (see :mod:`.fsdp`): mark their sharded
+        parameters for the modules' guard, keep them out of FSDP2's post-backward, and let
+        ``backward_dw()`` see the unsharded parameters it writes."""
+        delayed_by_group: dict[int, list] = {id(g): [] for g in self._fsdp.groups}
+        for st in self._params:
+            setattr(st.param, fsdp.REDUCED_FROM_MODULE_HOOKS, True)
+            delayed_by_group[id(self._fsdp.group_of[id(st.param)])].append(st.fsdp)
+        for group in self._fsdp.groups:
+            fsdp.wrap_post_backward(
+                group,
+                functools.partial(
+                    _call_weakly_around,
+                    weakref.ref(self),
+                    group,
+                    delayed_by_group[id(group)],
+                ),
+            )
+        for owner in self._owners:
+            fsdp.unshard_during_backward_dw(
+                owner.sm.module, [(st.local, st.fsdp) for st in owner.params]
+            )
+
+    def _around_post_backward(self, group, delayed: list, run) -> None:
+        """FSDP2's post-backward of ``group``: its sync flag checked against this pass, the
+        delayed gradients hidden from it."""
+        task = _autograd.current_backward_pass()
+        if task >= 0:
+            self._check_fsdp_sync(group, task)
+        hidden = [(fp, fsdp.take_unsharded_grad(fp)) for fp in delayed]
+        try:
+            run()
+        finally:
+            for fp, g in hidden:
+                if g is not None:
+                    fp._unsharded_param.grad = g
+
+    def _check_fsdp_sync(self, group, task: int) -> None:
+        """FSDP2 must reduce a group's own gradients in the step's last backward pass and in no
+        other: its ``set_requires_gradient_sync`` agrees with :meth:`no_sync` or
+        ``num_microbatches``. A final pass whose reduction FSDP2 was told to defer
+        (``set_is_last_backward(False)``, as ``PipelineStage`` does before calling
+        ``post_backward`` itself) is accepted; :meth:`finish` checks nothing was left."""
+        own = [
+            fp for name, fp in self._fsdp_own if self._fsdp.group_of[id(fp.sharded_param)] is group
+        ]
+        if not any(fsdp.unreduced_grad(fp) for fp in own):
+            return  # nothing for FSDP2 to reduce (all delayed, or an input-only backward)
+        self._begin_step_if_needed()
+        label = getattr(group, "_module_fqn", None) or "a fully_shard group"
+        seen = self._fsdp_passes.setdefault(id(group), [-1, 0])
+        if seen[0] != task:
+            seen[0] = task
+            seen[1] += 1
+        final = self._final_pass(label, seen[1])
+        sync = bool(group.reduce_grads)
+        deferred = not self._fsdp.is_last_backward(group)
+        if final and not sync and not deferred:
+            self._errors.append(
+                f"{label}: FSDP2's gradient sync is off (set_requires_gradient_sync(False)) in "
+                "the backward pass the reducer counts as the step's last, so FSDP2 never reduces "
+                "its own gradients"
+            )
+        elif sync and not final:
+            self._errors.append(
+                f"{label}: FSDP2 reduce-scattered its gradients in backward pass {seen[1]}, which "
+                "the reducer was told is not the step's last (run the non-final micro-batches "
+                "inside reducer.no_sync(), which turns FSDP2's gradient sync off for them)"
+            )
+
+    def _launch_reduce_scatter(self, bucket: _Bucket) -> None:
+        fps, grads = [], []
+        for st in bucket.params:
+            g = fsdp.take_unsharded_grad(st.fsdp)
+            if g is None:
+                self._errors.append(f"{st.name}: final but no gradient was written")
+                continue
+            fps.append(st.fsdp)
+            grads.append(g)
+        group = self._fsdp.group_of[id(bucket.params[0].param)]
+        bucket.work = fsdp.ReduceScatter(fps, grads, group) if fps else None
+        self.launch_log.append(
+            {
+                "bucket": bucket.index,
+                "params": [st.name for st in bucket.params],
+                "time": time.perf_counter(),
+                "step": self._step,
+                "collective": "reduce_scatter",
+            }
+        )
+
+    def _check_not_sharded_later(self) -> None:
+        if fsdp.is_fully_sharded(self.module):
+            raise RuntimeError(
+                "fully_shard was applied after GradientReducer was built on this module: the "
+                "reducer holds the replaced, unsharded parameters and would reduce nothing. "
+                "Build GradientReducer(model) after fully_shard(...)"
+            )
 
     # ---- the end of a step -------------------------------------------------------------------
 
@@ -454,6 +617,14 @@ class GradientReducer:
                     self._complete(bucket, errors)
         finally:
             self._reset()
+        left = [name for name, fp in self._fsdp_own if fsdp.unreduced_grad(fp)]
+        if left:
+            errors.append(
+                f"FSDP2 left the gradients of {left} unreduced on the unsharded parameters: "
+                "its gradient sync was off in the step's last backward pass (use the reducer's "
+                "no_sync() for the non-final micro-batches, which sets FSDP2's "
+                "set_requires_gradient_sync for them, or set it True for the last one)"
+            )
         if missing:
             errors.append(
                 f"never produced in this step, so never reduced: {missing} (a parameter no "
@@ -471,6 +642,18 @@ class GradientReducer:
 
     def _complete(self, bucket: _Bucket, errors: list[str]) -> None:
         names = [st.name for st in bucket.params]
+        if self._fsdp is not None:
+            if bucket.work is None:
+                return
+            try:
+                bucket.work.complete(self.timeout)
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"GradientReducer: the reduce-scatter of bucket {bucket.index} {names} did "
+                    f"not complete within {self.timeout} (a rank failed or issued other "
+                    "collectives)"
+                ) from exc
+            return
         try:
             bucket.work.wait(self.timeout)
         except RuntimeError as exc:
@@ -496,6 +679,7 @@ class GradientReducer:
             st.passes, st.last_task, st.ready = 0, -1, False
         for owner in self._owners:
             owner.reset()
+        self._fsdp_passes.clear()
         for bucket in self._buckets:
             bucket.work, bucket.flat, bucket.grads, bucket.versions = None, None, [], []
 
@@ -504,6 +688,18 @@ def _call_weakly(reducer: weakref.ref, method: str, *args) -> None:
     target = reducer()
     if target is not None:
         getattr(target, method)(*args)
+
+
+def _call_weakly_hook(reducer: weakref.ref, method: str, module, args) -> None:
+    _call_weakly(reducer, method)
+
+
+def _call_weakly_around(reducer: weakref.ref, group, delayed: list, run) -> None:
+    target = reducer()
+    if target is None:
+        run()
+    else:
+        target._around_post_backward(group, delayed, run)
 
 
 class _ModuleHook:

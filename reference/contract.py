@@ -49,6 +49,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ._fsdp_guard import check_not_under_fsdp
 from .fp8 import Float8BlockScaling, MXFP8BlockScaling, Recipe, fp8_active_recipe
 
 __all__ = [
@@ -316,6 +317,7 @@ class ModuleContract(torch.nn.Module):
             raise ValueError(f"inp must be on the module's device {device}, got {inp.device}")
         if self.delay_wgrad_compute or self.fuse_wgrad_accumulation:
             check_not_under_ddp(self)
+            check_not_under_fsdp(self)
         return (inp if len(shape) == 2 else inp.reshape(-1, in_features)), fp8_active_recipe()
 
     def _check_main_grads(self, named_weights: Sequence[tuple[str, torch.nn.Parameter]]) -> None:

@@ -1,0 +1,307 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) internals that
+:class:`~splitgrad.distributed.GradientReducer` needs for delayed modules (SPEC §8), in one place.
+
+FSDP2 reduce-scatters a parameter's gradient in its post-backward hook, which runs at the end of
+the module group's backward. A delayed split-backward module writes its GEMM gradients later, in
+``backward_dw()``, to the *unsharded* parameter its backward saw (``FSDPParam._unsharded_param``,
+a ``Parameter`` FSDP2 reuses every step), after FSDP2 has resharded: left alone, every sharded
+gradient stays ``None`` and the unsharded one is reduced a step late, if ever. fully_shard has no
+public hook for either side, so this module reaches into its private objects:
+
+* :func:`describe` maps each sharded parameter of a model to its ``FSDPParam`` and group, and
+  refuses what the reducer does not handle (HSDP/replicate meshes, CPU offload, parameters that
+  are already DTensors of another mesh, a custom reduce-scatter);
+* :func:`wrap_post_backward` runs a callback around a group's ``post_backward``, so delayed
+  gradients are kept out of FSDP2's own reduce-scatter;
+* :class:`ReduceScatter` reduce-scatters unsharded gradients into the sharded ``param.grad``
+  DTensors the way ``foreach_reduce`` does (same copy-in layout, same reduce op and divide
+  factors, same accumulation into an existing sharded gradient), but asynchronously.
+
+Checked on torch 2.13. When one of these internals is missing, :func:`check_available` raises
+naming the torch version, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "check_available",
+    "is_fully_sharded",
+    "describe",
+    "FsdpLayout",
+    "ReduceScatter",
+    "wrap_post_backward",
+    "unsharded_grad",
+    "take_unsharded_grad",
+]
+
+CHECKED_ON = "2.13"
+#: Set on a sharded parameter whose gradient GradientReducer reduces from the module hooks;
+#: splitgrad's modules refuse to run delayed under fully_shard without it.
+REDUCED_FROM_MODULE_HOOKS = "wgrad_reduce_from_module_hooks"
+
+_PARAM_ATTRS = ("sharded_param", "_module_info", "sharded_size", "contiguous_sharded_stride")
+_GROUP_ATTRS = ("fsdp_params", "post_backward", "reduce_grads", "mesh_info")
+
+
+def _moved(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"splitgrad.distributed: torch {torch.__version__}'s fully_shard (FSDP2) has no {what} "
+        f"(checked on torch {CHECKED_ON}); GradientReducer cannot route delayed gradients into "
+        "FSDP2's sharded gradients on this version"
+    )
+
+
+def _internals():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
+        from torch.distributed.fsdp._fully_shard import _fsdp_common as common
+    except ImportError as exc:
+        raise _moved(f"importable internals ({exc})") from exc
+    for owner, name in (
+        (coll, "_get_gradient_divide_factors"),
+        (coll, "foreach_reduce_scatter_copy_in"),
+        (coll, "DefaultReduceScatter"),
+        (common, "_get_dim0_padded_size"),
+        (common, "FSDPMeshInfo"),
+        (common, "DDPMeshInfo"),
+    ):
+        if not hasattr(owner, name):
+            raise _moved(f"{owner.__name__}.{name}")
+    return FSDPModule, coll, common
+
+
+def check_available() -> None:
+    """Raise ``RuntimeError`` naming the torch version if FSDP2's internals moved."""
+    _internals()
+
+
+def is_fully_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` or one of its submodules was wrapped with ``fully_shard``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+@dataclasses.dataclass(eq=False)
+class FsdpLayout:
+    """Which FSDP2 parameter and group hold each sharded parameter of a model."""
+
+    params: dict[int, object]  # id(sharded param) -> FSDPParam
+    group_of: dict[int, object]  # id(sharded param) -> FSDPParamGroup
+    groups: list  # every FSDPParamGroup, in module order
+    states: list  # every FSDPModule, in module order
+    process_group: dist.ProcessGroup
+    state_of: dict = dataclasses.field(default_factory=dict)  # id(group) -> FSDPState
+
+    def is_last_backward(self, group) -> bool:
+        """FSDP2's ``set_is_last_backward`` flag for ``group``'s root."""
+        ctx = getattr(self.state_of[id(group)], "_state_ctx", None)
+        if ctx is None or not hasattr(ctx, "is_last_backward"):
+            raise _moved("FSDPState._state_ctx.is_last_backward")
+        return bool(ctx.is_last_backward)
+
+
+def describe(model: torch.nn.Module) -> FsdpLayout:
+    """The FSDP2 layout of ``model``; ``ValueError`` for what the reducer does not support."""
+    FSDPModule, coll, common = _internals()
+    params, group_of, groups, states, state_of = {}, {}, [], [], {}
+    process_group = None
+    for name, m in model.named_modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        states.append(m)
+        state = m._get_fsdp_state()
+        for group in getattr(state, "_fsdp_param_groups", ()):
+            for attr in _GROUP_ATTRS:
+                if not hasattr(group, attr):
+                    raise _moved(f"FSDPParamGroup.{attr}")
+            where = name or type(m).__name__
+            mesh = group.mesh_info
+            if isinstance(mesh, common.DDPMeshInfo) or not isinstance(mesh, common.FSDPMeshInfo):
+                raise ValueError(
+                    f"GradientReducer supports a 1-D fully_shard mesh only; {where} has "
+                    f"{type(mesh).__name__} (HSDP or replicate)"
+                )
+            if type(group._reduce_scatter_comm) is not coll.DefaultReduceScatter:
+                raise ValueError(
+                    f"{where}: a custom reduce-scatter ({type(group._reduce_scatter_comm)}) is "
+                    "not supported by GradientReducer"
+                )
+            pg = mesh.shard_process_group
+            if process_group is not None and pg is not process_group:
+                raise ValueError("fully_shard modules of this model use different process groups")
+            process_group = pg
+            groups.append(group)
+            state_of[id(group)] = state
+            for fp in group.fsdp_params:
+                for attr in _PARAM_ATTRS:
+                    if not hasattr(fp, attr):
+                        raise _moved(f"FSDPParam.{attr}")
+                if getattr(fp, "offload_to_cpu", False):
+                    raise ValueError(f"{where}: CPU offload is not supported by GradientReducer")
+                if getattr(fp, "is_dtensor", False):
+                    raise ValueError(
+                        f"{where}: parameters that were DTensors before fully_shard (tensor "
+                        "parallel) are not supported by GradientReducer"
+                    )
+                params[id(fp.sharded_param)] = fp
+                group_of[id(fp.sharded_param)] = group
+                unsharded = getattr(fp, "_unsharded_param", None)
+                if unsharded is not None:  # built between a forward and its reshard
+                    params[id(unsharded)] = fp
+                    group_of[id(unsharded)] = group
+    if process_group is None:
+        raise ValueError("the model is fully_shard-ed but no fully_shard module has parameters")
+    return FsdpLayout(params, group_of, groups, states, process_group, state_of)
+
+
+def unsharded_grad(fsdp_param) -> torch.Tensor | None:
+    """The gradient written to the unsharded parameter (``None`` before the first unshard)."""
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    return None if unsharded is None else unsharded.grad
+
+
+def take_unsharded_grad(fsdp_param) -> torch.Tensor | None:
+    """:func:`unsharded_grad`, taken off the unsharded parameter (FSDP2 then never sees it)."""
+    g = unsharded_grad(fsdp_param)
+    if g is not None:
+        fsdp_param._unsharded_param.grad = None
+    return g
+
+
+def unreduced_grad(fsdp_param) -> bool:
+    """Whether a gradient waits on the unsharded side for FSDP2 to reduce it."""
+    return (
+        unsharded_grad(fsdp_param) is not None
+        or getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None
+    )
+
+
+def unshard_during_backward_dw(module: torch.nn.Module, params: list[tuple[str, object]]) -> None:
+    """Make ``module.backward_dw()`` run with the unsharded ``Parameter`` objects registered.
+
+    After FSDP2's post-backward reshard the module holds the sharded DTensors; a queued entry
+    that looks its parameters up when it runs (splitgrad's reference does; impl keeps the
+    ones its backward saw) must write the unsharded gradient FSDP2's layout expects. Only the
+    objects are swapped, no data is gathered: a wgrad entry computes ``dy^T x`` from what it
+    saved and needs no weight values (SPEC §4)."""
+    original = module.backward_dw
+
+    def backward_dw(*args, **kwargs):
+        swapped = []
+        for name, fp in params:
+            unsharded = getattr(fp, "_unsharded_param", None)
+            current = module._parameters.get(name)
+            if unsharded is not None and current is not unsharded:
+                swapped.append((name, current))
+                module._parameters[name] = unsharded
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for name, current in swapped:
+                module._parameters[name] = current
+
+    backward_dw.__doc__ = original.__doc__
+    module.backward_dw = backward_dw
+
+
+def wrap_post_backward(group, around: Callable[[Callable[[], None]], None]) -> None:
+    """Make ``group.post_backward(*args)`` call ``around(run)``, ``run()`` being FSDP2's own.
+    FSDP2 calls it from autograd, from its root's end-of-backward callback, and a
+    ``PipelineStage`` calls it at its REDUCE_GRAD step: all go through the instance attribute."""
+    original = group.post_backward
+
+    def post_backward(*args):
+        around(lambda: original(*args))
+
+    group.post_backward = post_backward
+
+
+class ReduceScatter:
+    """One asynchronous reduce-scatter of unsharded gradients into their sharded ``.grad``.
+
+    The copy-in (``foreach_reduce_scatter_copy_in``, with FSDP2's dim-0 padding and Shard(i>0)
+    rearrangement), reduce op, pre-/post-divide factors, cast back to the parameter dtype and
+    accumulation (``+=`` into an existing sharded gradient, else a new DTensor) are FSDP2's,
+    so a gradient comes out bitwise as FSDP2 would have reduced it."""
+
+    def __init__(self, fsdp_params: list, grads: list[torch.Tensor], group) -> None:
+        _, coll, common = _internals()
+        self.fsdp_params = fsdp_params
+        pg = group.mesh_info.shard_process_group
+        world = pg.size()
+        grad_dtypes = {g.dtype for g in grads}
+        if len(grad_dtypes) != 1:
+            raise RuntimeError(f"one reduce-scatter needs one gradient dtype, got {grad_dtypes}")
+        reduce_dtype = group._reduce_dtype or grads[0].dtype
+        self.orig_dtype = group._orig_dtype
+        pre, self.post, op, _ = coll._get_gradient_divide_factors(
+            pg,
+            None,
+            reduce_dtype,
+            grads[0].device.type,
+            group.gradient_divide_factor,
+            group.force_sum_reduction_for_comms,
+        )
+        grads = list(grads)
+        for i, (fp, g) in enumerate(zip(fsdp_params, grads)):
+            dim = fp.fsdp_placement.dim
+            if dim != 0 and world > 1:
+                grads[i] = torch.cat(torch.chunk(g, world, dim=dim), dim=0)
+        self.padded = [common._get_dim0_padded_size(g.size(), world) for g in grads]
+        numel = sum(s.numel() for s in self.padded)
+        flat_in = torch.empty(numel, dtype=reduce_dtype, device=grads[0].device)
+        coll.foreach_reduce_scatter_copy_in(grads, flat_in, world)
+        if pre is not None and pre != 1:
+            flat_in.div_(pre)
+        self.world = world
+        self.output = torch.empty(numel // world, dtype=reduce_dtype, device=flat_in.device)
+        self._input = flat_in  # alive until the collective has completed
+        if world > 1:
+            # FSDP2's own call (reduce_scatter_tensor before it was renamed)
+            reduce_scatter = getattr(dist, "reduce_scatter_single", None)
+            if reduce_scatter is None:
+                reduce_scatter = dist.reduce_scatter_tensor
+            self.work = reduce_scatter(self.output, flat_in, op=op, group=pg, async_op=True)
+        else:
+            factor = group.gradient_divide_factor
+            self.output.copy_(flat_in / factor if factor is not None else flat_in)
+            self.work = None
+
+    def complete(self, timeout: datetime.timedelta) -> None:
+        """Wait, then write (or add) each parameter's shard into ``sharded_param.grad``."""
+        if self.work is not None:
+            self.work.wait(timeout)
+        self._input = None
+        out = self.output
+        if self.post is not None and self.post != 1:
+            out.div_(self.post)
+        if self.orig_dtype is not None and out.dtype != self.orig_dtype:
+            out = out.to(self.orig_dtype)
+        offset = 0
+        for padded, fp in zip(self.padded, self.fsdp_params):
+            shard = torch.as_strided(
+                out,
+                size=fp.sharded_size,
+                stride=fp.contiguous_sharded_stride,
+                storage_offset=offset,
+            )
+            sharded = fp.sharded_param
+            if sharded.grad is not None:
+                sharded.grad._local_tensor += shard
+            else:
+                sharded.grad = fp.to_sharded_dtensor(shard)
+            for hook in (getattr(sharded, "_post_accumulate_grad_hooks", None) or {}).values():
+                hook(sharded)
+            offset += padded.numel() // self.world
+        self.output = None
