@@ -104,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
             recipes=recipes,
             timeout_s=args.timeout,
         ),
-        "p16": lambda: conformance.check_data_parallel(args.backend, timeout_s=args.timeout),
+        "p16": lambda: conformance.merge_reports(
+            f"P16 {args.backend} alone and under fully_shard",
+            conformance.check_data_parallel(args.backend, timeout_s=args.timeout),
+            conformance.check_fully_sharded(args.backend, timeout_s=args.timeout),
+        ),
         "p16-pp": lambda: conformance.check_pipeline_data_parallel(
             args.backend, timeout_s=args.timeout
         ),

@@ -57,6 +57,7 @@ __all__ = [
     "check_data_parallel",
     "check_expert_parallel",
     "check_fully_sharded",
+    "merge_reports",
 ]
 
 #: The torch.distributed.pipelining schedules P15 runs (by class name).
@@ -118,6 +119,17 @@ class DistributedReport:
         err = float((got.double() - want.double()).abs().max()) if got.numel() else 0.0
         if not err <= tol:
             self.failures.append(f"{what}: max error {err:.3g} > budget {tol:.3g}")
+
+
+def merge_reports(name: str, *reports: DistributedReport) -> DistributedReport:
+    """One report of several checks (``splitgrad distributed --check p16`` runs P16 alone and
+    under fully_shard)."""
+    out = DistributedReport(name)
+    for r in reports:
+        out.compared += r.compared
+        out.failures += [f"[{r.name}] {f}" for f in r.failures]
+        out.notes += r.notes
+    return out
 
 
 def _desc(t: torch.Tensor | None) -> str:

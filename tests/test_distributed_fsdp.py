@@ -1,0 +1,188 @@
+"""P16 under torch's ``fully_shard`` (FSDP2, SPEC §8) on spawned gloo ranks: GradientReducer's
+reduce-scatters of delayed modules, the modules' refusal to run delayed under fully_shard without
+it, the order refusal, and FSDP2's ``set_requires_gradient_sync`` agreeing with the reducer.
+
+Each rank function is at module level (the spawned processes import it by name); every run has
+a timeout on each collective and on the whole run, so a failing rank fails the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import re
+
+import pytest
+import torch
+from splitgrad.distributed import GradientReducer, conformance, run_ranks
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("lib_name", ["splitgrad.impl", "splitgrad.reference"])
+def test_p16_fully_sharded(lib_name):
+    """no_sync() and num_microbatches, 2 micro-batches: every gradient bitwise FSDP2 without
+    delay and (replica0 + replica1) / 2, within the data-parallel budget of the float64 global
+    batch; one reduce-scatter per delayed module, the first before the last backward_dw()."""
+    report = conformance.check_fully_sharded(lib_name, timeout_s=120)
+    report.raise_if_failed()
+    assert report.compared > 100
+    assert "reduce_scatter" in report.notes[-1]
+
+
+def test_launch_check_flags_a_late_reduce_scatter():
+    """The launch check fails a run whose first reduce-scatter came after the last
+    backward_dw() began, one that all-reduced, and one that launched a bucket twice."""
+    good = {
+        "launches": [
+            {"bucket": 0, "time": 1.0, "collective": "reduce_scatter"},
+            {"bucket": 1, "time": 3.0, "collective": "reduce_scatter"},
+        ],
+        "buckets": [["a"], ["b"]],
+        "finish": 4.0,
+        "dw_starts": [0.5, 2.0],
+    }
+    report = conformance.DistributedReport("meta")
+    conformance._check_fsdp_launches(report, "good", good)
+    assert report.ok, report.failures
+    late = dict(good, dw_starts=[0.5, 0.9])
+    twice = dict(good, launches=[good["launches"][0], good["launches"][0]])
+    allreduce = dict(good, launches=[dict(e, collective="all_reduce") for e in good["launches"]])
+    for case, pattern in (
+        (late, "before the last backward_dw"),
+        (twice, r"launched \[0, 0\]"),
+        (allreduce, "expected reduce_scatter"),
+    ):
+        report = conformance.DistributedReport("meta")
+        conformance._check_fsdp_launches(report, "bad", case)
+        assert any(re.search(pattern, f) for f in report.failures), report.failures
+
+
+# ---- misuse is refused, never silent ---------------------------------------------------------
+
+
+def _sharded(lib, *, delay=True, fused=False):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        lib.Linear(8, 8, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fused),
+        torch.nn.Linear(8, 8),
+    )
+    fully_shard(model[0])
+    fully_shard(model)
+    return model
+
+
+def _sync_flags(model) -> list[bool]:
+    return [
+        g.reduce_grads
+        for m in model.modules()
+        if hasattr(m, "_get_fsdp_state")
+        for g in m._get_fsdp_state()._fsdp_param_groups
+    ]
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (RuntimeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def _misuse_rank(rank: int, world: int) -> dict[str, object]:
+    from torch.distributed.fsdp import fully_shard
+
+    lib = importlib.import_module("splitgrad.impl")
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    out: dict[str, object] = {}
+
+    model = _sharded(lib)
+    out["plain_fsdp2_delayed"] = _error(lambda: model(x))
+    model = _sharded(lib, delay=False, fused=True)
+    out["plain_fsdp2_fused"] = _error(lambda: model(x))
+    out["reducer_fused"] = _error(lambda: GradientReducer(_sharded(lib, delay=False, fused=True)))
+    out["reducer_nothing_delayed"] = _error(lambda: GradientReducer(_sharded(lib, delay=False)))
+
+    torch.manual_seed(0)
+    first = torch.nn.Sequential(lib.Linear(8, 8, delay_wgrad_compute=True), torch.nn.Linear(8, 8))
+    GradientReducer(first)
+    fully_shard(first[0])
+    fully_shard(first)
+    out["reducer_before_fully_shard"] = _error(lambda: first(x))
+
+    # no_sync() turns FSDP2's gradient sync off for its passes and back on after
+    model = _sharded(lib)
+    reducer = GradientReducer(model)
+    with reducer.no_sync():
+        out["flags_inside_no_sync"] = _sync_flags(model)
+        model(x).sum().backward()
+    out["flags_after_no_sync"] = _sync_flags(model)
+    model(x).sum().backward()
+    model[0].backward_dw()
+    model[0].backward_dw()
+    out["no_sync_ok"] = _error(reducer.finish)
+
+    def step(reducer, model, syncs, contexts=None):
+        for i, sync in enumerate(syncs):
+            model.set_requires_gradient_sync(sync)
+            ctx = contexts[i] if contexts else contextlib.nullcontext()
+            with ctx:
+                model(x).sum().backward()
+        model.set_requires_gradient_sync(True)
+        while model[0].pending_wgrad_count:
+            model[0].backward_dw()
+        return _error(reducer.finish)
+
+    model = _sharded(lib)
+    reducer = GradientReducer(model, num_microbatches=2)
+    out["count_agrees"] = step(reducer, model, [False, True])
+    model = _sharded(lib)
+    reducer = GradientReducer(model, num_microbatches=2)
+    out["count_fsdp_syncs_early"] = step(reducer, model, [True, True])
+    model = _sharded(lib)
+    reducer = GradientReducer(model)
+    out["last_pass_fsdp_sync_off"] = step(
+        reducer, model, [False], contexts=[contextlib.nullcontext()]
+    )
+
+    model = _sharded(lib)
+    reducer = GradientReducer(model)
+    model(x).sum().backward()  # the delayed entry never runs
+    out["backward_dw_skipped"] = _error(reducer.finish)
+    model[0].backward_dw()  # leave nothing queued behind
+    return out
+
+
+_MISUSE = {
+    "plain_fsdp2_delayed": r"RuntimeError: (FSDP)?Linear with delay_wgrad_compute=True runs under "
+    r"torch\.distributed\.fsdp\.fully_shard .*weight, bias.*GradientReducer\(model\) after",
+    "plain_fsdp2_fused": r"RuntimeError: .*fuse_wgrad_accumulation=True runs under .*fully_shard",
+    "reducer_fused": r"ValueError: 0\.weight: fuse_wgrad_accumulation=True under fully_shard",
+    "reducer_nothing_delayed": r"ValueError: nothing for GradientReducer to reduce",
+    "reducer_before_fully_shard": r"RuntimeError: fully_shard was applied after GradientReducer",
+    "no_sync_ok": r"^no error$",
+    "count_agrees": r"^no error$",
+    "count_fsdp_syncs_early": r"FSDP2 reduce-scattered its gradients in backward pass 1, which "
+    r"the reducer was told is not the step's last",
+    "last_pass_fsdp_sync_off": r"gradient sync is off .* step's last.*FSDP2 left the gradients "
+    r"of \['1\.weight', '1\.bias'\] unreduced",
+    "backward_dw_skipped": r"never produced in this step.*0\.weight",
+}
+
+
+def test_misuse_under_fully_shard_raises():
+    """Plain FSDP2 with a delayed (or fused) module raises in the forward; the reducer refuses
+    fused modules, a model with nothing delayed, and fully_shard applied after it; FSDP2's
+    set_requires_gradient_sync follows reducer.no_sync(), and finish() names a disagreement
+    either way and a gradient never produced."""
+    for per_rank in run_ranks(_misuse_rank, 2, timeout_s=120, collective_timeout_s=20):
+        wrong = {
+            case: per_rank[case]
+            for case, pattern in _MISUSE.items()
+            if not re.search(pattern, per_rank[case], re.S)
+        }
+        assert not wrong, wrong
+        assert per_rank["flags_inside_no_sync"] == [False, False]
+        assert per_rank["flags_after_no_sync"] == [True, True]
