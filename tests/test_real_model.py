@@ -60,6 +60,31 @@ def test_bf16_model_converted_after_the_move_is_close():
     assert result.budget_ratio is not None and result.budget_ratio <= 1.0
 
 
+def test_the_budget_catches_a_dropped_weight_gradient(monkeypatch):
+    """With one layer's ``backward_dw()`` never run, its gradient is missing: named."""
+    real = llama_convert.delayed_modules
+    monkeypatch.setattr(llama_convert, "delayed_modules", lambda model: real(model)[1:])
+    with pytest.raises(AssertionError, match=r"step 0 model\.layers\.0\.self_attn\.q_proj\."):
+        llama_convert.run("bf16-first", steps=1)
+
+
+def test_the_budget_catches_a_gradient_five_percent_off(monkeypatch):
+    """The ``model-training`` budget can fail on values: one layer's weight gradient scaled by
+    1.05 (a dozen bf16 rounding steps) after its ``backward_dw()`` is outside it."""
+    real = llama_convert.delayed_modules
+
+    def with_a_wrong_layer(model):
+        modules = real(model)
+        down = model.get_submodule("model.layers.0.mlp.down_proj")
+        if down in modules and not down._wgrad_hooks:  # the converted model, once
+            down.register_wgrad_accumulation_and_reduce_hooks(lambda: down.weight.grad.mul_(1.05))
+        return modules
+
+    monkeypatch.setattr(llama_convert, "delayed_modules", with_a_wrong_layer)
+    with pytest.raises(AssertionError, match=r"step 0 model\.layers\.0\.mlp\.down_proj\.weight"):
+        llama_convert.run("bf16-first", steps=1)
+
+
 @pytest.mark.parametrize("mode", ["autocast", "bf16"])
 def test_mixed_precision_training_is_close(mode):
     """Under ``torch.autocast`` (fp32 parameters) and after converting then moving the model to
