@@ -368,10 +368,19 @@ def _sizes(recipe: str | None) -> tuple[int, int, int]:
 
 
 def _run_pipeline(
-    lib, cfg: PipelineConfig, rank: int, pp: int, group=None, reducer_group=None, data_seed=0
+    lib,
+    cfg: PipelineConfig,
+    rank: int,
+    pp: int,
+    group=None,
+    reducer_group=None,
+    data_seed=0,
+    fsdp_mesh=None,
 ) -> dict:
     """One ``schedule.step`` on this rank; returns its stages' gradients, losses and what was
-    left pending."""
+    left pending. ``fsdp_mesh``: each stage module is wrapped with ``fully_shard`` over it (its
+    reducer then reduce-scatters over FSDP2's group, and the gradients returned are the
+    all-gathered full ones)."""
     import torch.distributed.pipelining.schedules as schedules
     from torch.distributed.pipelining import PipelineStage
 
@@ -391,7 +400,13 @@ def _run_pipeline(
         for i in indices
     }
     reducers = {}
-    if reducer_group is not None:
+    if fsdp_mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for i, b in blocks.items():
+            fully_shard(b, mesh=fsdp_mesh)
+            reducers[i] = GradientReducer(b, num_microbatches=cfg.n_microbatches)
+    elif reducer_group is not None:
         for i, b in blocks.items():
             reducers[i] = GradientReducer(b, reducer_group, num_microbatches=cfg.n_microbatches)
     builders = {i: dw_builder(b) for i, b in blocks.items()}
@@ -420,9 +435,15 @@ def _run_pipeline(
             r.finish()  # a no-op where the schedule's gradient scaling finished it already
         except RuntimeError as exc:
             errors.append(f"stage {i}: {exc}")
+    grads = {i: _clone(_gradients(b)) for i, b in blocks.items()}
+    if fsdp_mesh is not None:
+        grads = {
+            i: {n: None if g is None else g.detach().full_tensor() for n, g in per.items()}
+            for i, per in grads.items()
+        }
     return {
         "errors": errors,
-        "grads": {i: _clone(_gradients(b)) for i, b in blocks.items()},
+        "grads": grads,
         "losses": [loss.detach().clone() for loss in losses],
         "pending": {
             i: {sm.name: sm.module.pending_wgrad_count for sm in split_modules(b)}
@@ -820,7 +841,11 @@ def _fsdp_step(lib, rank: int, *, mode: str, n_mb: int, delay: bool) -> dict:
             error = str(exc)
     grads = {}
     for name, p in blocks.named_parameters():
-        grads[name] = None if p.grad is None else p.grad.full_tensor().div_(n_mb)
+        if p.grad is None:
+            grads[name] = None
+            continue
+        with torch.no_grad():  # a gradient that requires grad (some packages') stays outside
+            grads[name] = p.grad.detach().full_tensor().div(n_mb)
     return {
         "grads": grads,
         "launches": [] if reducer is None else [dict(e) for e in reducer.launch_log],
@@ -1117,13 +1142,32 @@ def check_expert_parallel(
 # ---- P16 composed with P15: 2 pipeline stages x 2 data-parallel replicas ------------------
 
 
-def _pp_dp_rank(rank: int, world: int, lib_name: str, configs: list[PipelineConfig]) -> list:
-    """Ranks (0, 1) and (2, 3) are two pipelines; (0, 2) and (1, 3) reduce over replicas."""
+def _pp_dp_rank(
+    rank: int, world: int, lib_name: str, configs: list[PipelineConfig], sharded: bool = False
+) -> list:
+    """Ranks (0, 1) and (2, 3) are two pipelines; (0, 2) and (1, 3) reduce over replicas
+    (``sharded``: each stage module is fully_shard-ed over them)."""
     lib = load_package(lib_name)
     pp = 2
+    replica, pp_rank = divmod(rank, pp)
+    if sharded:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, pp), mesh_dim_names=("dp", "pp"))
+        return [
+            _run_pipeline(
+                lib,
+                cfg,
+                pp_rank,
+                pp,
+                group=mesh["pp"].get_group(),
+                data_seed=replica,
+                fsdp_mesh=mesh["dp"],
+            )
+            for cfg in configs
+        ]
     pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    replica, pp_rank = divmod(rank, pp)
     return [
         _run_pipeline(
             lib,
@@ -1171,11 +1215,19 @@ def check_pipeline_data_parallel(
     schedules: tuple[str, ...] = ("ScheduleZBVZeroBubble",),
     fused: tuple[bool, ...] = (False, True),
     timeout_s: float = 600.0,
+    fully_shard: bool = False,
 ) -> DistributedReport:
-    """P16 with P15 on 4 gloo ranks: 2 pipeline stages x 2 data-parallel replicas."""
+    """P16 with P15 on 4 gloo ranks: 2 pipeline stages x 2 data-parallel replicas
+    (``fully_shard``: each stage module fully_shard-ed over its 2 replicas, plain only; the
+    ``PipelineStage`` drives FSDP2 and the reducer reduce-scatters the delayed modules)."""
+    if fully_shard:
+        fused = (False,)
     configs = [PipelineConfig(s, f, None, torch.float32, 4) for s in schedules for f in fused]
-    report = DistributedReport(f"P16 x P15 {lib_name}: 2 stages x 2 replicas")
-    results = _ranks(report, "ranks", _pp_dp_rank, 4, lib_name, configs, timeout_s=timeout_s)
+    kind = "fully_shard " if fully_shard else ""
+    report = DistributedReport(f"P16 x P15 {kind}{lib_name}: 2 stages x 2 replicas")
+    results = _ranks(
+        report, "ranks", _pp_dp_rank, 4, lib_name, configs, fully_shard, timeout_s=timeout_s
+    )
     truths = _ranks(
         report,
         "single-process baseline",

@@ -34,6 +34,25 @@ that reason). :class:`GradientReducer` takes DDP's place:
   was changed while it was being reduced. Call it before the optimizer step; it is a no-op when
   the step is already finished (a pipeline stage's gradient scaling finishes it, see
   :mod:`.pipeline`).
+* **Under fully_shard (FSDP2).** Built on a model wrapped with ``fully_shard`` (build it
+  *after* ``fully_shard``; built before, the model's first forward raises), the reducer leaves
+  every non-delayed parameter to FSDP2's own reduce-scatter and takes over the delayed modules'
+  GEMM parameters (see :mod:`.fsdp`): their gradients, written by ``backward_dw()`` to FSDP2's
+  unsharded parameters, are kept out of FSDP2's post-backward, and once a module's last entry
+  of the step has run they are reduce-scattered asynchronously (one collective per module, in
+  the fixed bucket order, averaged as FSDP2 averages) into the sharded ``param.grad`` DTensors,
+  which :meth:`finish` writes (or adds to). ``backward_dw()`` runs with the unsharded
+  ``Parameter`` objects registered, as the backward saw them (FSDP2 has resharded by then; no
+  data is gathered: a wgrad entry needs no weight values). :meth:`no_sync` also turns FSDP2's
+  gradient sync off (its ``set_requires_gradient_sync``) for its passes; with
+  ``num_microbatches`` the caller sets it. Either way a disagreement is reported by
+  :meth:`finish`: FSDP2 syncing in a pass the reducer counts as non-final, or not syncing in the
+  last one, unless told the reduction is deferred (``set_is_last_backward(False)``, as
+  ``PipelineStage`` does before calling FSDP2's post-backward at its REDUCE_GRAD step); and a
+  gradient FSDP2 left unreduced on an unsharded parameter. Refused (``ValueError``): fused
+  accumulation, HSDP and replicate meshes, CPU offload, tensor-parallel DTensor parameters,
+  parameters no ``fully_shard`` manages, and a model with no delayed module (FSDP2 alone
+  suffices). ``bucket_cap_mb`` does not apply.
 """
 
 from __future__ import annotations
@@ -486,6 +505,9 @@ class GradientReducer:
         parameters for the modules' guard, keep them out of FSDP2's post-backward, and let
         ``backward_dw()`` see the unsharded parameters it writes."""
         delayed_by_group: dict[int, list] = {id(g): [] for g in self._fsdp.groups}
+        self._fsdp_own_by_group: dict[int, list] = {id(g): [] for g in self._fsdp.groups}
+        for _, fp in self._fsdp_own:
+            self._fsdp_own_by_group[id(self._fsdp.group_of[id(fp.sharded_param)])].append(fp)
         for st in self._params:
             setattr(st.param, fsdp.REDUCED_FROM_MODULE_HOOKS, True)
             delayed_by_group[id(self._fsdp.group_of[id(st.param)])].append(st.fsdp)
@@ -524,9 +546,7 @@ class GradientReducer:
         ``num_microbatches``. A final pass whose reduction FSDP2 was told to defer
         (``set_is_last_backward(False)``, as ``PipelineStage`` does before calling
         ``post_backward`` itself) is accepted; :meth:`finish` checks nothing was left."""
-        own = [
-            fp for name, fp in self._fsdp_own if self._fsdp.group_of[id(fp.sharded_param)] is group
-        ]
+        own = self._fsdp_own_by_group.get(id(group), ())
         if not any(fsdp.unreduced_grad(fp) for fp in own):
             return  # nothing for FSDP2 to reduce (all delayed, or an input-only backward)
         self._begin_step_if_needed()
@@ -573,7 +593,10 @@ class GradientReducer:
         )
 
     def _check_not_sharded_later(self) -> None:
-        if fsdp.is_fully_sharded(self.module):
+        # The root and the delayed modules only (cheap, every forward): a plain parameter under
+        # a fully_shard applied later keeps its stale hook, and finish() reports it never
+        # produced.
+        if fsdp.any_fully_sharded([self.module] + [o.sm.module for o in self._owners]):
             raise RuntimeError(
                 "fully_shard was applied after GradientReducer was built on this module: the "
                 "reducer holds the replaced, unsharded parameters and would reduce nothing. "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import sys
 from collections.abc import Callable
 
 import torch
@@ -33,6 +34,7 @@ import torch.distributed as dist
 __all__ = [
     "check_available",
     "is_fully_sharded",
+    "any_fully_sharded",
     "describe",
     "FsdpLayout",
     "ReduceScatter",
@@ -85,11 +87,15 @@ def check_available() -> None:
 
 def is_fully_sharded(model: torch.nn.Module) -> bool:
     """Whether ``model`` or one of its submodules was wrapped with ``fully_shard``."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    return any_fully_sharded(model.modules())
+
+
+def any_fully_sharded(modules) -> bool:
+    """Whether one of ``modules`` was wrapped with ``fully_shard`` (nothing is imported: without
+    ``torch.distributed.fsdp`` loaded, nothing can be)."""
+    loaded = sys.modules.get("torch.distributed.fsdp")
+    FSDPModule = getattr(loaded, "FSDPModule", None)
+    return FSDPModule is not None and any(isinstance(m, FSDPModule) for m in modules)
 
 
 @dataclasses.dataclass(eq=False)

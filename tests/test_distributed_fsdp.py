@@ -186,3 +186,16 @@ def test_misuse_under_fully_shard_raises():
         assert not wrong, wrong
         assert per_rank["flags_inside_no_sync"] == [False, False]
         assert per_rank["flags_after_no_sync"] == [True, True]
+
+
+def test_p16_fully_sharded_under_a_zero_bubble_pipeline():
+    """4 ranks: 2 pipeline stages (ScheduleZBVZeroBubble with dw_builder) x 2 replicas, each
+    stage module fully_shard-ed over its replicas. The PipelineStage turns FSDP2's sync and
+    reshard off during B/W and calls its post-backward at REDUCE_GRAD; the reducer reduce-scatters
+    each delayed module after its last W step, and the stage's gradient scaling finishes it
+    before dividing. Losses and gradients bitwise (replica0 + replica1) / 2 without delay."""
+    report = conformance.check_pipeline_data_parallel(
+        "splitgrad.impl", fully_shard=True, timeout_s=240
+    )
+    report.raise_if_failed()
+    assert report.compared > 100
