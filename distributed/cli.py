@@ -109,8 +109,12 @@ def main(argv: list[str] | None = None) -> int:
             conformance.check_data_parallel(args.backend, timeout_s=args.timeout),
             conformance.check_fully_sharded(args.backend, timeout_s=args.timeout),
         ),
-        "p16-pp": lambda: conformance.check_pipeline_data_parallel(
-            args.backend, timeout_s=args.timeout
+        "p16-pp": lambda: conformance.merge_reports(
+            f"P16 x P15 {args.backend}: replicated and under fully_shard",
+            conformance.check_pipeline_data_parallel(args.backend, timeout_s=args.timeout),
+            conformance.check_pipeline_data_parallel(
+                args.backend, timeout_s=args.timeout, fully_shard=True
+            ),
         ),
     }
     failed = False

@@ -24,6 +24,14 @@ listing every mismatch.
   ``backward_dw()``); gradients bitwise equal to ``(replica0 + replica1) / 2`` computed in one
   process by the package without delay (a sum of two is exact in either order), and within the
   data-parallel budget of the float64 global-batch truth of ``splitgrad.reference``.
+* :func:`check_fully_sharded` (P16 under FSDP2): 2 Blocks, each and the root wrapped with
+  ``fully_shard``, 2 gloo ranks, 2 micro-batches (``no_sync()`` and ``num_microbatches``): the
+  reducer reduce-scatters each delayed module's gradients into the sharded gradients, the first
+  before the last ``backward_dw()`` starts; every full (all-gathered) gradient bitwise equal to
+  FSDP2 alone without delay and to ``(replica0 + replica1) / 2`` computed in one process, and
+  within the data-parallel budget of the float64 global batch.
+  ``check_pipeline_data_parallel(fully_shard=True)`` does the same under a zero-bubble pipeline
+  of 2 stages, each stage fully_shard-ed over 2 replicas.
 * :func:`check_expert_parallel` (P14): :class:`~splitgrad.distributed.ExpertParallelMoE` (or
   the layer named by ``moe=``) over 2 ranks; experts bitwise the single-process
   ``GroupedLinear`` over all experts, and, from the order of recorded events (the dispatch
@@ -1286,4 +1294,5 @@ def run_all(lib_name: str = "splitgrad.impl") -> list[DistributedReport]:
         check_pipeline(lib_name, world_size=2),
         check_pipeline_data_parallel(lib_name),
         check_fully_sharded(lib_name),
+        check_pipeline_data_parallel(lib_name, fully_shard=True),
     ]

@@ -26,7 +26,7 @@ __all__ = ["check_not_under_fsdp", "REDUCED_FROM_MODULE_HOOKS"]
 #: The attribute GradientReducer sets on the sharded parameters it reduces.
 REDUCED_FROM_MODULE_HOOKS = "wgrad_reduce_from_module_hooks"
 
-# module -> (size of FSDP2's state mapping when computed, [(param name, FSDPParam)])
+# module -> (size of FSDP2's state mapping when computed, [(param name, weakref to FSDPParam)])
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -34,7 +34,9 @@ def _managed(module: torch.nn.Module, mapping) -> list:
     key = len(mapping)
     hit = _CACHE.get(module)
     if hit is not None and hit[0] == key:
-        return hit[1]
+        found = [(name, ref()) for name, ref in hit[1]]
+        if all(fp is not None for _, fp in found):
+            return found
     found = []
     for ref in list(mapping.values()):
         state = ref() if isinstance(ref, weakref.ref) else ref
@@ -51,7 +53,8 @@ def _managed(module: torch.nn.Module, mapping) -> list:
                 for shared, name in zip(info.shared_modules, info.shared_param_names):
                     if shared is module:
                         found.append((name, fp))
-    _CACHE[module] = (key, found)
+    # weak references: an FSDPParam refers back to the module, which must not outlive its model
+    _CACHE[module] = (key, [(name, weakref.ref(fp)) for name, fp in found])
     return found
 
 
