@@ -176,7 +176,7 @@ def accuracy_runs(
             delay=False,
             hooks=0,
             module=upcast(naive_run.module),
-            config=dataclasses.replace(case.config, dtype="float64", recipe=recipe),
+            config=dataclasses.replace(case.config, dtype="float64", recipe=recipe, autocast=None),
             main_grads=False,
         )
         return accuracy_run(run, case, data, torch.float64)
@@ -234,6 +234,20 @@ def judge(
     ``bound``: the tensor's order-independent rounding bound (:func:`~.internals.rounding_bounds`,
     high precision only; see :func:`~.budgets.with_rounding_bound`).
     """
+    if isinstance(actual, torch.Tensor) and isinstance(naive, torch.Tensor):
+        # SPEC §2: outputs in the compute dtype (the autocast dtype under torch.autocast),
+        # input gradients in the input's dtype, parameter gradients in the parameter's.
+        t.expect(
+            actual.dtype == naive.dtype,
+            f"{label}{name}: dtype {actual.dtype}, but the reference gives {naive.dtype}"
+            + (
+                f" (under torch.autocast to {case.config.autocast})" if case.config.autocast else ""
+            ),
+        )
+    if case.config.autocast is not None:
+        # Under torch.autocast every GEMM rounds its operands to the autocast dtype, whatever
+        # dtype the compared tensor comes back in (parameter gradients in float32).
+        dtype = module_dtype = case.config.compute_dtype
     exact = case.config.recipe is None or (
         _fp8_exact_operands(case.config, name) if fp8_exact is None else fp8_exact
     )
@@ -521,9 +535,7 @@ def check_p2(backend: Backend, case: Case) -> CheckResult:
     bounds = rounding_bounds(case)
 
     def compare(t: Tracker, cand: AccuracyRun) -> None:
-        compare_dgrads(
-            t, case, test, naive, cand, candidates, truth8, note, floors, bounds=bounds
-        )
+        compare_dgrads(t, case, test, naive, cand, candidates, truth8, note, floors, bounds=bounds)
 
     return best_of(candidates, compare)
 

@@ -701,7 +701,7 @@ def gradcheck_reference(config, seed: int = 0, rows: int = 3, backend=None) -> N
     from .data import make_state
     from .strategies import MicroBatch
 
-    config = dc.replace(config, dtype="float64")
+    config = dc.replace(config, dtype="float64", autocast=None)
     backend = backend or get_backend("reference")
     splits = None
     if config.kind == "GroupedLinear":

@@ -126,6 +126,8 @@ class CellResult:
     nondeterministic: bool = False
     #: ``case`` is hypothesis' shrunk one (not an enumerated example, which it runs as given).
     shrunk: bool = True
+    #: The ``torch.autocast`` dtype every forward of the cell ran under (``None``: none).
+    autocast: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -163,6 +165,8 @@ class CellResult:
             parts.append(self.recipe)
         if self.path != "default":
             parts.append(f"path={self.path}")
+        if self.autocast is not None:
+            parts.append(f"autocast={self.autocast}")
         return " ".join(parts)
 
 
@@ -254,6 +258,7 @@ def run_cell(
     recipe_label: str | None = None,
     seed: int | None = None,
     fp8_asked: bool = True,
+    autocast: str | None = None,
 ) -> CellResult:
     """Check ``property_id`` for module ``kind`` in ``dtype`` (or any of ``dtypes``) on
     ``backend`` over hypothesis-drawn cases, with the FP8 recipe drawn from ``recipes``
@@ -268,7 +273,7 @@ def run_cell(
 
     fp8 = tuple(r for r in recipes if r is not None)
     label = recipe_label or (",".join(fp8) if fp8 else "none")
-    cell = CellResult(property_id, kind, dtype, label)
+    cell = CellResult(property_id, kind, dtype, label, autocast=autocast)
     size_multiple = 1
     if isinstance(backend, ForcedPathBackend):
         path = backend.path
@@ -300,6 +305,7 @@ def run_cell(
         else dtype,
         device=device,
         recipe=fp8[0] if fp8 else None,
+        autocast=autocast,
     )
     why = None if applicable(property_id, kind) else f"{property_id} does not apply to {kind}"
     if property_id == "P13" and not fp8:
@@ -318,6 +324,7 @@ def run_cell(
         recipes=recipes,
         without=without,
         size_multiple=size_multiple,
+        autocast=autocast,
     )
     calls_before = getattr(backend, "operator_calls", 0)
     seen: dict[str, Any] = {"case": None, "failed": None}
@@ -351,7 +358,12 @@ def run_cell(
     # SPEC §7: the boundary and enumerated cases run first (in order), whatever the count.
     args = (property_id, (kind,), dtypes or (dtype,), (device,))
     fused = None if backend.supports_fused else False
-    kw = {"recipes": recipes, "without": without, "size_multiple": size_multiple}
+    kw = {
+        "recipes": recipes,
+        "without": without,
+        "size_multiple": size_multiple,
+        "autocast": autocast,
+    }
     enumerated = explicit_cases(*args, fused=fused, **kw)
     for explicit in reversed(enumerated):
         campaign = example(case=explicit)(campaign)

@@ -187,7 +187,9 @@ def make_micro_batch(config: ModuleConfig, mb: MicroBatch, seed: int, index: int
         s = torch.randint(-2, 4, (2,), generator=generator(seed, 5_000 + index))
         x, dy = x * 2.0 ** float(s[0]), dy * 2.0 ** float(s[1])
     x = with_layout(x.to(dtype=dt, device=dev), mb.x_layout)
-    return MicroBatchData(x, with_layout(dy.to(dtype=dt, device=dev), mb.dy_layout), mb)
+    # Under torch.autocast the output, hence its gradient, is in the autocast dtype.
+    dy = dy.to(dtype=config.compute_dtype, device=dev)
+    return MicroBatchData(x, with_layout(dy, mb.dy_layout), mb)
 
 
 def make_micro_batches(case: Case) -> list[MicroBatchData]:

@@ -129,7 +129,7 @@ def _p12_budget(
     _, _, truth, truth8 = accuracy_runs(reference_backend(), case)
     # Under FP8 every quantized operand is an input: the truth is the same recipe in float64.
     truth = truth8 if truth8 is not None else truth
-    dt = case.config.torch_dtype
+    dt = case.config.compute_dtype
     for k, (yg, y_lin, dxg, dx_lin) in enumerate(pairs):
         t.budget(f"output[micro-batch {k}]", yg, truth.outputs[k], y_lin, B.GROUPED_GEMM, dt, dt)
         t.budget(

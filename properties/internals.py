@@ -234,9 +234,19 @@ class _Arith:
     unit roundoff of the module dtype (a stored result), ``uc`` that of the compute dtype (fp32
     GEMM accumulation, norms, activations)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, cast_operands: bool = False) -> None:
         self.u = B.unit_roundoff(dtype)
         self.uc = B.unit_roundoff(torch.float32 if dtype != torch.float64 else dtype)
+        self.cast_operands = cast_operands
+
+    def operand(self, a: Bounded) -> Bounded:
+        """A GEMM operand: under ``torch.autocast`` cast (rounded) to the autocast dtype first
+        (float32 parameters and inputs; values already in it stay exact), else as it is."""
+        return self.store(a) if self.cast_operands else a
+
+    def param(self, w: torch.Tensor) -> Bounded:
+        """A parameter as a GEMM operand (see :meth:`operand`)."""
+        return self.operand(Bounded.exact(w))
 
     def store(self, a: Bounded, u: float | None = None) -> Bounded:
         """``a`` rounded once to the module dtype (or to unit roundoff ``u``)."""
@@ -373,9 +383,9 @@ def _norm_bwd(ar: _Arith, dy: Bounded, saved: dict, c) -> tuple[Bounded, Bounded
 
 def _linear_fwd(ar: _Arith, x: Bounded, w: torch.Tensor, b: torch.Tensor | None) -> Bounded:
     """``x W^T + b``: the GEMM rounded to the module dtype, then the bias sum rounded again."""
-    y = ar.store(ar.mm(x, Bounded.exact(w).t()))
+    y = ar.store(ar.mm(ar.operand(x), ar.param(w).t()))
     if b is not None:
-        y = ar.store(ar.add(y, Bounded.exact(b.expand_as(y.v))))
+        y = ar.store(ar.add(y, ar.param(b.expand_as(y.v))))
     return y
 
 
@@ -405,8 +415,8 @@ def _module_bounds(ar: _Arith, c, state, x: Bounded, dy_of) -> tuple[Bounded, di
     if c.kind in ("Linear", "LayerNormLinear"):
         y = _linear_fwd(ar, h_in, state["weight"], state.get("bias") if c.bias else None)
         dy = dy_of(y)
-        d_in = ar.store(ar.mm(dy, Bounded.exact(state["weight"])))
-        grads["weight"] = ar.mm(dy.t(), h_in)
+        d_in = ar.store(ar.mm(dy, ar.param(state["weight"])))
+        grads["weight"] = ar.mm(dy.t(), ar.operand(h_in))
         if c.bias:
             grads["bias"] = ar.sum0(dy)
     else:
@@ -420,7 +430,7 @@ def _module_bounds(ar: _Arith, c, state, x: Bounded, dy_of) -> tuple[Bounded, di
         act = ar.store(ar.mul(fa, h.cols(slice(half, None))) if gated else fa)
         y = _linear_fwd(ar, act, w2, state.get("fc2_bias") if c.bias else None)
         dy = dy_of(y)
-        d_act = ar.store(ar.mm(dy, Bounded.exact(w2)))
+        d_act = ar.store(ar.mm(dy, ar.param(w2)))
         # relu' is judged at the truth's side of the kink (properties/kink.py): no jump here.
         curv = (lambda v: v * 0.0) if c.activation == "relu" else None
         slope = ar.fn(fprime, curv or (lambda v: _second_derivative(fprime, v)), a, 1.0 + a.v.abs())
@@ -429,9 +439,9 @@ def _module_bounds(ar: _Arith, c, state, x: Bounded, dy_of) -> tuple[Bounded, di
             d_fc1 = ar.store(_cat([ar.mul(ar.mul(d_act, slope), b), ar.mul(d_act, fa)], -1, h.v))
         else:
             d_fc1 = ar.store(ar.mul(d_act, slope))
-        d_in = ar.store(ar.mm(d_fc1, Bounded.exact(w1)))
+        d_in = ar.store(ar.mm(d_fc1, ar.param(w1)))
         grads["fc2_weight"] = ar.mm(dy.t(), act)
-        grads["fc1_weight"] = ar.mm(d_fc1.t(), h_in)
+        grads["fc1_weight"] = ar.mm(d_fc1.t(), ar.operand(h_in))
         if c.bias:
             grads["fc2_bias"] = ar.sum0(dy)
             grads["fc1_bias"] = ar.sum0(d_fc1)
@@ -491,14 +501,12 @@ def rounding_bounds(
     c = case.config
     if c.recipe is not None or c.torch_dtype == torch.float64:
         return {}
-    ar = _Arith(c.torch_dtype)
+    ar = _Arith(c.compute_dtype, cast_operands=c.autocast is not None)
     u32 = B.unit_roundoff(torch.float32)
     state = {k: v.detach().double().cpu() for k, v in make_state(c, case.seed).items()}
     data = make_micro_batches(case)
     steps = [_Fb("fb", i) for i in range(len(data))] if steps is None else steps
-    main = {
-        s.name for s in param_specs(c) if s.role == GEMM_WEIGHT and c.fuse_wgrad_accumulation
-    }
+    main = {s.name for s in param_specs(c) if s.role == GEMM_WEIGHT and c.fuse_wgrad_accumulation}
     prefill_main = make_main_grads(c, case.seed)
     prefill_grad = make_grad_prefill(c, case.seed) if prefill_grads else {}
     slots: dict[str, Bounded | None] = {}

@@ -100,7 +100,7 @@ class _Forward:
 def _forwards(case: Case) -> tuple[dict[str, torch.Tensor], list[_Forward]]:
     state, mbs = float64_internals(case)
     w1, b1 = state["fc1_weight"], state.get("fc1_bias")
-    dtype = case.config.torch_dtype
+    dtype = case.config.compute_dtype
     return state, [
         _Forward(m.x, m.ln_out, m.stats, m.h, m.d_act, B.kink_bound(m.ln_out, w1, b1, dtype))
         for m in mbs

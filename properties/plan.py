@@ -12,8 +12,14 @@ The default run is the high-precision campaign plus two small slices:
   applies to, :data:`PATH_SLICE_EXAMPLES` examples per cell, every property that runs modules
   (:data:`PATH_SLICE_PROPERTIES`), in the dtypes of :data:`PATH_SLICE_DTYPES`.
 
-``recipes`` (families) and ``impl_paths`` replace the slices by full cells: ``["delayed"]`` runs
-every property under delayed scaling, ``["grouped"]`` every property on the forced grouped GEMM.
+* torch.autocast (SPEC §2): float32 modules with every forward under
+  ``torch.autocast(device, dtype=torch.bfloat16)``, :data:`AUTOCAST_SLICE_EXAMPLES` examples
+  per cell, the properties of :data:`AUTOCAST_PROPERTIES` (where users' mixed-precision runs
+  are).
+
+``recipes`` (families), ``impl_paths`` and ``autocasts`` replace the slices by full cells:
+``["delayed"]`` runs every property under delayed scaling, ``["grouped"]`` every property on
+the forced grouped GEMM, ``["bfloat16"]`` every autocast property under a bf16 autocast.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from collections.abc import Sequence
 
 from .paths import IMPL_PATHS
 from .registry import SPECS, applicable
-from .strategies import LOW_PRECISION_DTYPES, RECIPE_FAMILIES, RECIPES
+from .strategies import AUTOCAST_DTYPES, LOW_PRECISION_DTYPES, RECIPE_FAMILIES, RECIPES
 
 __all__ = [
     "PlannedCell",
@@ -38,6 +44,10 @@ __all__ = [
     "PATH_SLICE_DTYPES",
     "RECIPE_CHOICES",
     "PATH_CHOICES",
+    "AUTOCAST_CHOICES",
+    "AUTOCAST_PROPERTIES",
+    "AUTOCAST_SLICE_EXAMPLES",
+    "AUTOCAST_SLICE_DTYPES",
 ]
 
 # About a minute for the default campaign on 2 shared CPU cores (see README): every differential
@@ -58,6 +68,13 @@ PATH_SLICE_EXAMPLES = 15
 PATH_SLICE_PROPERTIES = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "P11", "P12", "P17")
 PATH_SLICE_DTYPES = {"grouped": ("float32", "bfloat16"), "recompute": ("float32", "bfloat16")}
 _PATH_SLICE_FP8 = ("P1", "P2", "P3", "P4", "P6", "P12", "P13", "P17")
+AUTOCAST_CHOICES = ("none", *AUTOCAST_DTYPES, "all")
+# The properties that run modules forward and backward in a training loop's way; the others
+# (misuse, memory, grouped-vs-linear, FP8 quantizers) do not change under autocast.
+AUTOCAST_PROPERTIES = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "P17")
+# The default run's slice: bf16 (the CPU's autocast dtype), drawn on top of the explicit cases.
+AUTOCAST_SLICE_EXAMPLES = 5
+AUTOCAST_SLICE_DTYPES = ("bfloat16",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,12 +90,16 @@ class PlannedCell:
     recipes: tuple[str | None, ...]
     examples: int | None
     path: str = "default"
+    autocast: str | None = None
 
     @property
     def test_id(self) -> str:
-        """``P4-Linear-bfloat16-none`` (``-path=grouped`` appended for a forced path)."""
+        """``P4-Linear-bfloat16-none`` (``-path=grouped`` appended for a forced path,
+        ``-autocast=bfloat16`` for a float32 cell under torch.autocast)."""
         base = f"{self.property_id}-{self.kind}-{self.dtype}-{self.recipe_label}"
-        return base if self.path == "default" else f"{base}-path={self.path}"
+        if self.path != "default":
+            base += f"-path={self.path}"
+        return base if self.autocast is None else f"{base}-autocast={self.autocast}"
 
 
 def _families(recipes: Sequence[str]) -> list[str]:
@@ -95,11 +116,49 @@ def plan_cells(
     recipes: Sequence[str] = (),
     impl_paths: Sequence[str] | None = None,
     examples: int | None = DEFAULT_EXAMPLES,
+    autocasts: Sequence[str] | None = None,
 ) -> list[PlannedCell]:
     """The cells of a campaign (see the module docstring). ``recipes``: FP8 families from
     :data:`RECIPE_CHOICES` (empty: the default high precision + FP8 slice); ``impl_paths``:
     forced paths from :data:`PATH_CHOICES` (``None``: the default forced-path slices, unless
-    ``recipes`` are given; ``["none"]``: none)."""
+    ``recipes`` are given; ``["none"]``: none); ``autocasts``: autocast dtypes from
+    :data:`AUTOCAST_CHOICES` (``None``: the default autocast slice unless ``recipes`` or
+    ``impl_paths`` are given; ``["none"]``: none; otherwise only autocast cells, every
+    :data:`AUTOCAST_PROPERTIES` property at the full count)."""
+    cells = (
+        _plan(kinds, dtypes, properties, recipes, impl_paths, examples)
+        if not (autocasts and "none" not in autocasts)
+        else []
+    )
+    cells += _plan_autocast(kinds, properties, recipes, impl_paths, examples, autocasts)
+    return cells
+
+
+def _plan_autocast(kinds, properties, recipes, impl_paths, examples, autocasts):
+    if autocasts is None:
+        if recipes or impl_paths is not None:
+            return []
+        chosen: tuple[str, ...] = AUTOCAST_SLICE_DTYPES
+        n = min(examples, AUTOCAST_SLICE_EXAMPLES) if examples is not None else None
+    else:
+        chosen = (
+            AUTOCAST_DTYPES if "all" in autocasts else tuple(a for a in autocasts if a != "none")
+        )
+        n = examples
+    cells = []
+    for dtype in chosen:
+        for pid in properties:
+            if pid not in AUTOCAST_PROPERTIES:
+                continue
+            for kind in kinds:
+                if applicable(pid, kind):
+                    cells.append(
+                        PlannedCell(pid, kind, "float32", "none", (None,), n, "default", dtype)
+                    )
+    return cells
+
+
+def _plan(kinds, dtypes, properties, recipes, impl_paths, examples) -> list[PlannedCell]:
     families = _families(recipes)
     paths = list(IMPL_PATHS) if impl_paths and "all" in impl_paths else list(impl_paths or ())
     paths = [p for p in paths if p != "none"]

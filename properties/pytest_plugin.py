@@ -57,6 +57,12 @@ _OPTIONS = (
         "each where the backend has the knob)",
     ),
     (
+        "--splitgrad-autocast",
+        "",
+        "torch.autocast dtypes for float32 modules: none, bfloat16, float16, all (default: a "
+        "small bfloat16 slice)",
+    ),
+    (
         "--splitgrad-examples",
         "",
         "hypothesis examples per cell (default: the profile's; the slices run fewer)",

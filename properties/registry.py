@@ -58,6 +58,7 @@ from .strategies import (
     ModuleConfig,
     boundary_cases,
     cases,
+    with_autocast,
 )
 
 __all__ = [
@@ -240,6 +241,7 @@ def case_strategy(
     recipes: tuple[str | None, ...] = (None,),
     without: frozenset[str] = frozenset(),
     size_multiple: int = 1,
+    autocast: str | None = None,
 ) -> st.SearchStrategy[Case]:
     """The cases ``property_id`` is checked on. P1–P3 only draw dtypes below float64 (there is no
     wider truth); P12 only ``GroupedLinear``; P8 draws fused and plain; P13 only FP8 recipes
@@ -247,11 +249,14 @@ def case_strategy(
     off (backends without ``main_grad``); ``recipes`` are FP8 recipe names (``None``: high
     precision); ``without``: API parts the backend lacks, left out of the cases
     (:func:`restrict_case`); ``size_multiple``: every feature size a multiple of it (a forced
-    fast path that needs aligned sizes)."""
+    fast path that needs aligned sizes); ``autocast``: every case run under ``torch.autocast``
+    to that dtype, its module in float32 (:func:`~.strategies.with_autocast`)."""
     spec = _spec_of(property_id)
     strategy = spec.cases(tuple(kinds), tuple(dtypes), tuple(devices), tuple(recipes))
     if size_multiple > 1:
         strategy = strategy.map(lambda c: aligned_case(c, size_multiple))
+    if autocast is not None:
+        strategy = strategy.map(lambda c: with_autocast(c, autocast))
     if fused is False:
         without = without | {"fused"}
     if fused is None and not without:
@@ -268,6 +273,7 @@ def explicit_cases(
     recipes: tuple[str | None, ...] = (None,),
     without: frozenset[str] = frozenset(),
     size_multiple: int = 1,
+    autocast: str | None = None,
 ) -> list[Case]:
     """The cases a cell of ``property_id`` always runs before its drawn ones (SPEC §7: finite
     dimensions enumerated, boundary sizes always among the examples), for the same arguments as
@@ -282,6 +288,7 @@ def explicit_cases(
     out = [c for c in out if c.config.kind in spec.kinds]
     if size_multiple > 1:
         out = [aligned_case(c, size_multiple) for c in out]
+    out = [with_autocast(c, autocast) for c in out]
     if fused is False:
         without = without | {"fused"}
     if fused is not None or without:

@@ -7,6 +7,7 @@ gradients at the moment they fire), and runs micro-batches. Checks compare two o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 
@@ -23,7 +24,15 @@ from .data import (
 )
 from .strategies import Case, ModuleConfig
 
-__all__ = ["ModuleRun", "Snapshot"]
+__all__ = ["ModuleRun", "Snapshot", "torch_autocast"]
+
+
+def torch_autocast(config: ModuleConfig) -> contextlib.AbstractContextManager:
+    """``torch.autocast(device, dtype)`` for a config with an autocast dtype, else nothing."""
+    if config.autocast is None:
+        return contextlib.nullcontext()
+    device = torch.device(config.device).type
+    return torch.autocast(device, dtype=config.compute_dtype)
 
 
 Snapshot = dict[str, torch.Tensor | None]
@@ -103,8 +112,10 @@ class ModuleRun:
     # ---- running ---------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, m_splits, is_first_microbatch) -> torch.Tensor:
-        """One forward, inside ``fp8_autocast(enabled=True, fp8_recipe=...)`` under FP8."""
-        with self.backend.fp8_autocast(self.config):
+        """One forward, inside ``fp8_autocast(enabled=True, fp8_recipe=...)`` under FP8 and
+        inside ``torch.autocast`` when the config has an autocast dtype (the backward and
+        ``backward_dw()`` run outside it, as in a training loop)."""
+        with self.backend.fp8_autocast(self.config), torch_autocast(self.config):
             return self.backend.forward(self.module, x, m_splits, is_first_microbatch)
 
     def fb(

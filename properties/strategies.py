@@ -49,6 +49,8 @@ __all__ = [
     "make_recipe",
     "recipe_alignment",
     "LOW_PRECISION_DTYPES",
+    "AUTOCAST_DTYPES",
+    "with_autocast",
     "MAX_WORK",
     "X_LAYOUTS",
     "DY_LAYOUTS",
@@ -71,6 +73,8 @@ KINDS = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 # Dtypes with a wider dtype to measure error against (float64 has no truth above it).
 LOW_PRECISION_DTYPES = ("float32", "bfloat16", "float16")
+# torch.autocast dtypes the harness runs float32 modules under (SPEC §2): the GEMMs in it.
+AUTOCAST_DTYPES = ("bfloat16", "float16")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "relu", "swiglu", "geglu")
 GATED = ("swiglu", "geglu")
@@ -181,12 +185,29 @@ class ModuleConfig:
     dtype: str = "float32"
     device: str = "cpu"
     recipe: str | None = None
+    autocast: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown module kind {self.kind!r}; expected one of {KINDS}")
         torch_dtype(self.dtype)
         recipe_alignment(self.recipe)  # validates the name
+        if self.autocast is not None:
+            if self.autocast not in AUTOCAST_DTYPES:
+                raise ValueError(
+                    f"unknown autocast dtype {self.autocast!r}; expected one of {AUTOCAST_DTYPES}"
+                )
+            if self.dtype != "float32":
+                raise ValueError(
+                    f"autocast={self.autocast!r} runs float32 parameters (as torch.autocast "
+                    f"is used), got dtype={self.dtype!r}"
+                )
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the GEMMs compute in: the autocast dtype under ``torch.autocast``, else
+        the parameters' (what the rounding budgets are sized by)."""
+        return torch_dtype(self.autocast) if self.autocast is not None else self.torch_dtype
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -231,6 +252,8 @@ class ModuleConfig:
             parts.append("nobias")
         if self.recipe is not None:
             parts.append(f"fp8:{self.recipe}")
+        if self.autocast is not None:
+            parts.append(f"autocast:{self.autocast}")
         return " ".join(parts)
 
     @property
@@ -393,6 +416,15 @@ def module_configs(
         device=draw(st.sampled_from(list(devices))),
         recipe=recipe,
     )
+
+
+def with_autocast(case: Case, autocast: str | None) -> Case:
+    """``case`` run under ``torch.autocast`` to ``autocast`` (``None``: unchanged), its module in
+    float32 (the parameters torch.autocast is used with)."""
+    if autocast is None:
+        return case
+    config = dataclasses.replace(case.config, dtype="float32", autocast=autocast)
+    return dataclasses.replace(case, config=config)
 
 
 def _max_rows(config: ModuleConfig, n_micro_batches: int) -> int:

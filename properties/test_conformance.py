@@ -28,7 +28,7 @@ def _setup(frozen_options: tuple[tuple[str, str], ...]):
     import torch
     from splitgrad.properties.backends import get_backend
     from splitgrad.properties.paths import IMPL_PATHS, ForcedPathBackend
-    from splitgrad.properties.plan import plan_cells
+    from splitgrad.properties.plan import AUTOCAST_CHOICES, plan_cells
     from splitgrad.properties.profiles import active_profile_name, load_profile
     from splitgrad.properties.registry import PROPERTIES
     from splitgrad.properties.strategies import DTYPES, KINDS, RECIPE_FAMILIES
@@ -52,6 +52,7 @@ def _setup(frozen_options: tuple[tuple[str, str], ...]):
     properties = chosen("property", list(PROPERTIES)) or list(PROPERTIES)
     families = chosen("recipe", ("none", *RECIPE_FAMILIES, "all"))
     paths = chosen("impl-path", ("none", *IMPL_PATHS, "all"))
+    autocasts = chosen("autocast", AUTOCAST_CHOICES)
     examples = int(opts["examples"]) if opts["examples"] else None
     cells = plan_cells(
         kinds,
@@ -60,6 +61,7 @@ def _setup(frozen_options: tuple[tuple[str, str], ...]):
         families,
         paths or None,
         examples,
+        autocasts or None,
     )
     forced = {c.path: ForcedPathBackend(backend, c.path) for c in cells if c.path != "default"}
     cells = [c for c in cells if c.path == "default" or forced[c.path].knob_missing(c.kind) is None]
@@ -147,6 +149,7 @@ def test_property(splitgrad_cell, request) -> None:
         recipe_label=c.recipe_label,
         seed=seed,
         fp8_asked=fp8_asked,
+        autocast=c.autocast,
     )
     if cell.status == NA:
         pytest.skip(f"n/a: {cell.message}")

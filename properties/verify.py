@@ -26,7 +26,8 @@ Without ``--recipe`` and ``--impl-path`` the run is the high-precision campaign 
 slices (:mod:`.plan`): FP8 (bf16, the recipe drawn from all of them per example) and each fast
 path that is the default only on a GPU, forced on the CPU, for every module it applies to.
 ``--recipe`` / ``--impl-path`` replace the slices with full cells for the families / paths named
-(``none``: leave them out).
+(``none``: leave them out). A third slice runs float32 modules under ``torch.autocast`` to bf16
+(``--autocast`` picks the dtypes and replaces the slice with full cells).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from .campaign import (
     run_cell,
 )
 from .plan import (
+    AUTOCAST_CHOICES,
     DEFAULT_EXAMPLES,
     FP8_SLICE_EXAMPLES,
     PATH_CHOICES,
@@ -175,6 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
         "repeatable or comma-separated (default: a small slice of each; none: leave them out)",
     )
     p.add_argument(
+        "--autocast",
+        action="append",
+        metavar="DTYPE",
+        help=f"run float32 modules under torch.autocast to: {', '.join(AUTOCAST_CHOICES)}, "
+        "repeatable or comma-separated (default: a small bfloat16 slice; none: leave it out)",
+    )
+    p.add_argument(
         "--property",
         action="append",
         metavar="PID",
@@ -244,7 +253,7 @@ def format_table(cells: list[CellResult]) -> str:
             (
                 c.property_id,
                 c.kind,
-                c.dtype,
+                c.dtype if c.autocast is None else f"{c.dtype}+autocast:{c.autocast}",
                 *((c.recipe,) if fp8 else ()),
                 *((c.path,) if paths else ()),
                 str(c.examples) if c.status not in (NA, BLOCKED) else "-",
@@ -278,6 +287,7 @@ def _write_junit(path: Path, backend: str, cells: list[CellResult], elapsed: flo
     for c in cells:
         name = f"{c.kind}[{c.dtype}]" + (f"[{c.recipe}]" if c.recipe != "none" else "")
         name += f"[path={c.path}]" if c.path != "default" else ""
+        name += f"[autocast={c.autocast}]" if c.autocast is not None else ""
         tc = ET.SubElement(
             suite,
             "testcase",
@@ -412,6 +422,7 @@ def _main(argv: list[str]) -> int:
     properties = _split_list(args.property, list(PROPERTIES), "property") or list(PROPERTIES)
     families = _split_list(args.recipe, RECIPE_CHOICES, "recipe")
     impl_paths = _split_list(args.impl_path, PATH_CHOICES, "impl path")
+    autocasts = _split_list(args.autocast, AUTOCAST_CHOICES, "autocast dtype")
     if args.examples is not None and args.examples < 1:
         raise _UsageError(f"--examples must be at least 1, got {args.examples}")
     if args.threads < 1:
@@ -457,6 +468,7 @@ def _main(argv: list[str]) -> int:
         families,
         impl_paths or None,
         examples,
+        autocasts or None,
     )
     # Forced paths need the implementation's knob: a backend without it has no such path.
     unforceable: dict[str, str] = {}
@@ -521,6 +533,7 @@ def _main(argv: list[str]) -> int:
                 recipe_label=pc.recipe_label,
                 seed=args.seed,
                 fp8_asked=fp8_asked,
+                autocast=pc.autocast,
             )
         cells.append(cell)
         if not args.quiet and not tty:

@@ -69,18 +69,28 @@ class ExpectedFailure:
         return f"expected failure ({self.where})" + (f": {self.reason}" if self.reason else "")
 
 
-def cell_id(property_id: str, kind: str, dtype: str, recipe: str = "none", path: str = "default"):
+def cell_id(
+    property_id: str,
+    kind: str,
+    dtype: str,
+    recipe: str = "none",
+    path: str = "default",
+    autocast: str | None = None,
+):
     """The canonical id of a cell: the plugin's ``test_property[...]`` parameter,
-    ``P4-Linear-bfloat16-none`` (``-path=NAME`` appended for a forced path)."""
+    ``P4-Linear-bfloat16-none`` (``-path=NAME`` appended for a forced path, ``-autocast=DTYPE``
+    for a cell under torch.autocast)."""
     base = f"{property_id}-{kind}-{dtype}-{recipe}"
-    return base if path == "default" else f"{base}-path={path}"
+    if path != "default":
+        base += f"-path={path}"
+    return base if autocast is None else f"{base}-autocast={autocast}"
 
 
 def _names() -> dict[str, Any]:
     from .paths import IMPL_PATHS
     from .plan import RECIPE_CHOICES
     from .registry import PROPERTIES
-    from .strategies import DTYPES, KINDS
+    from .strategies import AUTOCAST_DTYPES, DTYPES, KINDS
 
     return {
         "property": tuple(PROPERTIES),
@@ -88,6 +98,7 @@ def _names() -> dict[str, Any]:
         "dtype": tuple(DTYPES),
         "recipe": tuple(RECIPE_CHOICES),
         "path": tuple(IMPL_PATHS),
+        "autocast": AUTOCAST_DTYPES,
     }
 
 
@@ -102,9 +113,12 @@ def canonical_id(text: str) -> str:
         return API_COMPLETE
     if item.startswith("test_property[") and item.endswith("]"):
         item = item[len("test_property[") : -1]
+    autocast = None
     if " " in item:
         parts = item.split()
         path = "default"
+        if parts[-1].startswith("autocast="):
+            autocast = parts.pop()[len("autocast=") :]
         if parts[-1].startswith("path="):
             path = parts.pop()[len("path=") :]
         recipe = parts.pop() if len(parts) == 4 else "none"
@@ -115,6 +129,8 @@ def canonical_id(text: str) -> str:
     else:
         parts = item.split("-")
         path = "default"
+        if len(parts) >= 5 and parts[-1].startswith("autocast="):
+            autocast = parts.pop()[len("autocast=") :]
         if len(parts) == 5 and parts[4].startswith("path="):
             path = parts.pop()[len("path=") :]
         if len(parts) != 4:
@@ -135,6 +151,11 @@ def canonical_id(text: str) -> str:
             raise XfailsFileError(
                 f"{raw!r}: unknown {what} {value!r}; expected one of {', '.join(names[what])}"
             )
+    if autocast is not None and autocast not in names["autocast"]:
+        raise XfailsFileError(
+            f"{raw!r}: unknown autocast dtype {autocast!r}; expected one of "
+            f"{', '.join(names['autocast'])}"
+        )
     if path != "default" and path not in names["path"]:
         raise XfailsFileError(
             f"{raw!r}: unknown forced path {path!r}; expected one of {', '.join(names['path'])}"
@@ -146,7 +167,7 @@ def canonical_id(text: str) -> str:
         raise XfailsFileError(f"{raw!r}: {property_id} does not apply to {kind}, no such cell")
     if path != "default" and not IMPL_PATHS[path].applies(kind):
         raise XfailsFileError(f"{raw!r}: forced path {path} does not apply to {kind}")
-    return cell_id(property_id, kind, dtype, recipe, path)
+    return cell_id(property_id, kind, dtype, recipe, path, autocast)
 
 
 def parse_xfails(text: str, source: str = "<xfails>") -> dict[str, ExpectedFailure]:
@@ -195,7 +216,7 @@ def apply_to_cells(cells: list[Any], expected: dict[str, ExpectedFailure]) -> li
     notes = []
     for cell in cells:
         entry = expected.get(
-            cell_id(cell.property_id, cell.kind, cell.dtype, cell.recipe, cell.path)
+            cell_id(cell.property_id, cell.kind, cell.dtype, cell.recipe, cell.path, cell.autocast)
         )
         if entry is None:
             continue

@@ -9,6 +9,8 @@ the ``splitgrad verify ... --case`` line that replays it. A failure that the bac
 a known deviation is an ``xfail`` whose reason is the deviation and the observed message.
 Forced paths (:mod:`splitgrad.properties.paths`): one test per (path, property, kind it applies
 to), a few examples each outside ``nightly``; a cell where the path never ran is an error.
+torch.autocast (SPEC §2): one test per (backend, autocast property, kind), float32 modules with
+every forward under a bf16 autocast, a few examples each outside ``nightly``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from splitgrad.properties.backends import get_backend
 from splitgrad.properties.campaign import DEVIATION, NA, PASS, run_cell
 from splitgrad.properties.paths import IMPL_PATHS, ForcedPathBackend
-from splitgrad.properties.plan import PATH_SLICE_PROPERTIES
+from splitgrad.properties.plan import AUTOCAST_PROPERTIES, PATH_SLICE_PROPERTIES
 from splitgrad.properties.profiles import active_profile_name
 from splitgrad.properties.registry import PROPERTIES, applicable
 from splitgrad.properties.strategies import DTYPES, KINDS, RECIPES
@@ -28,6 +30,8 @@ FP8_BACKENDS = ("reference", "impl")
 # Aligned FP8 shapes are 32-128 wide: a few examples per cell in CI, the profile's in nightly.
 FP8_EXAMPLES = None if active_profile_name() == "nightly" else 6
 PATH_EXAMPLES = None if active_profile_name() == "nightly" else 8
+AUTOCAST_EXAMPLES = None if active_profile_name() == "nightly" else 6
+AUTOCAST_BACKENDS = ("reference", "impl")
 
 CELLS = [
     pytest.param(b, pid, kind, id=f"{b}-{pid}-{kind}")
@@ -40,6 +44,15 @@ FP8_CELLS = [
     pytest.param(b, pid, kind, id=f"{b}-fp8-{pid}-{kind}")
     for b in FP8_BACKENDS
     for pid in PROPERTIES
+    for kind in KINDS
+    if applicable(pid, kind)
+]
+
+
+AUTOCAST_CELLS = [
+    pytest.param(b, pid, kind, id=f"{b}-autocast-{pid}-{kind}")
+    for b in AUTOCAST_BACKENDS
+    for pid in AUTOCAST_PROPERTIES
     for kind in KINDS
     if applicable(pid, kind)
 ]
@@ -128,5 +141,23 @@ def test_property_forced_path(path: str, property_id: str, kind: str) -> None:
     )
     if cell.status == NA:
         pytest.skip(f"{property_id} on path {path} n/a: {cell.message}")
+    assert cell.status == PASS, f"{cell.message}\nreproduce: {cell.repro}"
+    assert cell.examples > 0
+
+
+@pytest.mark.parametrize(("backend_name", "property_id", "kind"), AUTOCAST_CELLS)
+def test_property_autocast(backend_name: str, property_id: str, kind: str) -> None:
+    backend = get_backend(backend_name)
+    cell = run_cell(
+        backend,
+        property_id,
+        kind,
+        "float32",
+        examples=AUTOCAST_EXAMPLES,
+        profile=active_profile_name(),
+        autocast="bfloat16",
+    )
+    if cell.status == NA:
+        pytest.skip(f"{property_id} under autocast n/a on {backend_name}: {cell.message}")
     assert cell.status == PASS, f"{cell.message}\nreproduce: {cell.repro}"
     assert cell.examples > 0
