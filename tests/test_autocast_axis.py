@@ -17,8 +17,18 @@ from splitgrad.properties.results import PropertyViolation
 from splitgrad.properties.strategies import KINDS, Case, MicroBatch, ModuleConfig
 from splitgrad.properties.xfails import canonical_id
 
+# reference and impl do not follow torch.autocast yet (issue 15): strict, so that the day they
+# do, these tests say so and the default slice is turned on.
+MODULES_FOLLOW_AUTOCAST = pytest.mark.xfail(
+    strict=True, reason="issue 15: reference and impl do not follow torch.autocast yet"
+)
 
-def test_the_default_plan_has_an_autocast_slice() -> None:
+
+def test_the_default_plan_has_an_autocast_slice(monkeypatch) -> None:
+    import splitgrad.properties.plan as plan
+
+    assert all(c.autocast is None for c in plan_cells(KINDS, ["float32"], list(PROPERTIES)))
+    monkeypatch.setattr(plan, "AUTOCAST_IN_DEFAULT_RUN", True)
     cells = plan_cells(KINDS, ["float32", "bfloat16"], list(PROPERTIES))
     auto = [c for c in cells if c.autocast is not None]
     assert {c.property_id for c in auto} == set(AUTOCAST_PROPERTIES)
@@ -105,6 +115,7 @@ def _autocast_case() -> Case:
     return Case(ModuleConfig("Linear", 16, 8, autocast="bfloat16"), (MicroBatch((4,)),), 2)
 
 
+@MODULES_FOLLOW_AUTOCAST
 def test_a_backend_that_ignores_autocast_fails_p1() -> None:
     case = _autocast_case()
     assert run_check("P1", get_backend("reference"), case).ratio <= 1.0
@@ -112,6 +123,7 @@ def test_a_backend_that_ignores_autocast_fails_p1() -> None:
         run_check("P1", _IgnoresAutocast(), case)
 
 
+@MODULES_FOLLOW_AUTOCAST
 @pytest.mark.parametrize("backend", ["reference", "impl"])
 def test_autocast_cells_pass_on_both_packages(backend: str) -> None:
     cell = run_cell(
