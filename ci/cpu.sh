@@ -10,7 +10,8 @@ PYTHON=${PYTHON:-python3}
 if ! "$PYTHON" -c 'import sys, torch; sys.exit(tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) < (2, 4))' 2>/dev/null; then
   "$PYTHON" -m pip install --quiet --retries 1 "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
 fi
-"$PYTHON" -m pip install --quiet -e ".[test]"
+# [model]: transformers, for the real-model example's test (tests/test_real_model.py).
+"$PYTHON" -m pip install --quiet -e ".[test,model]"
 
 export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
 # `slow` tests (the mutation check, the benchmark smoke run) are left to `ci/nightly.sh`.

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
@@ -25,26 +24,6 @@ sys.path.insert(0, str(EXAMPLES))
 
 import llama_convert  # noqa: E402
 import llama_pipeline  # noqa: E402
-
-
-def _missing(feature: str) -> str | None:
-    """Why impl cannot run ``feature`` on this checkout (``None`` when it can): the autocast
-    and dtype-move support of issue 15 items 1-2, probed on one small Linear."""
-    import splitgrad.impl as impl
-
-    layer = impl.Linear(4, 4, delay_wgrad_compute=True)
-    try:
-        if feature == "autocast":
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                y = layer(torch.randn(3, 4))
-        else:
-            layer.to(torch.bfloat16)
-            y = layer(torch.randn(3, 4, dtype=torch.bfloat16))
-        y.float().sum().backward()
-        layer.backward_dw()
-    except (RuntimeError, TypeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 def test_fp32_training_is_bitwise_equal(capsys):
@@ -85,15 +64,13 @@ def test_the_budget_catches_a_gradient_five_percent_off(monkeypatch):
         llama_convert.run("bf16-first", steps=1)
 
 
+@pytest.mark.xfail(
+    strict=True, reason="issue 15 items 1-2: impl refuses autocast and dtype moves today"
+)
 @pytest.mark.parametrize("mode", ["autocast", "bf16"])
 def test_mixed_precision_training_is_close(mode):
     """Under ``torch.autocast`` (fp32 parameters) and after converting then moving the model to
     bfloat16: within the ``model-training`` budget against a float64 copy."""
-    why = _missing("autocast" if mode == "autocast" else "dtype moves")
-    if why is not None:
-        pytest.skip(
-            f"splitgrad.impl does not support {mode} yet (issue 15 items 1-2, not on main): {why}"
-        )
     result = llama_convert.run(mode, steps=3)
     assert result.budget_ratio is not None and result.budget_ratio <= 1.0
 
