@@ -76,6 +76,8 @@ def fast_apply(function: type[torch.autograd.Function]) -> Callable[..., torch.T
 
     def apply(x: torch.Tensor, *args) -> torch.Tensor:
         if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            if not compiled.SUPPORTED and torch.compiler.is_compiling():
+                compiled.check_supported()
             return function.apply(x, *args)
         return c_apply(_unwrap_if_dead(x), *args)
 

@@ -38,7 +38,11 @@ import weakref
 
 import torch
 from splitgrad.reference.contract import RETURN, gradient_destinations
-from torch._library.effects import EffectType
+
+from . import _torch_compat
+
+#: Whether this torch can compile the modules' backward (see ``_torch_compat.MINIMUM``).
+SUPPORTED = _torch_compat.at_least(_torch_compat.MINIMUM["torch.compile support"])
 
 __all__ = [
     "register",
@@ -69,9 +73,22 @@ def module_of(handle: torch.Tensor) -> torch.nn.Module:
 
 def effectful(op):
     """Register the custom op ``op`` as an ordered side effect (kept and kept in order by
-    AOTAutograd and inductor, which thread an effect token through it); returns ``op``."""
-    torch.library._register_effectful_op(op._qualname, EffectType.ORDERED)
+    AOTAutograd and inductor, which thread an effect token through it); returns ``op``. On a
+    torch older than compile support needs, nothing is registered: :func:`check_supported`
+    refuses the compiled backward there instead."""
+    if SUPPORTED:
+        from torch._library.effects import EffectType
+
+        torch.library._register_effectful_op(op._qualname, EffectType.ORDERED)
     return op
+
+
+@torch.compiler.disable
+def check_supported() -> None:
+    """Raise ``TorchTooOld`` (a ``RuntimeError``) naming both versions when a module is traced by
+    ``torch.compile`` on a torch whose AOTAutograd cannot keep the backward's effects (run
+    eagerly, so the error reaches the caller instead of a silent fallback to eager mode)."""
+    _torch_compat.require("torch.compile support")
 
 
 def destinations(*params: torch.Tensor | None) -> list[str | None]:
