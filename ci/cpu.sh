@@ -5,9 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-# A CPU build of torch, explicitly, unless a usable torch (>= 2.4, e.g. your CUDA build) is
+# A CPU build of torch, explicitly, unless a usable torch (>= 2.8, e.g. your CUDA build) is
 # already there: a bare `torch` requirement would pull a multi-GB CUDA build.
-if ! "$PYTHON" -c 'import sys, torch; sys.exit(tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) < (2, 4))' 2>/dev/null; then
+if ! "$PYTHON" -c 'import sys, torch; sys.exit(tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) < (2, 8))' 2>/dev/null; then
   "$PYTHON" -m pip install --quiet --retries 1 "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
 fi
 # [model]: transformers, for the real-model example's test (tests/test_real_model.py).
