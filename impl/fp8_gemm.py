@@ -348,7 +348,7 @@ class FP8GemmOperands:
         self.recipe = recipe
         self.path = path
         self.states = delayed_scaling_states(module, recipe, gemm)
-        wide = module.params_dtype == torch.float64
+        wide = module.compute_dtype == torch.float64
         self.compute_dtype = torch.float64 if wide else torch.float32
         self._w_dgrad: Float8Tensor | None = None
         self._x_wgrad: Float8Tensor | None = None

@@ -294,6 +294,13 @@ class ModuleContract(torch.nn.Module):
     # ---- validation (§5) ----------------------------------------------------------------
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the module computes in and expects inputs in: its parameters' current
+        dtype (SPEC §2: ``params_dtype`` only sets how they are created; ``module.to(dtype)``,
+        ``.bfloat16()``, ``.double()`` move it)."""
+        return next(iter(self._parameters.values())).dtype
+
+    @property
     def fp8_device(self) -> torch.device:
         """The module's device: where its parameters are (the first one registered)."""
         return next(iter(self._parameters.values())).device
@@ -308,9 +315,10 @@ class ModuleContract(torch.nn.Module):
             raise ValueError(
                 f"inp's last dimension must be in_features={in_features}, got shape {tuple(shape)}"
             )
-        if inp.dtype != self.params_dtype:
+        dtype = self.compute_dtype
+        if inp.dtype != dtype:
             raise TypeError(
-                f"inp must have dtype {self.params_dtype} (params_dtype), got {inp.dtype}"
+                f"inp must have dtype {dtype} (the module's parameters' dtype), got {inp.dtype}"
             )
         device = self.fp8_device
         if inp.device != device:

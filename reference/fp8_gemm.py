@@ -92,7 +92,7 @@ class FP8Gemm:
         self.recipe = recipe
         self.states = _states(module, recipe, gemm)
         self.compute_dtype = (
-            torch.float64 if module.params_dtype == torch.float64 else torch.float32
+            torch.float64 if module.compute_dtype == torch.float64 else torch.float32
         )
         self.x_col: QuantizedTensor | None = None
         self.w_col: QuantizedTensor | None = None
