@@ -231,8 +231,8 @@ def judge(
     floor is then taken at :func:`~.budgets.accumulation_magnitude`); ``label`` prefixes ``name``
     in messages; ``fp8_exact=False`` says some quantized operand is computed by the module even
     though ``name`` alone would not tell (a module chained on itself quantizes its own output);
-    ``bound``: the tensor's order-independent rounding bound (:func:`~.internals.rounding_bounds`,
-    high precision only; see :func:`~.budgets.with_rounding_bound`).
+    ``bound``: the tensor's order-independent rounding bound (:func:`~.internals.rounding_bounds`;
+    see :func:`~.budgets.with_rounding_bound`, and under FP8 :func:`~.budgets.check_fp8_budget`).
     """
     if isinstance(actual, torch.Tensor) and isinstance(naive, torch.Tensor):
         # SPEC §2: outputs in the compute dtype (the autocast dtype under torch.autocast),
@@ -299,6 +299,7 @@ def judge(
             case.config.recipe,
             2.0**-2 if coarse else 2.0**-3,
             _smallest_gemm_dimension(case),
+            bound,
         )
 
 

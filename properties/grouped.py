@@ -132,9 +132,7 @@ def _p12_budget(
     dt = case.config.compute_dtype
     for k, (yg, y_lin, dxg, dx_lin) in enumerate(pairs):
         t.budget(f"output[micro-batch {k}]", yg, truth.outputs[k], y_lin, B.GROUPED_GEMM, dt, dt)
-        t.budget(
-            f"inp.grad[micro-batch {k}]", dxg, truth.xgrads[k], dx_lin, B.GROUPED_GEMM, dt, dt
-        )
+        t.budget(f"inp.grad[micro-batch {k}]", dxg, truth.xgrads[k], dx_lin, B.GROUPED_GEMM, dt, dt)
     for i, lin in enumerate(linears):
         for key, value in lin.gemm_snapshot().items():
             name, slot = key.split(".", 1)

@@ -234,10 +234,53 @@ class _Arith:
     unit roundoff of the module dtype (a stored result), ``uc`` that of the compute dtype (fp32
     GEMM accumulation, norms, activations)."""
 
-    def __init__(self, dtype: torch.dtype, cast_operands: bool = False) -> None:
+    def __init__(
+        self, dtype: torch.dtype, cast_operands: bool = False, recipe: str | None = None
+    ) -> None:
         self.u = B.unit_roundoff(dtype)
         self.uc = B.unit_roundoff(torch.float32 if dtype != torch.float64 else dtype)
         self.cast_operands = cast_operands
+        self.recipe = None
+        if recipe is not None:
+            from .strategies import make_recipe
+
+            self.recipe = make_recipe(recipe)
+        # Per (GEMM, role): the largest scale_inv a delayed-scaling quantizer may use (it starts
+        # at 1 and follows the amaxes recorded so far), and whether a computed value was among
+        # them (then the scale itself differs between two correct runs).
+        self._scale_inv: dict[tuple[str, str], float] = {}
+        self._tainted: set[tuple[str, str]] = set()
+
+    def quant(self, a: Bounded, gemm: str, role: str) -> Bounded:
+        """A GEMM operand quantized to FP8 as ``role`` of GEMM ``gemm`` (no-op without a recipe).
+        Where the operand is computed, two correct runs hold values a little apart (carried in
+        ``s``) and may round them to neighbouring FP8 values: one FP8 step of the element
+        (``B.fp8_step``) more, counted at full size. The quantizer's scale follows the tensor's
+        amax (current scaling), its history (delayed: a computed value there shifts every later
+        element's grid too) or its block's; the step's subnormal floor is taken at the largest
+        scale the recipe can be at (the tensor's amax, or 1 and the history for delayed)."""
+        if self.recipe is None or a.v.numel() == 0:
+            return a
+        from splitgrad.reference import fp8 as R
+        from splitgrad.reference.fp8_quant import format_for
+
+        fmt = format_for(self.recipe, role)
+        margin = getattr(self.recipe, "margin", 0)
+        amax = float(a.v.abs().max())
+        scale_inv = amax * 2.0**margin / B.FP8_MAX[fmt]
+        key = (gemm, role)
+        computed = bool((a.s > 0).any())
+        if isinstance(self.recipe, R.DelayedScaling):
+            # Conservative in the order of uses: never below the initial scale 1.
+            scale_inv = max(1.0, self._scale_inv.get(key, 1.0), scale_inv)
+            self._scale_inv[key] = scale_inv
+            if computed:
+                self._tainted.add(key)
+            computed = key in self._tainted
+        if not computed:
+            return a
+        step = B.fp8_step(a.v, fmt, scale_inv)
+        return Bounded(a.v, a.s + _worst(step))
 
     def operand(self, a: Bounded) -> Bounded:
         """A GEMM operand: under ``torch.autocast`` cast (rounded) to the autocast dtype first
@@ -381,9 +424,12 @@ def _norm_bwd(ar: _Arith, dy: Bounded, saved: dict, c) -> tuple[Bounded, Bounded
     return dxb, dgamma, dbeta
 
 
-def _linear_fwd(ar: _Arith, x: Bounded, w: torch.Tensor, b: torch.Tensor | None) -> Bounded:
+def _linear_fwd(
+    ar: _Arith, x: Bounded, w: torch.Tensor, b: torch.Tensor | None, gemm: str
+) -> Bounded:
     """``x W^T + b``: the GEMM rounded to the module dtype, then the bias sum rounded again."""
-    y = ar.store(ar.mm(ar.operand(x), ar.param(w).t()))
+    xq = ar.quant(ar.operand(x), gemm, "input")
+    y = ar.store(ar.mm(xq, ar.quant(ar.param(w), gemm, "weight").t()))
     if b is not None:
         y = ar.store(ar.add(y, ar.param(b.expand_as(y.v))))
     return y
@@ -413,24 +459,26 @@ def _module_bounds(ar: _Arith, c, state, x: Bounded, dy_of) -> tuple[Bounded, di
     grads: dict[str, Bounded] = {}
     h_in, saved = _norm_fwd(ar, x, state, c) if c.has_norm else (x, {})
     if c.kind in ("Linear", "LayerNormLinear"):
-        y = _linear_fwd(ar, h_in, state["weight"], state.get("bias") if c.bias else None)
+        y = _linear_fwd(ar, h_in, state["weight"], state.get("bias") if c.bias else None, "weight")
         dy = dy_of(y)
-        d_in = ar.store(ar.mm(dy, ar.param(state["weight"])))
-        grads["weight"] = ar.mm(dy.t(), ar.operand(h_in))
+        dyq = ar.quant(dy, "weight", "grad_output")
+        d_in = ar.store(ar.mm(dyq, ar.quant(ar.param(state["weight"]), "weight", "weight")))
+        grads["weight"] = ar.mm(dyq.t(), ar.quant(ar.operand(h_in), "weight", "input"))
         if c.bias:
             grads["bias"] = ar.sum0(dy)
     else:
         f, fprime = _act_pieces(c.activation)
         gated = c.activation in ("swiglu", "geglu")
         w1, w2 = state["fc1_weight"], state["fc2_weight"]
-        h = _linear_fwd(ar, h_in, w1, state.get("fc1_bias") if c.bias else None)
+        h = _linear_fwd(ar, h_in, w1, state.get("fc1_bias") if c.bias else None, "fc1")
         half = h.v.shape[-1] // 2
         a = h.cols(slice(0, half)) if gated else h
         fa = ar.fn(f, fprime, a, a.v.abs() + f(a.v).abs())
         act = ar.store(ar.mul(fa, h.cols(slice(half, None))) if gated else fa)
-        y = _linear_fwd(ar, act, w2, state.get("fc2_bias") if c.bias else None)
+        y = _linear_fwd(ar, act, w2, state.get("fc2_bias") if c.bias else None, "fc2")
         dy = dy_of(y)
-        d_act = ar.store(ar.mm(dy, ar.param(w2)))
+        dyq = ar.quant(dy, "fc2", "grad_output")
+        d_act = ar.store(ar.mm(dyq, ar.quant(ar.param(w2), "fc2", "weight")))
         # relu' is judged at the truth's side of the kink (properties/kink.py): no jump here.
         curv = (lambda v: v * 0.0) if c.activation == "relu" else None
         slope = ar.fn(fprime, curv or (lambda v: _second_derivative(fprime, v)), a, 1.0 + a.v.abs())
@@ -439,9 +487,10 @@ def _module_bounds(ar: _Arith, c, state, x: Bounded, dy_of) -> tuple[Bounded, di
             d_fc1 = ar.store(_cat([ar.mul(ar.mul(d_act, slope), b), ar.mul(d_act, fa)], -1, h.v))
         else:
             d_fc1 = ar.store(ar.mul(d_act, slope))
-        d_in = ar.store(ar.mm(d_fc1, ar.param(w1)))
-        grads["fc2_weight"] = ar.mm(dy.t(), act)
-        grads["fc1_weight"] = ar.mm(d_fc1.t(), ar.operand(h_in))
+        d_fc1q = ar.quant(d_fc1, "fc1", "grad_output")
+        d_in = ar.store(ar.mm(d_fc1q, ar.quant(ar.param(w1), "fc1", "weight")))
+        grads["fc2_weight"] = ar.mm(dyq.t(), ar.quant(act, "fc2", "input"))
+        grads["fc1_weight"] = ar.mm(d_fc1q.t(), ar.quant(ar.operand(h_in), "fc1", "input"))
         if c.bias:
             grads["fc2_bias"] = ar.sum0(dy)
             grads["fc1_bias"] = ar.sum0(d_fc1)
@@ -495,13 +544,16 @@ def rounding_bounds(
     bound"): keys ``"output[micro-batch i]"`` (its last forward), ``"inp.grad[micro-batch i]"``
     and the snapshot keys of the gradient slots (``"fc1_weight.main_grad"``...); a module
     chained on itself (``"chain"``) carries its first use's output bound into the second use.
-    Empty under FP8 (judged by the FP8 budgets) and in float64 (no wider truth)."""
+    Under FP8 (``case.config.recipe``) each GEMM operand the module computes also gets a
+    legal FP8 rounding-boundary crossing (:meth:`_Arith.quant`): the bound is then on how far
+    two correct FP8 runs can be apart, the FP8 budget's per-element allowance beside the naive
+    run's error. Empty in float64 (no wider truth)."""
     from .data import GEMM_WEIGHT, make_grad_prefill, make_main_grads, param_specs
 
     c = case.config
-    if c.recipe is not None or c.torch_dtype == torch.float64:
+    if c.torch_dtype == torch.float64:
         return {}
-    ar = _Arith(c.compute_dtype, cast_operands=c.autocast is not None)
+    ar = _Arith(c.compute_dtype, cast_operands=c.autocast is not None, recipe=c.recipe)
     u32 = B.unit_roundoff(torch.float32)
     state = {k: v.detach().double().cpu() for k, v in make_state(c, case.seed).items()}
     data = make_micro_batches(case)

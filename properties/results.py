@@ -116,10 +116,21 @@ class Tracker:
         recipe="",
         fp8_eps: float = 2.0**-3,
         samples: int | None = None,
+        bound=None,
     ) -> None:
         self._note(
             B.check_fp8_budget(
-                name, actual, truth, naive, budget, dtype, module_dtype, recipe, fp8_eps, samples
+                name,
+                actual,
+                truth,
+                naive,
+                budget,
+                dtype,
+                module_dtype,
+                recipe,
+                fp8_eps,
+                samples,
+                bound,
             )
         )
 

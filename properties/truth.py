@@ -162,9 +162,7 @@ def truth_runs(
             delay=False,
             hooks=0,
             module=upcast(naive_run.module),
-            config=dataclasses.replace(
-                case.config, dtype="float64", recipe=recipe, autocast=None
-            ),
+            config=dataclasses.replace(case.config, dtype="float64", recipe=recipe, autocast=None),
             main_grads=False,
         )
         return play(run, data, steps, torch.float64)

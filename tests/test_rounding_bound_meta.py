@@ -118,3 +118,70 @@ def test_the_bound_scales_with_the_summed_magnitudes_not_the_result(dtype) -> No
     step = torch.finfo(dtype).eps / 2
     result = (dy.double().t() @ x.double()).abs()
     assert bool((bounds["weight.grad"] <= 4 * (step * result + 32 * 16 * u32 * terms)).all())
+
+
+# ---- the FP8 crossing bound (properties/internals.py: _Arith.quant) ---------------------------
+
+
+@pytest.mark.parametrize("recipe", ["current-hybrid", "delayed-max-e4m3", "mxfp8"])
+def test_fp8_bound_adds_nothing_where_every_quantized_operand_is_an_input(
+    recipe: str, monkeypatch
+) -> None:
+    # A Linear quantizes x, W and dy only: the same values on every side, so no crossing.
+    from splitgrad.properties import internals
+
+    case = Case(
+        ModuleConfig("Linear", 32, 32, dtype="bfloat16", recipe=recipe), (MicroBatch((32,)),), 3
+    )
+    got = rounding_bounds(case)
+    monkeypatch.setattr(internals._Arith, "quant", lambda self, a, gemm, role: a)
+    want = rounding_bounds(case)
+    assert set(got) == set(want) and got
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
+
+
+def test_fp8_bound_grows_where_the_module_computes_an_operand(monkeypatch) -> None:
+    # LayerNormLinear quantizes its norm output: weight.grad's bound must widen there.
+    from splitgrad.properties import internals
+
+    config = ModuleConfig("LayerNormLinear", 32, 32, dtype="bfloat16", recipe="current-hybrid")
+    case = Case(config, (MicroBatch((32,)),), 3)
+    got = rounding_bounds(case)["weight.grad"]
+    monkeypatch.setattr(internals._Arith, "quant", lambda self, a, gemm, role: a)
+    want = rounding_bounds(case)["weight.grad"]
+    assert bool((got > 4 * want).all())
+
+
+def test_fp8_bound_counts_one_step_of_each_computed_operand() -> None:
+    from splitgrad.properties import budgets as B
+    from splitgrad.properties.internals import Bounded, _Arith
+
+    ar = _Arith(torch.bfloat16, recipe="current-e4m3")
+    v = torch.tensor([[0.5, -3.0, 1e-4, 7.0]], dtype=torch.float64)
+    exact = ar.quant(Bounded.exact(v), "fc2", "input")
+    assert torch.equal(exact.s, torch.zeros_like(v))  # an input: quantized alike everywhere
+    computed = ar.quant(Bounded(v, torch.full_like(v, 1e-30)), "fc2", "input")
+    step = B.fp8_step(v, "E4M3", 7.0 / 448.0)
+    # One step per element at ROUNDING_SIGMAS; the subnormal floor at the tensor's scale.
+    torch.testing.assert_close(
+        Bounded(v, computed.s - 1e-30).bound(), B.ROUNDING_SIGMAS * step, rtol=1e-12, atol=0
+    )
+    assert float(step[0, 2]) == 2.0**-9 * 7.0 / 448.0
+    assert float(step[0, 1]) == 3.0 / 8.0
+
+
+def test_fp8_budget_with_a_crossing_bound_still_fails() -> None:
+    from splitgrad.properties import budgets as B
+
+    t = torch.linspace(-1.0, 1.0, 64, dtype=torch.float64).reshape(8, 8)
+    n = t.clone()  # a naive run with no error: only the bound and the floors remain
+    bound = 0.01 * t.abs() + 1e-3
+    inside = t + 0.9 * bound * torch.sign(
+        torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    )
+    assert B.check_fp8_budget("w", inside, t, n, B.FP8, torch.float32, bound=bound) <= 1.0
+    outside = t.clone()
+    outside[3, 5] += 3.0 * float(bound[3, 5]) + 0.1
+    with pytest.raises(B.BudgetViolation, match=r"w: worst error .* index \(3, 5\)"):
+        B.check_fp8_budget("w", outside, t, n, B.FP8, torch.float32, bound=bound)
