@@ -61,6 +61,7 @@ from .contract import (
     ACCUMULATE,
     RETURN,
     ModuleContract,
+    autocast_off,
     check_not_under_ddp,
     gradient_destination,
     gradient_destinations,
@@ -145,9 +146,8 @@ class SplitBackwardModule(ModuleContract):
         self._write(writes)
         self._run_hooks()
 
-    @staticmethod
-    def _compute(entry: WgradEntry) -> list[tuple[GradWrite, bool]]:
-        with torch.no_grad():
+    def _compute(self, entry: WgradEntry) -> list[tuple[GradWrite, bool]]:
+        with torch.no_grad(), autocast_off(self.fp8_device.type):
             return [(w, entry.overwrite_main_grad) for w in entry.wgrad_closure()]
 
     @staticmethod
@@ -163,7 +163,9 @@ class SplitBackwardModule(ModuleContract):
                     if hasattr(p, "grad_added_to_main_grad"):
                         p.grad_added_to_main_grad = True
                 elif p.grad is None:
-                    p.grad = w.value
+                    # Under torch.autocast a GEMM's gradient comes in the autocast dtype; the
+                    # parameter's gradient is in the parameter's dtype (SPEC §2).
+                    p.grad = w.value.to(p.dtype)
                 else:
                     p.grad += w.value
 

@@ -44,6 +44,8 @@ Bad input (§5) raises before anything is written or queued:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import operator
 from collections.abc import Callable, Sequence
 
@@ -64,6 +66,9 @@ __all__ = [
     "check_positive",
     "check_not_under_ddp",
     "check_fp8_gemm_shape",
+    "AUTOCAST_DTYPES",
+    "autocast_off",
+    "without_autocast",
     "ModuleContract",
     "LinearContract",
     "LayerNormLinearContract",
@@ -75,6 +80,39 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 #: ``"gelu"`` is the tanh approximation; the gated ones split fc1's output in two halves.
 ACTIVATIONS = ("gelu", "relu", "swiglu", "geglu")
 GATED_ACTIVATIONS = frozenset({"swiglu", "geglu"})
+
+# ---- torch.autocast (SPEC §2) ----------------------------------------------------------------
+
+#: The ``torch.autocast`` dtypes the modules follow: their GEMMs run in it.
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """A context where ``torch.autocast`` for ``device_type`` is off (nothing when it already
+    is). A module casts its operands itself (:meth:`ModuleContract.autocast_dtype`) and runs its
+    forward, backward and ``backward_dw()`` inside this, so an fp32 accumulation stays fp32 and
+    the result does not depend on whether the caller's ``backward()`` or ``backward_dw()`` runs
+    under autocast (delayed ≡ non-delayed)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def without_autocast(backward: Callable) -> Callable:
+    """Decorate an autograd Function's ``backward(ctx, *grads)`` to run it with
+    ``torch.autocast`` off (:func:`autocast_off`), eagerly; a traced backward
+    (``torch.compile``) runs as it is."""
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        if torch.compiler.is_compiling():
+            return backward(ctx, *grads)
+        g = next((t for t in grads if isinstance(t, torch.Tensor)), None)
+        with autocast_off(g.device.type if g is not None else "cpu"):
+            return backward(ctx, *grads)
+
+    return run
+
 
 # ---- where the running backward wants a gradient (SPEC §3) ---------------------------------
 
@@ -305,9 +343,33 @@ class ModuleContract(torch.nn.Module):
         """The module's device: where its parameters are (the first one registered)."""
         return next(iter(self._parameters.values())).device
 
+    #: Where the module's first operation reads its input under ``torch.autocast``: a GEMM
+    #: (the autocast dtype) or a norm (``"norm"``: float32, the module's own compute dtype).
+    _autocast_entry = "gemm"
+
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype this module's GEMMs run in under an enabled ``torch.autocast`` for its
+        device (SPEC §2), or ``None`` (no autocast; a float64 module, which torch.autocast
+        leaves alone as it does float64 tensors). Raises ``TypeError`` naming an autocast dtype
+        other than :data:`AUTOCAST_DTYPES`."""
+        device_type = self.fp8_device.type
+        if not torch.is_autocast_enabled(device_type) or self.compute_dtype == torch.float64:
+            return None
+        dtype = torch.get_autocast_dtype(device_type)
+        if dtype not in AUTOCAST_DTYPES:
+            raise TypeError(
+                f"torch.autocast dtype {dtype} is not supported by splitgrad modules (GEMMs run "
+                f"in one of {AUTOCAST_DTYPES}); got it for device type {device_type!r}"
+            )
+        return dtype
+
     def _check_input(self, inp: object, in_features: int) -> tuple[torch.Tensor, Recipe | None]:
         """Validate ``inp``; return it flattened to (rows, in_features) and the active FP8
-        recipe (``None`` outside an enabled ``fp8_autocast``)."""
+        recipe (``None`` outside an enabled ``fp8_autocast``). Under ``torch.autocast``
+        (:meth:`autocast_dtype`) ``inp`` may also come in the autocast dtype (or float32) and is
+        returned cast to where the module's first operation reads it: the autocast dtype for a
+        GEMM, the parameters' dtype for a norm (an autograd cast: its gradient comes back in
+        ``inp``'s dtype)."""
         if not isinstance(inp, torch.Tensor):
             raise TypeError(f"inp must be a torch.Tensor, got {type(inp).__name__}")
         shape = inp.shape
@@ -316,7 +378,18 @@ class ModuleContract(torch.nn.Module):
                 f"inp's last dimension must be in_features={in_features}, got shape {tuple(shape)}"
             )
         dtype = self.compute_dtype
-        if inp.dtype != dtype:
+        autocast = self.autocast_dtype()
+        if autocast is not None:
+            allowed = {dtype, autocast, torch.float32}
+            if inp.dtype not in allowed:
+                raise TypeError(
+                    f"inp must have dtype {dtype} (the module's parameters' dtype), {autocast} "
+                    f"(the torch.autocast dtype) or torch.float32, got {inp.dtype}"
+                )
+            entry = dtype if self._autocast_entry == "norm" else autocast
+            if inp.dtype != entry:
+                inp = inp.to(entry)
+        elif inp.dtype != dtype:
             raise TypeError(
                 f"inp must have dtype {dtype} (the module's parameters' dtype), got {inp.dtype}"
             )
@@ -415,6 +488,8 @@ class LinearContract(ModuleContract):
 
 class _NormContract(ModuleContract):
     """The norm options shared by ``LayerNormLinear`` and ``LayerNormMLP``."""
+
+    _autocast_entry = "norm"
 
     def _set_norm_options(
         self, features: int, eps: float, normalization: str, zero_centered_gamma: bool

@@ -8,7 +8,14 @@ import torch
 
 from . import functional as F
 from .base import SplitBackwardModule, WgradEntry, detached
-from .contract import ACCUMULATE, RETURN, GroupedLinearContract, gradient_destinations
+from .contract import (
+    ACCUMULATE,
+    RETURN,
+    GroupedLinearContract,
+    autocast_off,
+    gradient_destinations,
+    without_autocast,
+)
 from .fp8_gemm import FP8Gemm, update_delayed_scaling
 
 __all__ = ["GroupedLinear"]
@@ -16,9 +23,14 @@ __all__ = ["GroupedLinear"]
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, m_splits, module, is_first_microbatch, recipe, *params):
+    def forward(ctx, x, m_splits, module, is_first_microbatch, recipe, autocast, *params):
         n = module.num_gemms
         weights, biases = list(params[:n]), list(params[n:]) or [None] * n
+        if autocast is not None:
+            # SPEC §2, torch.autocast: as Linear, group by group.
+            if recipe is None:
+                weights = [w.to(autocast) for w in weights]
+            biases = [None if b is None else b.to(autocast) for b in biases]
         ctx.module, ctx.m_splits = module, m_splits
         ctx.overwrite = bool(is_first_microbatch) and module.fuse_wgrad_accumulation
         if recipe is None:
@@ -34,6 +46,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         return torch.cat(outs, dim=0)
 
     @staticmethod
+    @without_autocast
     def backward(ctx, dy):
         module: GroupedLinear = ctx.module
         n, m_splits = module.num_gemms, ctx.m_splits
@@ -81,7 +94,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 returned[i] = module._returned_weight_grad(weight, dy_i, x_parts[i], fp8[i])
             if to_b and to_b[i] == RETURN:
                 returned[n + i] = F.bias_grad(dy_i)
-        return (dx, None, None, None, None, *returned)
+        return (dx, None, None, None, None, None, *returned)
 
 
 class GroupedLinear(GroupedLinearContract, SplitBackwardModule):
@@ -104,5 +117,9 @@ class GroupedLinear(GroupedLinearContract, SplitBackwardModule):
         if recipe is not None:
             self._check_fp8_shapes(recipe, splits)
         params = [getattr(self, n) for n in self.gemm_weight_names() + self.gemm_bias_names()]
-        y = _GroupedLinearFunction.apply(x, splits, self, is_first_microbatch, recipe, *params)
+        autocast = self.autocast_dtype()
+        with autocast_off(x.device.type):
+            y = _GroupedLinearFunction.apply(
+                x, splits, self, is_first_microbatch, recipe, autocast, *params
+            )
         return y.reshape(*inp.shape[:-1], self.out_features)

@@ -6,7 +6,14 @@ import torch
 
 from . import functional as F
 from .base import SplitBackwardModule, WgradEntry, detached
-from .contract import ACCUMULATE, RETURN, LayerNormLinearContract, gradient_destinations
+from .contract import (
+    ACCUMULATE,
+    RETURN,
+    LayerNormLinearContract,
+    autocast_off,
+    gradient_destinations,
+    without_autocast,
+)
 from .fp8_gemm import FP8Gemm, update_delayed_scaling
 from .norm import norm_bwd, norm_fwd
 
@@ -15,10 +22,18 @@ __all__ = ["LayerNormLinear"]
 
 class _LayerNormLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ln_weight, ln_bias, weight, bias, module, is_first_microbatch, recipe):
+    def forward(
+        ctx, x, ln_weight, ln_bias, weight, bias, module, is_first_microbatch, recipe, autocast
+    ):
         ctx.module = module
         ctx.overwrite = bool(is_first_microbatch) and module.fuse_wgrad_accumulation
         ln_out, stats = norm_fwd(module, x)
+        if autocast is not None:
+            # SPEC §2, torch.autocast: the norm in the parameters' dtype, the GEMM in the
+            # autocast dtype (under FP8 the weight is quantized from its own dtype).
+            ln_out = ln_out.to(autocast)
+            weight = weight if recipe is not None else weight.to(autocast)
+            bias = None if bias is None else bias.to(autocast)
         if recipe is None:
             ctx.fp8 = None
             ctx.save_for_backward(x, ln_weight, ln_out, weight, *stats)
@@ -30,6 +45,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @without_autocast
     def backward(ctx, dy):
         module: LayerNormLinear = ctx.module
         fp8, ctx.fp8 = ctx.fp8, None
@@ -71,7 +87,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
             d_lnb if need_lnb else None,
             dw,
             db,
-            *([None] * 3),
+            *([None] * 4),
         )
 
 
@@ -90,7 +106,13 @@ class LayerNormLinear(LayerNormLinearContract, SplitBackwardModule):
         x, recipe = self._check_input(inp, self.in_features)
         if recipe is not None:
             self._check_fp8_shapes(recipe, x.shape[0])
-        y = _LayerNormLinearFunction.apply(
+        autocast = self.autocast_dtype()
+        with autocast_off(x.device.type):
+            y = self._apply(x, is_first_microbatch, recipe, autocast)
+        return y.reshape(*inp.shape[:-1], self.out_features)
+
+    def _apply(self, x, is_first_microbatch, recipe, autocast) -> torch.Tensor:
+        return _LayerNormLinearFunction.apply(
             x,
             self.layer_norm_weight,
             self.layer_norm_bias,
@@ -99,5 +121,5 @@ class LayerNormLinear(LayerNormLinearContract, SplitBackwardModule):
             self,
             is_first_microbatch,
             recipe,
+            autocast,
         )
-        return y.reshape(*inp.shape[:-1], self.out_features)

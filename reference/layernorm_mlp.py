@@ -6,7 +6,14 @@ import torch
 
 from . import functional as F
 from .base import SplitBackwardModule, WgradEntry, detached
-from .contract import ACCUMULATE, RETURN, LayerNormMLPContract, gradient_destinations
+from .contract import (
+    ACCUMULATE,
+    RETURN,
+    LayerNormMLPContract,
+    autocast_off,
+    gradient_destinations,
+    without_autocast,
+)
 from .fp8_gemm import FP8Gemm, update_delayed_scaling
 from .norm import norm_bwd, norm_fwd
 
@@ -27,10 +34,20 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         module,
         first,
         recipe,
+        autocast,
     ):
         ctx.module = module
         ctx.overwrite = bool(first) and module.fuse_wgrad_accumulation
         ln_out, stats = norm_fwd(module, x)
+        if autocast is not None:
+            # SPEC §2, torch.autocast: the norm in the parameters' dtype, both GEMMs (and the
+            # activation between them, on their dtype) in the autocast dtype; under FP8 the
+            # weights are quantized from their own dtype.
+            ln_out = ln_out.to(autocast)
+            if recipe is None:
+                fc1_weight, fc2_weight = fc1_weight.to(autocast), fc2_weight.to(autocast)
+            fc1_bias = None if fc1_bias is None else fc1_bias.to(autocast)
+            fc2_bias = None if fc2_bias is None else fc2_bias.to(autocast)
         if recipe is None:
             ctx.fp8 = None
             fc1_out = F.linear_fwd(ln_out, fc1_weight, fc1_bias)
@@ -49,6 +66,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @without_autocast
     def backward(ctx, dy):
         module: LayerNormMLP = ctx.module
         fp8, ctx.fp8 = ctx.fp8, None
@@ -123,7 +141,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
             d_lnw if need_lnw else None,
             d_lnb if need_lnb else None,
             *returned,
-            *([None] * 3),
+            *([None] * 4),
         )
 
 
@@ -146,7 +164,13 @@ class LayerNormMLP(LayerNormMLPContract, SplitBackwardModule):
         x, recipe = self._check_input(inp, self.hidden_size)
         if recipe is not None:
             self._check_fp8_shapes(recipe, x.shape[0])
-        y = _LayerNormMLPFunction.apply(
+        autocast = self.autocast_dtype()
+        with autocast_off(x.device.type):
+            y = self._apply(x, is_first_microbatch, recipe, autocast)
+        return y.reshape(*inp.shape[:-1], self.hidden_size)
+
+    def _apply(self, x, is_first_microbatch, recipe, autocast) -> torch.Tensor:
+        return _LayerNormMLPFunction.apply(
             x,
             self.layer_norm_weight,
             self.layer_norm_bias,
@@ -157,5 +181,5 @@ class LayerNormMLP(LayerNormMLPContract, SplitBackwardModule):
             self,
             is_first_microbatch,
             recipe,
+            autocast,
         )
-        return y.reshape(*inp.shape[:-1], self.hidden_size)

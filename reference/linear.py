@@ -6,7 +6,14 @@ import torch
 
 from . import functional as F
 from .base import SplitBackwardModule, WgradEntry, detached
-from .contract import ACCUMULATE, RETURN, LinearContract, gradient_destinations
+from .contract import (
+    ACCUMULATE,
+    RETURN,
+    LinearContract,
+    autocast_off,
+    gradient_destinations,
+    without_autocast,
+)
 from .fp8_gemm import FP8Gemm, update_delayed_scaling
 
 __all__ = ["Linear"]
@@ -14,9 +21,14 @@ __all__ = ["Linear"]
 
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, module, is_first_microbatch, recipe):
+    def forward(ctx, x, weight, bias, module, is_first_microbatch, recipe, autocast):
         ctx.module = module
         ctx.overwrite = bool(is_first_microbatch) and module.fuse_wgrad_accumulation
+        if autocast is not None:
+            # SPEC §2, torch.autocast: x arrives in the autocast dtype; the GEMM's parameters
+            # are cast to it too (under FP8 the weight is quantized from its own dtype).
+            weight = weight if recipe is not None else weight.to(autocast)
+            bias = None if bias is None else bias.to(autocast)
         if recipe is None:
             ctx.fp8 = None
             ctx.save_for_backward(x, weight)
@@ -27,6 +39,7 @@ class _LinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @without_autocast
     def backward(ctx, dy):
         module: Linear = ctx.module
         fp8, ctx.fp8 = ctx.fp8, None
@@ -54,7 +67,7 @@ class _LinearFunction(torch.autograd.Function):
             module._submit_wgrad(WgradEntry(wgrad_closure, ctx.overwrite))
         dw = module._returned_weight_grad(module.weight, dy, x, fp8) if to_w == RETURN else None
         db = F.bias_grad(dy) if to_b == RETURN else None
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 class Linear(LinearContract, SplitBackwardModule):
@@ -72,5 +85,9 @@ class Linear(LinearContract, SplitBackwardModule):
         x, recipe = self._check_input(inp, self.in_features)
         if recipe is not None:
             self._check_fp8_shapes(recipe, x.shape[0])
-        y = _LinearFunction.apply(x, self.weight, self.bias, self, is_first_microbatch, recipe)
+        autocast = self.autocast_dtype()
+        with autocast_off(x.device.type):
+            y = _LinearFunction.apply(
+                x, self.weight, self.bias, self, is_first_microbatch, recipe, autocast
+            )
         return y.reshape(*inp.shape[:-1], self.out_features)

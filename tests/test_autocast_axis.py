@@ -115,7 +115,6 @@ def _autocast_case() -> Case:
     return Case(ModuleConfig("Linear", 16, 8, autocast="bfloat16"), (MicroBatch((4,)),), 2)
 
 
-@MODULES_FOLLOW_AUTOCAST
 def test_a_backend_that_ignores_autocast_fails_p1() -> None:
     case = _autocast_case()
     assert run_check("P1", get_backend("reference"), case).ratio <= 1.0
