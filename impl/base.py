@@ -25,14 +25,38 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
-from splitgrad.reference.contract import ModuleContract, node_destination
+from splitgrad.reference.contract import (
+    ModuleContract,
+    autocast_off,
+    node_destination,
+    without_autocast,
+)
 
 from . import compiled, gemm
 from .fp8 import Float8Tensor
 from .fp8_gemm import fp8_wgrad_write, pack, unpack
 from .store import WeightGradStore, WgradEntry
 
-__all__ = ["SplitBackwardModule", "FP8WgradPart", "edge_destinations", "fast_apply", "take_fp8"]
+__all__ = [
+    "SplitBackwardModule",
+    "FP8WgradPart",
+    "autocast_cast",
+    "autocast_off",
+    "edge_destinations",
+    "fast_apply",
+    "take_fp8",
+    "without_autocast",
+]
+
+
+def autocast_cast(dtype: torch.dtype | None, *tensors: torch.Tensor | None) -> tuple:
+    """``tensors`` cast to ``dtype`` for a GEMM under ``torch.autocast`` (SPEC §2; ``None``
+    stays ``None``); unchanged when ``dtype`` is ``None`` (no autocast). Called inside a
+    Function's forward, so the casts are plain tensors, not autograd nodes: each parameter
+    keeps its own gradient edge."""
+    if dtype is None:
+        return tensors
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
 
 
 def edge_destinations(ctx, present: Sequence[bool]) -> list[str | None]:
@@ -128,7 +152,10 @@ class SplitBackwardModule(ModuleContract):
             if hasattr(param, "grad_added_to_main_grad"):
                 param.grad_added_to_main_grad = True
         elif param.grad is None:
-            param.grad = gemm.wgrad(dy, x)
+            g = gemm.wgrad(dy, x)
+            # Under torch.autocast the GEMM runs in the autocast dtype; the parameter's gradient
+            # is in the parameter's dtype (SPEC §2).
+            param.grad = g if g.dtype == param.dtype else g.to(param.dtype)
         else:
             gemm.wgrad_accumulate_(param.grad, dy, x)
 
@@ -141,7 +168,7 @@ class SplitBackwardModule(ModuleContract):
     def _write_bias_value(param: torch.nn.Parameter, db: torch.Tensor) -> None:
         """Set or accumulate an already reduced bias gradient into ``param.grad``."""
         if param.grad is None:
-            param.grad = db
+            param.grad = db if db.dtype == param.dtype else db.to(param.dtype)
         else:
             param.grad.add_(db)
 
@@ -204,10 +231,13 @@ class SplitBackwardModule(ModuleContract):
         if not len(self._wgrad_store):
             raise self._nothing_pending()
         entry = self._wgrad_store.head()
-        if stream is not None and _on_cuda(entry):
-            _run_on_side_stream(entry, stream)
-        else:
-            entry.run()  # raises -> the entry stays at the head, nothing written
+        # With torch.autocast off: the entry computes what the non-delayed backward would have
+        # (its backward runs with autocast off too), whatever context the caller is in.
+        with autocast_off(self.fp8_device.type):
+            if stream is not None and _on_cuda(entry):
+                _run_on_side_stream(entry, stream)
+            else:
+                entry.run()  # raises -> the entry stays at the head, nothing written
         self._wgrad_store.pop_and_release()
         del entry
         self._run_hooks()

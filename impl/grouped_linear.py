@@ -33,13 +33,26 @@ import torch
 from splitgrad.reference.contract import ACCUMULATE, RETURN, GroupedLinearContract
 
 from . import compiled, gemm
-from .base import FP8WgradPart, SplitBackwardModule, edge_destinations, fast_apply, take_fp8
+from .base import (
+    FP8WgradPart,
+    SplitBackwardModule,
+    autocast_cast,
+    autocast_off,
+    edge_destinations,
+    fast_apply,
+    take_fp8,
+    without_autocast,
+)
 from .fp8 import update_delayed_scaling
 from .fp8_gemm import FP8GemmOperands, fp8_wgrad_value
 
 __all__ = ["GroupedLinear"]
 
 _PATHS = ("auto", "grouped", "loop")
+
+#: The Functions' arguments before the parameters: x, m_splits, module, overwrite, the path (or
+#: FP8 recipe), the autocast dtype.
+_N_ARGS = 6
 
 
 _SLOT_ALIGNMENT_BYTES = 64
@@ -130,9 +143,11 @@ def _backward(
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, m_splits, module, overwrite, use_grouped, *params):
+    def forward(ctx, x, m_splits, module, overwrite, use_grouped, autocast, *params):
         n = module.num_gemms
-        weights, biases = params[:n], (params[n:] or None)
+        # SPEC §2 under torch.autocast: every group's GEMM in the autocast dtype.
+        weights, biases = autocast_cast(autocast, *params[:n]), params[n:]
+        biases = autocast_cast(autocast, *biases) if biases else None
         ctx.module, ctx.m_splits, ctx.overwrite, ctx.use_grouped = (
             module,
             m_splits,
@@ -150,6 +165,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         )
 
     @staticmethod
+    @without_autocast
     def backward(ctx, dy):
         x, *weights = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
@@ -164,13 +180,13 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 ctx.use_grouped,
                 need_x,
             )
-            n_params = len(ctx.needs_input_grad) - 5
-            return ((out[0] if need_x else None), None, None, None, None, *(None,) * n_params)
-        dest = edge_destinations(ctx, (True,) * (len(ctx.needs_input_grad) - 5))
+            n_params = len(ctx.needs_input_grad) - _N_ARGS
+            return ((out[0] if need_x else None), *(None,) * (_N_ARGS - 1 + n_params))
+        dest = edge_destinations(ctx, (True,) * (len(ctx.needs_input_grad) - _N_ARGS))
         dx, *returned = _backward(
             ctx.module, dy, x, weights, ctx.m_splits, ctx.use_grouped, need_x, dest, ctx.overwrite
         )
-        return (dx, None, None, None, None, *returned)
+        return (dx, *(None,) * (_N_ARGS - 1), *returned)
 
 
 _apply = fast_apply(_GroupedLinearFunction)
@@ -194,7 +210,10 @@ def _grouped_linear_backward_op(
     names = module._gemm_weight_names + module._gemm_bias_names
     dest = compiled.destinations(*(p[name] for name in names))
     compiled.no_returned_gemm_grads(module, zip(names, dest))
-    dx = _backward(module, dy, x, weights, m_splits, use_grouped, need_x, dest, overwrite, True)[0]
+    with autocast_off(dy.device.type):
+        dx = _backward(
+            module, dy, x, weights, m_splits, use_grouped, need_x, dest, overwrite, True
+        )[0]
     return [dx] if need_x else []
 
 
@@ -209,11 +228,13 @@ class _GroupedLinearFP8Function(torch.autograd.Function):
     written into its row block; one entry covers all groups."""
 
     @staticmethod
-    def forward(ctx, x, m_splits, module, overwrite, recipe, *params):
+    def forward(ctx, x, m_splits, module, overwrite, recipe, autocast, *params):
         n = module.num_gemms
-        weights, biases = params[:n], (params[n:] or (None,) * n)
+        # SPEC §2 under torch.autocast: biases in the autocast dtype (x comes in it), weights
+        # quantized from their own dtype.
+        weights, biases = params[:n], (autocast_cast(autocast, *params[n:]) or (None,) * n)
         need_x = ctx.needs_input_grad[0]
-        need_w = ctx.needs_input_grad[5 : 5 + n]
+        need_w = ctx.needs_input_grad[_N_ARGS : _N_ARGS + n]
         gemms = [FP8GemmOperands(module, recipe, f"gemm{i}") for i in range(n)]
         y = x.new_empty(x.shape[0], module.out_features)
         for i, (x_g, y_g) in enumerate(zip(x.split(m_splits), y.split(m_splits))):
@@ -224,13 +245,14 @@ class _GroupedLinearFP8Function(torch.autograd.Function):
         return y
 
     @staticmethod
+    @without_autocast
     def backward(ctx, dy):
         module, gemms = take_fp8(ctx)
         n, m_splits = module.num_gemms, ctx.m_splits
         need_x = ctx.needs_input_grad[0]
         weight_params = [getattr(module, f"weight{i}") for i in range(n)]
         bias_params = [getattr(module, f"bias{i}") for i in range(n)]
-        dest = edge_destinations(ctx, (True,) * (len(ctx.needs_input_grad) - 5))
+        dest = edge_destinations(ctx, (True,) * (len(ctx.needs_input_grad) - _N_ARGS))
         to_w, to_b = dest[:n], dest[n:] or [None] * n
         need_w = [d == ACCUMULATE for d in to_w]
         need_b = [d == ACCUMULATE for d in to_b]
@@ -256,7 +278,7 @@ class _GroupedLinearFP8Function(torch.autograd.Function):
         update_delayed_scaling(module, gemms[0].recipe, ("grad_output",))
         if any(need_w) or any(need_b):
             module._submit_fp8_wgrad(parts, named_weights, ctx.overwrite)
-        return (dx, None, None, None, None, *returned)
+        return (dx, *(None,) * (_N_ARGS - 1), *returned)
 
 
 class GroupedLinear(GroupedLinearContract, SplitBackwardModule):
@@ -300,12 +322,18 @@ class GroupedLinear(GroupedLinearContract, SplitBackwardModule):
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
         p = self._parameters
         params = [p[name] for name in self._gemm_weight_names + self._gemm_bias_names]
-        if recipe is None:
+        autocast = self.autocast_dtype()
+        if recipe is None and autocast is None:
             use_grouped = self._use_grouped(x)
-            y = _apply(x, splits, self, overwrite, use_grouped, *params)
+            y = _apply(x, splits, self, overwrite, use_grouped, None, *params)
+        elif recipe is None:
+            use_grouped = self._use_grouped(x)
+            with autocast_off(x.device.type):
+                y = _apply(x, splits, self, overwrite, use_grouped, autocast, *params)
         else:
             self._check_fp8_shapes(recipe, splits)
-            y = _fp8_forward(x, splits, self, overwrite, recipe, *params)
+            with autocast_off(x.device.type):
+                y = _fp8_forward(x, splits, self, overwrite, recipe, autocast, *params)
         return y if x is inp else y.reshape(*inp.shape[:-1], self.out_features)
 
 

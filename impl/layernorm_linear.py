@@ -6,7 +6,16 @@ import torch
 from splitgrad.reference.contract import ACCUMULATE, RETURN, LayerNormLinearContract
 
 from . import compiled, gemm
-from .base import FP8WgradPart, SplitBackwardModule, edge_destinations, fast_apply, take_fp8
+from .base import (
+    FP8WgradPart,
+    SplitBackwardModule,
+    autocast_cast,
+    autocast_off,
+    edge_destinations,
+    fast_apply,
+    take_fp8,
+    without_autocast,
+)
 from .fp8 import update_delayed_scaling
 from .fp8_gemm import FP8GemmOperands, fp8_wgrad_value
 from .norm import norm_bwd, norm_fwd
@@ -53,14 +62,18 @@ def _backward(module, dy, saved, need_x, dests, overwrite, compiled_graph=False)
 
 class _LayerNormLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ln_weight, ln_bias, weight, bias, module, overwrite):
+    def forward(ctx, x, ln_weight, ln_bias, weight, bias, module, overwrite, autocast):
         ctx.module, ctx.overwrite = module, overwrite
         ctx.present = (True, ln_bias is not None, True, bias is not None)
         ln_out, stats = norm_fwd(module, x, ln_weight, ln_bias)
+        # SPEC §2 under torch.autocast: the norm in the parameters' dtype, the GEMM in the
+        # autocast dtype.
+        ln_out, weight, bias = autocast_cast(autocast, ln_out, weight, bias)
         ctx.save_for_backward(x, ln_weight, ln_bias, ln_out, weight, *stats)
         return gemm.linear_forward(ln_out, weight, bias)
 
     @staticmethod
+    @without_autocast
     def backward(ctx, dy):
         saved = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
@@ -81,9 +94,9 @@ class _LayerNormLinearFunction(torch.autograd.Function):
                     needs,
                 )
             )
-            return (*(next(out) if n else None for n in needs), None, None, None, None)
+            return (*(next(out) if n else None for n in needs), *(None,) * 5)
         dests = edge_destinations(ctx, ctx.present)
-        return (*_backward(ctx.module, dy, saved, need_x, dests, ctx.overwrite), None, None)
+        return (*_backward(ctx.module, dy, saved, need_x, dests, ctx.overwrite), None, None, None)
 
 
 _apply = fast_apply(_LayerNormLinearFunction)
@@ -112,7 +125,8 @@ def _layernorm_linear_backward_op(
     )
     compiled.no_returned_gemm_grads(module, [("weight", dests[2]), ("bias", dests[3])])
     saved = (x, ln_weight, ln_bias, ln_out, weight, *stats)
-    grads = _backward(module, dy, saved, needs[0], dests, overwrite, True)[:3]
+    with autocast_off(dy.device.type):
+        grads = _backward(module, dy, saved, needs[0], dests, overwrite, True)[:3]
     likes = (x, ln_weight, ln_bias)
     return compiled.zeros_for_unwanted(
         [g for g, n in zip(grads, needs) if n], [t for t, n in zip(likes, needs) if n]
@@ -129,9 +143,12 @@ class _LayerNormLinearFP8Function(torch.autograd.Function):
     the GEMM input (only its column-wise FP8 copy is kept for wgrad)."""
 
     @staticmethod
-    def forward(ctx, x, ln_weight, ln_bias, weight, bias, module, overwrite, recipe):
+    def forward(ctx, x, ln_weight, ln_bias, weight, bias, module, overwrite, recipe, autocast):
         need_norm = any(ctx.needs_input_grad[:3])
         ln_out, stats = norm_fwd(module, x, ln_weight, ln_bias)
+        # SPEC §2 under torch.autocast: the GEMM input (quantized) and the bias in the autocast
+        # dtype, the weight quantized from its own dtype.
+        ln_out, bias = autocast_cast(autocast, ln_out, bias)
         fp8 = FP8GemmOperands(module, recipe)
         y = fp8.fprop(ln_out, weight, bias, keep_x=ctx.needs_input_grad[3], keep_w=need_norm)
         update_delayed_scaling(module, recipe, ("input", "weight"))
@@ -141,6 +158,7 @@ class _LayerNormLinearFP8Function(torch.autograd.Function):
         return y
 
     @staticmethod
+    @without_autocast
     def backward(ctx, dy):
         module, fp8 = take_fp8(ctx)
         x, ln_weight, ln_bias, *stats = ctx.saved_tensors
@@ -170,7 +188,7 @@ class _LayerNormLinearFP8Function(torch.autograd.Function):
                 dy.sum(dim=0) if need_b else None,
             )
             module._submit_fp8_wgrad([part], named_weights, ctx.overwrite)
-        return dx, d_lnw, d_lnb, dw, db, None, None, None
+        return dx, d_lnw, d_lnb, dw, db, None, None, None, None
 
 
 class LayerNormLinear(LayerNormLinearContract, SplitBackwardModule):
@@ -187,11 +205,16 @@ class LayerNormLinear(LayerNormLinearContract, SplitBackwardModule):
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
         p = self._parameters
         args = (x, p["layer_norm_weight"], p["layer_norm_bias"], p["weight"], p["bias"], self)
-        if recipe is None:
-            y = _apply(*args, overwrite)
+        autocast = self.autocast_dtype()
+        if recipe is None and autocast is None:
+            y = _apply(*args, overwrite, None)
+        elif recipe is None:
+            with autocast_off(x.device.type):
+                y = _apply(*args, overwrite, autocast)
         else:
             self._check_fp8_shapes(recipe, x.shape[0])
-            y = _fp8_forward(*args, overwrite, recipe)
+            with autocast_off(x.device.type):
+                y = _fp8_forward(*args, overwrite, recipe, autocast)
         return y if x is inp else y.reshape(*inp.shape[:-1], self.out_features)
 
 

@@ -18,7 +18,16 @@ from splitgrad.reference.contract import ACCUMULATE, RETURN, LayerNormMLPContrac
 
 from . import compiled, gemm
 from .activation import act_bwd, act_fwd
-from .base import FP8WgradPart, SplitBackwardModule, edge_destinations, fast_apply, take_fp8
+from .base import (
+    FP8WgradPart,
+    SplitBackwardModule,
+    autocast_cast,
+    autocast_off,
+    edge_destinations,
+    fast_apply,
+    take_fp8,
+    without_autocast,
+)
 from .fp8 import update_delayed_scaling
 from .fp8_gemm import FP8GemmOperands, fp8_wgrad_value
 from .norm import norm_bwd, norm_fwd
@@ -109,12 +118,19 @@ def _backward(module, dy, saved, need_x, dest, overwrite, compiled_graph=False):
 
 class _LayerNormMLPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, module, ow):
+    def forward(
+        ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, module, ow, autocast
+    ):
         ctx.module, ctx.overwrite = module, ow
         ctx.present = tuple(
             p is not None for p in (ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
         )
         ln_out, stats = norm_fwd(module, x, ln_weight, ln_bias)
+        # SPEC §2 under torch.autocast: the norm in the parameters' dtype; both GEMMs, and the
+        # activation between them (on fc1's output), in the autocast dtype.
+        ln_out, fc1_weight, fc1_bias, fc2_weight, fc2_bias = autocast_cast(
+            autocast, ln_out, fc1_weight, fc1_bias, fc2_weight, fc2_bias
+        )
         fc1_out = gemm.linear_forward(ln_out, fc1_weight, fc1_bias)
         act_out = act_fwd(fc1_out, module.activation)
         kept_act = None if module.recompute_activation else act_out
@@ -124,6 +140,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         return gemm.linear_forward(act_out, fc2_weight, fc2_bias)
 
     @staticmethod
+    @without_autocast
     def backward(ctx, dy):
         saved = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
@@ -134,9 +151,9 @@ class _LayerNormMLPFunction(torch.autograd.Function):
                     ctx.module._handle, dy, saved[:8], saved[8:], ctx.overwrite, needs
                 )
             )
-            return (*(next(out) if n else None for n in needs), *(None,) * 6)
+            return (*(next(out) if n else None for n in needs), *(None,) * 7)
         dest = edge_destinations(ctx, ctx.present)
-        return (*_backward(ctx.module, dy, saved, need_x, dest, ctx.overwrite), None, None)
+        return (*_backward(ctx.module, dy, saved, need_x, dest, ctx.overwrite), None, None, None)
 
 
 _apply = fast_apply(_LayerNormMLPFunction)
@@ -161,7 +178,8 @@ def _layernorm_mlp_backward_op(
     dest = compiled.destinations(*(p[n] for n in names), p["fc2_weight"], p["fc2_bias"])
     gemm_names = ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")
     compiled.no_returned_gemm_grads(module, zip(gemm_names, dest[2:]))
-    grads = _backward(module, dy, (*saved, *stats), needs[0], dest, overwrite, True)[:3]
+    with autocast_off(dy.device.type):
+        grads = _backward(module, dy, (*saved, *stats), needs[0], dest, overwrite, True)[:3]
     likes = saved[:3]
     return compiled.zeros_for_unwanted(
         [g for g, n in zip(grads, needs) if n], [t for t, n in zip(likes, needs) if n]
@@ -179,11 +197,14 @@ class _LayerNormMLPFP8Function(torch.autograd.Function):
     and fc1's column-wise FP8 operands and the two bias gradients."""
 
     @staticmethod
-    def forward(ctx, x, ln_weight, ln_bias, w1, b1, w2, b2, module, overwrite, recipe):
+    def forward(ctx, x, ln_weight, ln_bias, w1, b1, w2, b2, module, overwrite, recipe, autocast):
         needs = ctx.needs_input_grad
         need_norm = any(needs[:3])
         need_d_fc1 = need_norm or needs[3] or needs[4]
         ln_out, stats = norm_fwd(module, x, ln_weight, ln_bias)
+        # SPEC §2 under torch.autocast: fc1's input and both biases in the autocast dtype (so
+        # are fc1's output, the activation and fc2's output); weights quantized from their own.
+        ln_out, b1, b2 = autocast_cast(autocast, ln_out, b1, b2)
         fc1 = FP8GemmOperands(module, recipe, "fc1")
         fc2 = FP8GemmOperands(module, recipe, "fc2")
         fc1_out = fc1.fprop(ln_out, w1, b1, keep_x=needs[3], keep_w=need_norm)
@@ -197,6 +218,7 @@ class _LayerNormMLPFP8Function(torch.autograd.Function):
         return y
 
     @staticmethod
+    @without_autocast
     def backward(ctx, dy):
         module, (fc1, fc2) = take_fp8(ctx)
         x, ln_weight, ln_bias, fc1_out, *stats = ctx.saved_tensors
@@ -248,7 +270,7 @@ class _LayerNormMLPFP8Function(torch.autograd.Function):
                 ),
             ]
             module._submit_fp8_wgrad(parts, named_weights, ctx.overwrite)
-        return dx, d_lnw, d_lnb, *returned, None, None, None
+        return dx, d_lnw, d_lnb, *returned, None, None, None, None
 
 
 class LayerNormMLP(LayerNormMLPContract, SplitBackwardModule):
@@ -278,11 +300,16 @@ class LayerNormMLP(LayerNormMLPContract, SplitBackwardModule):
             self,
             overwrite,
         )
-        if recipe is None:
-            y = _apply(*args)
+        autocast = self.autocast_dtype()
+        if recipe is None and autocast is None:
+            y = _apply(*args, None)
+        elif recipe is None:
+            with autocast_off(x.device.type):
+                y = _apply(*args, autocast)
         else:
             self._check_fp8_shapes(recipe, x.shape[0])
-            y = _fp8_forward(*args, recipe)
+            with autocast_off(x.device.type):
+                y = _fp8_forward(*args, recipe, autocast)
         return y if x is inp else y.reshape(*inp.shape[:-1], self.hidden_size)
 
 

@@ -6,7 +6,16 @@ import torch
 from splitgrad.reference.contract import ACCUMULATE, RETURN, LinearContract
 
 from . import compiled, gemm
-from .base import FP8WgradPart, SplitBackwardModule, edge_destinations, fast_apply, take_fp8
+from .base import (
+    FP8WgradPart,
+    SplitBackwardModule,
+    autocast_cast,
+    autocast_off,
+    edge_destinations,
+    fast_apply,
+    take_fp8,
+    without_autocast,
+)
 from .fp8 import update_delayed_scaling
 from .fp8_gemm import FP8GemmOperands, fp8_wgrad_value
 
@@ -43,14 +52,16 @@ def _backward(module, dy, x, weight, need_x, to_w, to_b, overwrite, compiled_gra
 
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, module, overwrite):
+    def forward(ctx, x, weight, bias, module, overwrite, autocast):
         ctx.module, ctx.overwrite, ctx.present = module, overwrite, (True, bias is not None)
+        weight, bias = autocast_cast(autocast, weight, bias)  # SPEC §2: the GEMM's dtype
         ctx.save_for_backward(x, weight)
         if bias is None:
             return torch.mm(x, weight.t())
         return torch.addmm(bias, x, weight.t())  # gemm.linear_forward, one call fewer
 
     @staticmethod
+    @without_autocast
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
@@ -58,10 +69,10 @@ class _LinearFunction(torch.autograd.Function):
             out = torch.ops.splitgrad.linear_backward(
                 ctx.module._handle, dy, x, weight, ctx.overwrite, need_x
             )
-            return (out[0] if need_x else None), None, None, None, None
+            return (out[0] if need_x else None), None, None, None, None, None
         to_w, to_b = edge_destinations(ctx, ctx.present)
         dx, dw, db = _backward(ctx.module, dy, x, weight, need_x, to_w, to_b, ctx.overwrite)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 _apply = fast_apply(_LinearFunction)
@@ -81,7 +92,8 @@ def _linear_backward_op(
     module = compiled.module_of(handle)
     to_w, to_b = compiled.destinations(module.weight, module.bias)
     compiled.no_returned_gemm_grads(module, [("weight", to_w), ("bias", to_b)])
-    dx, _, _ = _backward(module, dy, x, weight, need_x, to_w, to_b, overwrite, True)
+    with autocast_off(dy.device.type):
+        dx, _, _ = _backward(module, dy, x, weight, need_x, to_w, to_b, overwrite, True)
     return [dx] if need_x else []
 
 
@@ -94,8 +106,11 @@ class _LinearFP8Function(torch.autograd.Function):
     """The same layer under an FP8 recipe (SPEC §6): three FP8 GEMMs, see :mod:`.fp8_gemm`."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, module, overwrite, recipe):
+    def forward(ctx, x, weight, bias, module, overwrite, recipe, autocast):
         need_x, need_w = ctx.needs_input_grad[:2]
+        # SPEC §2 under torch.autocast: x comes in the autocast dtype (the output's), the bias
+        # is cast to it, the weight is quantized from its own dtype.
+        (bias,) = autocast_cast(autocast, bias)
         fp8 = FP8GemmOperands(module, recipe)
         y = fp8.fprop(x, weight, bias, keep_x=need_w, keep_w=need_x)
         update_delayed_scaling(module, recipe, ("input", "weight"))
@@ -104,6 +119,7 @@ class _LinearFP8Function(torch.autograd.Function):
         return y
 
     @staticmethod
+    @without_autocast
     def backward(ctx, dy):
         module, fp8 = take_fp8(ctx)
         need_x = ctx.needs_input_grad[0]
@@ -125,7 +141,7 @@ class _LinearFP8Function(torch.autograd.Function):
                 dy.sum(dim=0) if need_b else None,
             )
             module._submit_fp8_wgrad([part], named_weights, ctx.overwrite)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 class Linear(LinearContract, SplitBackwardModule):
@@ -142,11 +158,18 @@ class Linear(LinearContract, SplitBackwardModule):
         x, recipe = self._check_input(inp, self.in_features)
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
         params = self._parameters
-        if recipe is None:
-            y = _apply(x, params["weight"], params["bias"], self, overwrite)
+        autocast = self.autocast_dtype()
+        if recipe is None and autocast is None:
+            y = _apply(x, params["weight"], params["bias"], self, overwrite, None)
+        elif recipe is None:
+            with autocast_off(x.device.type):
+                y = _apply(x, params["weight"], params["bias"], self, overwrite, autocast)
         else:
             self._check_fp8_shapes(recipe, x.shape[0])
-            y = _fp8_forward(x, params["weight"], params["bias"], self, overwrite, recipe)
+            with autocast_off(x.device.type):
+                y = _fp8_forward(
+                    x, params["weight"], params["bias"], self, overwrite, recipe, autocast
+                )
         return y if x is inp else y.reshape(*inp.shape[:-1], self.out_features)
 
 

@@ -107,7 +107,11 @@ def norm_bwd(
     stats: tuple[torch.Tensor, ...],
     need: tuple[bool, bool, bool],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``(dx, d_layer_norm_weight, d_layer_norm_bias)``; ``need`` masks which are computed."""
+    """``(dx, d_layer_norm_weight, d_layer_norm_bias)``; ``need`` masks which are computed.
+    ``d_out`` may come in another dtype than ``x`` (the autocast dtype of the GEMM that read the
+    norm's output, SPEC §2): it is cast to ``x``'s, exactly (a widening)."""
+    if d_out.dtype != x.dtype:
+        d_out = d_out.to(x.dtype)
     cdt = _compute_dtype(x.dtype)
     gamma = _gamma(weight, module.zero_centered_gamma, cdt)
     k = x.shape[-1]

@@ -17,18 +17,13 @@ from splitgrad.properties.results import PropertyViolation
 from splitgrad.properties.strategies import KINDS, Case, MicroBatch, ModuleConfig
 from splitgrad.properties.xfails import canonical_id
 
-# reference and impl do not follow torch.autocast yet (issue 15): strict, so that the day they
-# do, these tests say so and the default slice is turned on.
-MODULES_FOLLOW_AUTOCAST = pytest.mark.xfail(
-    strict=True, reason="issue 15: reference and impl do not follow torch.autocast yet"
-)
-
-
 def test_the_default_plan_has_an_autocast_slice(monkeypatch) -> None:
     import splitgrad.properties.plan as plan
 
+    monkeypatch.setattr(plan, "AUTOCAST_IN_DEFAULT_RUN", False)
     assert all(c.autocast is None for c in plan_cells(KINDS, ["float32"], list(PROPERTIES)))
-    monkeypatch.setattr(plan, "AUTOCAST_IN_DEFAULT_RUN", True)
+    monkeypatch.undo()
+    assert plan.AUTOCAST_IN_DEFAULT_RUN  # both packages follow torch.autocast (issue 15)
     cells = plan_cells(KINDS, ["float32", "bfloat16"], list(PROPERTIES))
     auto = [c for c in cells if c.autocast is not None]
     assert {c.property_id for c in auto} == set(AUTOCAST_PROPERTIES)
@@ -122,7 +117,6 @@ def test_a_backend_that_ignores_autocast_fails_p1() -> None:
         run_check("P1", _IgnoresAutocast(), case)
 
 
-@MODULES_FOLLOW_AUTOCAST
 @pytest.mark.parametrize("backend", ["reference", "impl"])
 def test_autocast_cells_pass_on_both_packages(backend: str) -> None:
     cell = run_cell(

@@ -145,7 +145,6 @@ def test_property_forced_path(path: str, property_id: str, kind: str) -> None:
     assert cell.examples > 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 15: reference and impl do not follow autocast yet")
 @pytest.mark.parametrize(("backend_name", "property_id", "kind"), AUTOCAST_CELLS)
 def test_property_autocast(backend_name: str, property_id: str, kind: str) -> None:
     backend = get_backend(backend_name)

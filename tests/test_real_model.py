@@ -66,15 +66,7 @@ def test_the_budget_catches_a_gradient_five_percent_off(monkeypatch):
 
 @pytest.mark.parametrize(
     "mode",
-    [
-        pytest.param(
-            "autocast",
-            marks=pytest.mark.xfail(
-                strict=True, reason="issue 15 item 1: impl does not follow torch.autocast yet"
-            ),
-        ),
-        "bf16",
-    ],
+    ["autocast", "bf16"],
 )
 def test_mixed_precision_training_is_close(mode):
     """Under ``torch.autocast`` (fp32 parameters) and after converting then moving the model to
