@@ -47,7 +47,14 @@ import torch
 
 from .modules import SplitModule, gradient_tensor, split_modules
 
-__all__ = ["dw_builder", "DWBuilder", "WStepRunner", "in_shape_inference"]
+__all__ = [
+    "dw_builder",
+    "DWBuilder",
+    "WStepRunner",
+    "in_shape_inference",
+    "shape_inference_method",
+    "SHAPE_INFERENCE_METHODS",
+]
 
 
 class WStepRunner:
@@ -116,6 +123,7 @@ class DWBuilder:
                 UserWarning,
                 stacklevel=3,
             )
+        shape_inference_method()  # refuse a torch where the inference pass cannot be told apart
         stage_module.register_forward_pre_hook(self._before_forward)
 
     def _before_forward(self, module: torch.nn.Module, args) -> None:
@@ -204,24 +212,62 @@ class DWBuilder:
             if frame is None:
                 return
             candidate = frame.f_locals.get("self")
-            if getattr(candidate, "dw_builder", None) is self and hasattr(candidate, "scale_grads"):
+            if _is_stage(candidate) and getattr(candidate, "dw_builder", None) is self:
                 self.attach(candidate)
                 return
             frame = frame.f_back
 
 
+#: What ``torch.distributed.pipelining``'s stages call their shape-inference forward, by torch
+#: version: ``_forward_metadata_inference`` (torch 2.12 and newer), ``_shape_inference`` (2.11
+#: and older). A private method, so it is recognised by every name it has had, and
+#: :func:`shape_inference_method` refuses a torch where it has none of them.
+SHAPE_INFERENCE_METHODS = ("_forward_metadata_inference", "_shape_inference")
+
+
+def shape_inference_method() -> str:
+    """The name this torch's ``PipelineStage`` gives its shape-inference forward (one of
+    :data:`SHAPE_INFERENCE_METHODS`). Raises ``RuntimeError`` naming the torch version when it
+    has none of them: the pass moved, and :func:`in_shape_inference` would otherwise answer
+    ``False`` during it (placeholder amaxes in FP8 histories, micro-batch counters off by one)
+    without a word."""
+    from torch.distributed.pipelining import PipelineStage
+
+    for name in SHAPE_INFERENCE_METHODS:
+        if callable(getattr(PipelineStage, name, None)):
+            return name
+    raise RuntimeError(
+        f"torch {torch.__version__}: torch.distributed.pipelining.PipelineStage has none of "
+        f"{SHAPE_INFERENCE_METHODS}, the names its shape-inference forward had up to now; "
+        "splitgrad cannot tell that pass from a real forward on this torch. Give the stage "
+        "static input_args/output_args (no inference runs), and report the torch version"
+    )
+
+
 def in_shape_inference() -> bool:
     """Whether the forward being run is ``torch.distributed.pipelining``'s shape-inference pass
     (a ``PipelineStage``'s first ``step()`` without static shapes runs the stage once on
-    placeholder tensors). Counters of micro-batches (``is_first_microbatch``) should skip it."""
+    placeholder tensors). Counters of micro-batches (``is_first_microbatch``) should skip it.
+    Looks for a caller frame running one of :data:`SHAPE_INFERENCE_METHODS` on a
+    ``PipelineStage`` (``self`` checked, so a function of the same name elsewhere is not taken
+    for it)."""
     frame = sys._getframe(1)
     for _ in range(12):
         if frame is None:
             return False
-        if frame.f_code.co_name == "_forward_metadata_inference":
+        named = frame.f_code.co_name in SHAPE_INFERENCE_METHODS
+        if named and _is_stage(frame.f_locals.get("self")):
             return True
         frame = frame.f_back
     return False
+
+
+def _is_stage(obj: object) -> bool:
+    """Whether ``obj`` is a pipelining stage (``PipelineStage`` or its private base, which the
+    schedules' stages share)."""
+    from torch.distributed.pipelining import stage
+
+    return isinstance(obj, getattr(stage, "_PipelineStageBase", stage.PipelineStage))
 
 
 def _micro_batch_label(index: int) -> str:

@@ -17,6 +17,7 @@ from splitgrad.properties.results import PropertyViolation
 from splitgrad.properties.strategies import KINDS, Case, MicroBatch, ModuleConfig
 from splitgrad.properties.xfails import canonical_id
 
+
 def test_the_default_plan_has_an_autocast_slice(monkeypatch) -> None:
     import splitgrad.properties.plan as plan
 

@@ -9,6 +9,8 @@ covers ``main_grad`` and refuses to run before the last entry.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from cases import build, fill, forward, make_dy, make_input
@@ -208,3 +210,48 @@ def test_non_split_stage_gets_empty_runners(lib):
     assert runner.entries == {}
     runner()
     assert m.weight.grad is not None  # the backward computed it: it works, unsplit
+
+
+# ---- torch versions: the shape-inference pass by every name it has had ------------------------
+
+
+def test_this_torch_names_its_shape_inference_pass_by_a_known_name():
+    from splitgrad.distributed import pipeline
+
+    assert pipeline.shape_inference_method() in pipeline.SHAPE_INFERENCE_METHODS
+
+
+@pytest.mark.parametrize("name", ["_forward_metadata_inference", "_shape_inference"])
+def test_in_shape_inference_recognises_every_name_on_a_stage_only(name):
+    """torch 2.12+ calls the pass ``_forward_metadata_inference``, 2.10/2.11 ``_shape_inference``
+    (where in_shape_inference used to answer False); a function of that name elsewhere is not
+    the pass."""
+    from splitgrad.distributed import in_shape_inference
+    from torch.distributed.pipelining import PipelineStage
+
+    seen = []
+
+    def probe(self):
+        seen.append(in_shape_inference())
+
+    stage = object.__new__(PipelineStage)  # only its type matters here
+    method = type(name, (), {})  # a namespace to hold a function with the right __name__
+    code = probe.__code__.replace(co_name=name)
+    fn = type(probe)(code, probe.__globals__, name, None, probe.__closure__)
+    fn(stage)
+    fn(method())  # same name, not a stage
+    probe(stage)  # a stage, another name
+    assert seen == [True, False, False]
+
+
+def test_a_torch_whose_pass_moved_is_refused_naming_the_version(monkeypatch, lib):
+    from splitgrad.distributed import pipeline
+    from torch.distributed.pipelining import PipelineStage
+
+    for name in pipeline.SHAPE_INFERENCE_METHODS:
+        for cls in PipelineStage.__mro__:
+            if name in vars(cls):
+                monkeypatch.delattr(cls, name)
+    version = re.escape(torch.__version__)
+    with pytest.raises(RuntimeError, match=rf"torch {version}: .*static input_args"):
+        dw_builder(_Stage(lib))
