@@ -56,7 +56,7 @@ def _ub_bulk_override(condition: str) -> str:
 
 _WRITE_WEIGHT = (
     "        elif param.grad is None:\n"
-    "            param.grad = gemm.wgrad(dy, x)\n"
+    "            param.grad = _in_dtype_of(param, gemm.wgrad(dy, x))\n"
     "        else:\n"
     "            gemm.wgrad_accumulate_(param.grad, dy, x)\n"
 )
@@ -308,7 +308,7 @@ SHARED_PATH_MUTANTS = (
                 "base.py",
                 _WRITE_WEIGHT,
                 "        elif param.grad is None:\n"
-                "            param.grad = gemm.wgrad(dy, x)\n"
+                "            param.grad = _in_dtype_of(param, gemm.wgrad(dy, x))\n"
                 "        else:\n"
                 "            if not getattr(param, '_written_once', False):\n"
                 "                gemm.wgrad_accumulate_(param.grad, dy, x)\n"
@@ -327,7 +327,7 @@ SHARED_PATH_MUTANTS = (
                 _WRITE_WEIGHT,
                 "        elif param.grad is None:\n"
                 "            if not getattr(param, '_written_once', False):\n"
-                "                param.grad = gemm.wgrad(dy, x)\n"
+                "                param.grad = _in_dtype_of(param, gemm.wgrad(dy, x))\n"
                 "        else:\n"
                 "            gemm.wgrad_accumulate_(param.grad, dy, x)\n"
                 "        param._written_once = True\n",
@@ -343,7 +343,7 @@ SHARED_PATH_MUTANTS = (
                 "base.py",
                 _WRITE_WEIGHT,
                 "        elif param.grad is None:\n"
-                "            param.grad = gemm.wgrad(dy, x)\n"
+                "            param.grad = _in_dtype_of(param, gemm.wgrad(dy, x))\n"
                 "        elif x.shape[0] == 0 and not getattr(param, '_written_once', False):\n"
                 "            param.grad.zero_()\n"
                 "        else:\n"
@@ -473,9 +473,8 @@ P17_MUTANTS = (
             ),
             (
                 "base.py",
-                "from splitgrad.reference.contract import ModuleContract, node_destination\n",
-                "from splitgrad.reference.contract import ACCUMULATE, ModuleContract, "
-                "node_destination\n",
+                "from splitgrad.reference.contract import (\n    ModuleContract,\n",
+                "from splitgrad.reference.contract import (\n    ACCUMULATE,\n    ModuleContract,\n",
             ),
         ),
     ),

@@ -152,10 +152,7 @@ class SplitBackwardModule(ModuleContract):
             if hasattr(param, "grad_added_to_main_grad"):
                 param.grad_added_to_main_grad = True
         elif param.grad is None:
-            g = gemm.wgrad(dy, x)
-            # Under torch.autocast the GEMM runs in the autocast dtype; the parameter's gradient
-            # is in the parameter's dtype (SPEC §2).
-            param.grad = g if g.dtype == param.dtype else g.to(param.dtype)
+            param.grad = _in_dtype_of(param, gemm.wgrad(dy, x))
         else:
             gemm.wgrad_accumulate_(param.grad, dy, x)
 
@@ -168,7 +165,7 @@ class SplitBackwardModule(ModuleContract):
     def _write_bias_value(param: torch.nn.Parameter, db: torch.Tensor) -> None:
         """Set or accumulate an already reduced bias gradient into ``param.grad``."""
         if param.grad is None:
-            param.grad = db if db.dtype == param.dtype else db.to(param.dtype)
+            param.grad = _in_dtype_of(param, db)
         else:
             param.grad.add_(db)
 
@@ -264,6 +261,12 @@ class SplitBackwardModule(ModuleContract):
             closure(*saved)
         if self._wgrad_hooks:
             self._run_hooks()
+
+
+def _in_dtype_of(param: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` as ``param``'s gradient: under torch.autocast a GEMM's result comes in the
+    autocast dtype, and a parameter's gradient is in the parameter's dtype (SPEC §2)."""
+    return grad if grad.dtype == param.dtype else grad.to(param.dtype)
 
 
 def _on_cuda(entry: WgradEntry) -> bool:

@@ -108,10 +108,10 @@ class LayerNormLinear(LayerNormLinearContract, SplitBackwardModule):
             self._check_fp8_shapes(recipe, x.shape[0])
         autocast = self.autocast_dtype()
         with autocast_off(x.device.type):
-            y = self._apply(x, is_first_microbatch, recipe, autocast)
+            y = self._function(x, is_first_microbatch, recipe, autocast)
         return y.reshape(*inp.shape[:-1], self.out_features)
 
-    def _apply(self, x, is_first_microbatch, recipe, autocast) -> torch.Tensor:
+    def _function(self, x, is_first_microbatch, recipe, autocast) -> torch.Tensor:
         return _LayerNormLinearFunction.apply(
             x,
             self.layer_norm_weight,

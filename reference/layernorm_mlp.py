@@ -166,10 +166,10 @@ class LayerNormMLP(LayerNormMLPContract, SplitBackwardModule):
             self._check_fp8_shapes(recipe, x.shape[0])
         autocast = self.autocast_dtype()
         with autocast_off(x.device.type):
-            y = self._apply(x, is_first_microbatch, recipe, autocast)
+            y = self._function(x, is_first_microbatch, recipe, autocast)
         return y.reshape(*inp.shape[:-1], self.hidden_size)
 
-    def _apply(self, x, is_first_microbatch, recipe, autocast) -> torch.Tensor:
+    def _function(self, x, is_first_microbatch, recipe, autocast) -> torch.Tensor:
         return _LayerNormMLPFunction.apply(
             x,
             self.layer_norm_weight,
