@@ -127,6 +127,27 @@ def test_compiled_delayed_equals_compiled_non_delayed_bitwise(kind, dtype):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_compiled_under_autocast_dtypes_and_delayed_equals_non_delayed_bitwise(kind):
+    """torch.autocast around a compiled float32 module (SPEC §2): the output in bf16, the
+    gradients in float32, and delayed ≡ non-delayed bitwise (inductor, the default backend)."""
+    runs = []
+    for delay in (False, True):
+        module = _module(kind, torch.float32, delay)
+        x64, dy64 = _inputs(module, seed=3)
+        compiled = torch.compile(module)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, dx, grads = _steps(module, compiled, x64, dy64, kind)
+        assert y.dtype == torch.bfloat16 and dx.dtype == torch.float32
+        assert all(g is None or g.dtype == torch.float32 for g in grads.values())
+        runs.append((y, dx, grads))
+    (y0, dx0, g0), (y1, dx1, g1) = runs
+    check_bitwise("output", y1, y0)
+    check_bitwise("inp.grad", dx1, dx0)
+    for name in g0:
+        check_bitwise(f"{name}.grad", g1[name], g0[name])
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_backward_dw_after_compiled_backward(kind):
     """§4 after a compiled backward: the entry is queued (one per backward, FIFO), GEMM
     gradients and hooks wait for backward_dw(), which writes what eager impl writes."""
