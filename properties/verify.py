@@ -95,9 +95,10 @@ with torch.utils.deterministic.fill_uninitialized_memory, so a read of uninitial
 fails every run; a failure that does not repeat on replay is reported as nondeterministic. The
 reproduce line replays under the same conditions (backend, --impl-path, --device, --threads).
 
-default run: the high-precision campaign, plus small slices under FP8 (bf16, every recipe)
-and on each fast path that is the default only on a GPU, forced on the CPU (grouped GEMM,
-_scaled_mm FP8 GEMMs, recomputed MLP activation). --recipe / --impl-path replace the slices.
+default run: the high-precision campaign, plus small slices under FP8 (bf16, every recipe),
+under torch.autocast (float32 modules, bf16) and on each fast path that is the default only on
+a GPU, forced on the CPU (grouped GEMM, _scaled_mm FP8 GEMMs, recomputed MLP activation).
+--recipe / --impl-path / --autocast replace the slices.
 
 examples:
   splitgrad verify                                   # impl, default run (about a minute)
@@ -400,6 +401,8 @@ def _header(backend, device: str, profile: str, cells) -> str:
             key = "on forced paths"
         elif c.recipe_label != "none":
             key = "under FP8"
+        elif c.autocast is not None:
+            key = "under torch.autocast"
         else:
             key = "high precision"
         g = groups.setdefault(key, {"n": 0, "examples": set()})

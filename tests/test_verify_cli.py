@@ -181,9 +181,10 @@ def test_default_run_has_a_small_fp8_slice(capsys) -> None:
         ["float32", "none"],
         ["bfloat16", "none"],
         ["bfloat16", "all"],
+        ["float32+autocast:bfloat16", "none"],
     ]
     # The column counts the enumerated examples too, on top of the slice's drawn ones.
-    assert int(table[-1][4]) >= FP8_SLICE_EXAMPLES > 0
+    assert int(table[2][4]) >= FP8_SLICE_EXAMPLES > 0
 
 
 def test_fp8_case_replays(capsys) -> None:
@@ -205,6 +206,7 @@ def test_header_says_what_each_kind_of_cell_runs(capsys) -> None:
     header = out.splitlines()[0]
     assert "2 high precision at 12 examples each" in header
     assert "1 under FP8 at 5 examples each" in header
+    assert "1 under torch.autocast at 5 examples each" in header
 
 
 def test_impl_header_counts_forced_path_cells(capsys) -> None:
