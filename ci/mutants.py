@@ -474,7 +474,8 @@ P17_MUTANTS = (
             (
                 "base.py",
                 "from splitgrad.reference.contract import (\n    ModuleContract,\n",
-                "from splitgrad.reference.contract import (\n    ACCUMULATE,\n    ModuleContract,\n",
+                "from splitgrad.reference.contract import (\n"
+                "    ACCUMULATE,\n    ModuleContract,\n",
             ),
         ),
     ),
