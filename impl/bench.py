@@ -377,7 +377,9 @@ def _grouped_vs_loop(module, x, dy, splits, reps) -> dict:
             if rep:
                 samples[path].append(elapsed)
     module.grouped_gemm = "auto"
-    ran_grouped = impl.gemm.grouped_mm_runs(x.dtype, module.in_features, module.out_features)
+    ran_grouped = impl.gemm.grouped_mm_runs(
+        x.dtype, module.in_features, module.out_features, x.device
+    )
     ms = {k: _median_ms(v) for k, v in samples.items()}
     return {
         "grouped_ms": ms["grouped"],

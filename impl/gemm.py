@@ -123,11 +123,31 @@ def wgrad_into_main_grad_(
 # ---- grouped GEMM ---------------------------------------------------------------------------
 
 
-def grouped_mm_runs(dtype: torch.dtype, k: int, m: int) -> bool:
-    """Whether ``torch._grouped_mm`` accepts these operands at all: it needs every row stride
-    to be a multiple of 16 bytes (checked on CPU too), i.e. ``k`` and ``m`` aligned."""
+def grouped_mm_runs(dtype: torch.dtype, k: int, m: int, device: torch.device | str = "cpu") -> bool:
+    """Whether ``torch._grouped_mm`` accepts these operands on ``device`` at all: the running
+    torch must have it for that device and dtype (torch 2.8 ships it for CUDA only; 2.11 and
+    later run it on the CPU too: probed once, :func:`_grouped_mm_available`), and it needs every
+    row stride to be a multiple of 16 bytes (checked on CPU too), i.e. ``k`` and ``m`` aligned."""
     size = torch.empty((), dtype=dtype).element_size()
-    return hasattr(torch, "_grouped_mm") and (k * size) % 16 == 0 and (m * size) % 16 == 0
+    if (k * size) % 16 or (m * size) % 16:
+        return False
+    return _grouped_mm_available(torch.device(device), dtype)
+
+
+@functools.cache
+def _grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """One tiny ``torch._grouped_mm`` call on ``device``: False where the op is missing, or has
+    no kernel for this backend or dtype (``NotImplementedError``/``RuntimeError``)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x = torch.zeros(16, 16, dtype=dtype, device=device)
+        w = torch.zeros(2, 16, 16, dtype=dtype, device=device)
+        offs = torch.tensor([8, 16], dtype=torch.int32, device=device)
+        torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, k: int, m: int) -> bool:
@@ -138,9 +158,11 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, k: int, m: in
     ``splitgrad bench``), so the loop is the default there; the grouped path can still be forced
     per module (``GroupedLinear.grouped_gemm = "grouped"``) and is tested on CPU that way.
     """
-    if device.type != "cuda" or dtype != torch.bfloat16 or not grouped_mm_runs(dtype, k, m):
+    if device.type != "cuda" or dtype != torch.bfloat16:
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    return grouped_mm_runs(dtype, k, m, device)
 
 
 def _offsets(m_splits: list[int], device: torch.device) -> torch.Tensor:

@@ -311,7 +311,7 @@ class GroupedLinear(GroupedLinearContract, SplitBackwardModule):
             return gemm.grouped_mm_supported(x.device, x.dtype, self.in_features, self.out_features)
         # A forced "grouped" still falls back where _grouped_mm rejects the shapes.
         return self.grouped_gemm == "grouped" and gemm.grouped_mm_runs(
-            x.dtype, self.in_features, self.out_features
+            x.dtype, self.in_features, self.out_features, x.device
         )
 
     def forward(

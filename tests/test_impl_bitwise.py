@@ -120,6 +120,10 @@ def test_layernorm_linear_options(normalization, zero_centered, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.skipif(
+    not impl.gemm.grouped_mm_runs(torch.float32, 16, 16),
+    reason=f"torch {torch.__version__} has no CPU torch._grouped_mm (2.11+ has)",
+)
 def test_grouped_path_forced_on_cpu(dtype, fused):
     """The ``torch._grouped_mm`` path (sm90 default) run on CPU: still delayed ≡ non-delayed."""
     _check("GroupedLinear", dtype, True, fused, path="grouped")

@@ -12,6 +12,13 @@ from splitgrad.impl.grouped_linear import _stacked
 K, M = 16, 32
 SPLITS = [5, 0, 7, 0]
 
+# torch 2.8 has ``_grouped_mm`` for CUDA only: a forced "grouped" path then runs the loop, and
+# comparing the loop with itself would prove nothing.
+needs_cpu_grouped_mm = pytest.mark.skipif(
+    not gemm.grouped_mm_runs(torch.float32, K, M),
+    reason=f"torch {torch.__version__} has no CPU torch._grouped_mm (2.11+ has)",
+)
+
 
 def _pair(dtype, fused):
     mods = []
@@ -36,6 +43,7 @@ def _run(module, splits):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
 @pytest.mark.parametrize("splits", [SPLITS, [0, 0, 0, 0], [12, 0, 0, 0]], ids=str)
+@needs_cpu_grouped_mm
 def test_grouped_path_matches_loop(dtype, fused, splits):
     """Different kernels (one grouped GEMM vs one GEMM per group): equal within a few roundings
     of the dtype (fp32: 1e-5 relative, bf16: 2 ulps at the output scale). The wgrad is the same
@@ -109,6 +117,28 @@ def test_unaligned_shapes_fall_back_to_loop():
     assert not module._use_grouped(torch.empty(0, 6, dtype=torch.bfloat16))
     x = torch.randn(5, 6, dtype=torch.bfloat16)
     module(x, [2, 3]).sum().backward()
+
+
+def test_missing_grouped_kernel_falls_back_to_loop(monkeypatch):
+    """A torch whose ``_grouped_mm`` has no kernel for the device (2.8 on CPU): the probe says
+    so once, and a forced "grouped" module runs the loop with the loop's exact results."""
+    loop, grouped = _pair(torch.float32, False)
+    want_y, want_dx = _run(loop, SPLITS)
+
+    def no_kernel(*args, **kwargs):
+        raise NotImplementedError("Could not run 'aten::_grouped_mm' with arguments from the 'CPU'")
+
+    monkeypatch.setattr(torch, "_grouped_mm", no_kernel)
+    gemm._grouped_mm_available.cache_clear()
+    try:
+        assert not gemm.grouped_mm_runs(torch.float32, K, M)
+        assert not grouped._use_grouped(torch.empty(0, K))
+        got_y, got_dx = _run(grouped, SPLITS)
+    finally:
+        monkeypatch.undo()
+        gemm._grouped_mm_available.cache_clear()
+    torch.testing.assert_close(got_y, want_y, rtol=0, atol=0)
+    torch.testing.assert_close(got_dx, want_dx, rtol=0, atol=0)
 
 
 def test_invalid_path_name():
