@@ -207,15 +207,29 @@ class DWBuilder:
     def _attach_to_caller(self) -> None:
         if self.stage is not None:
             return
+        # torch has no public hook that hands a dw_builder its stage: the stage calling us is
+        # found among the caller's frames (its ``self``, whose ``dw_builder`` is this builder).
         frame = sys._getframe(2)
+        called_by_pipelining = False
         for _ in range(3):
             if frame is None:
-                return
+                break
             candidate = frame.f_locals.get("self")
             if _is_stage(candidate) and getattr(candidate, "dw_builder", None) is self:
                 self.attach(candidate)
                 return
+            module = frame.f_globals.get("__name__", "")
+            called_by_pipelining |= module.startswith("torch.distributed.pipelining")
             frame = frame.f_back
+        if called_by_pipelining:
+            # torch's stage called us but is not where it was: never run without scale_grads's
+            # drain check, the reducer's finish and fused main_grad scaling.
+            raise RuntimeError(
+                f"torch {torch.__version__}: dw_builder was called from "
+                "torch.distributed.pipelining, but no calling frame holds the PipelineStage "
+                "whose dw_builder it is (torch moved the call); call "
+                "builder.attach(stage) after building the stage, and report the torch version"
+            )
 
 
 #: What ``torch.distributed.pipelining``'s stages call their shape-inference forward, by torch

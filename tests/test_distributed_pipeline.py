@@ -181,6 +181,26 @@ def test_attach_rejects_another_module(lib):
         builder.attach(_FakeStage(_Stage(lib)))
 
 
+def test_a_stage_out_of_reach_fails_loudly(lib):
+    """torch's pipelining calling the builder from a frame that does not hold the stage (the
+    call moved in a new torch): a RuntimeError naming the torch version and ``attach``, not W
+    steps without the stage's drain check and scaling. A caller outside torch (a custom runtime)
+    still builds, and after ``attach`` nothing is searched."""
+    stage = _Stage(lib)
+    builder = dw_builder(stage)
+    _backward(stage, 1)
+    moved = {"__name__": "torch.distributed.pipelining.stage"}
+    exec("def backward_one_chunk(build):\n    return build()\n", moved)
+    with pytest.raises(RuntimeError, match=rf"torch {re.escape(torch.__version__)}.*attach"):
+        moved["backward_one_chunk"](builder)
+    assert builder.pending_runners == 0
+    builder()()  # a custom runtime's own call
+    builder.attach(_FakeStage(stage))
+    _backward(stage, 1)
+    moved["backward_one_chunk"](builder)()
+    assert builder.pending_runners == 0
+
+
 def test_input_only_backward_is_not_a_micro_batch(lib):
     """Pipelining's shape inference (``torch.autograd.grad`` on the inputs) queues nothing, so
     the next builder call sees only the real micro-batch."""
