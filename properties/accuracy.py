@@ -20,7 +20,7 @@ from . import budgets as B
 from .backends import Backend, get_backend
 from .data import MicroBatchData, make_main_grads, make_micro_batches
 from .internals import dgrad_operand_floors, rounding_bounds, wgrad_operand_floors
-from .kink import CaseRejected, choices, kink_deltas, kink_sites
+from .kink import KinkSite, kink_choices, kink_deltas, kink_sites
 from .results import CheckResult, PropertyViolation, Tracker
 from .runner import ModuleRun, Snapshot
 from .strategies import Case, ModuleConfig
@@ -50,10 +50,16 @@ def reference_backend() -> Backend:
 
 @dataclasses.dataclass
 class AccuracyRun:
+    """What one run produced (or, for a candidate truth, what it should have): every output and
+    input gradient by micro-batch, the norm-parameter and GEMM gradient snapshots. ``switched``
+    (candidate truths under FP8 only): per tensor name, the summed magnitude of the ``relu'``
+    switches the candidate made (:func:`kink_candidates`)."""
+
     outputs: list[torch.Tensor]
     xgrads: list[torch.Tensor | None]
     norm: Snapshot
     gemm: Snapshot
+    switched: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def accuracy_run(run: ModuleRun, case: Case, data, dtype: torch.dtype | None = None) -> AccuracyRun:
@@ -222,6 +228,8 @@ def judge(
     label: str = "",
     fp8_exact: bool | None = None,
     bound: torch.Tensor | None = None,
+    naive_truth: torch.Tensor | None = None,
+    switched: torch.Tensor | None = None,
 ) -> None:
     """One P1–P3 comparison. High precision: ``budget`` against the float64 truth. FP8:
     ``budget`` against the FP8 truth when every quantized operand is an input (the quantized
@@ -232,7 +240,12 @@ def judge(
     in messages; ``fp8_exact=False`` says some quantized operand is computed by the module even
     though ``name`` alone would not tell (a module chained on itself quantizes its own output);
     ``bound``: the tensor's order-independent rounding bound (:func:`~.internals.rounding_bounds`;
-    see :func:`~.budgets.with_rounding_bound`, and under FP8 :func:`~.budgets.check_fp8_budget`).
+    see :func:`~.budgets.with_rounding_bound`, and under FP8 :func:`~.budgets.check_fp8_budget`);
+    ``naive_truth``: what the naive FP8 run's error is measured against when ``truth`` is a
+    candidate with switched ``relu'`` (the truth itself: the yardstick never moves with the
+    candidate); ``switched``: the summed magnitude of the candidate's ``relu'`` switches on
+    this tensor (its FP8 run computes each through quantized operands: the bound gains
+    :data:`~.budgets.FP8_KINK_SWITCH_STEPS` FP8 steps of it).
     """
     if isinstance(actual, torch.Tensor) and isinstance(naive, torch.Tensor):
         # SPEC §2: outputs in the compute dtype (the autocast dtype under torch.autocast),
@@ -288,6 +301,11 @@ def judge(
     else:
         # Outputs only meet E4M3; gradients meet E5M2 under HYBRID.
         coarse = case.config.recipe.endswith("hybrid") and not name.startswith("output")
+        fp8_eps = 2.0**-2 if coarse else 2.0**-3
+        if switched is not None and bound is not None and bound.shape == switched.shape:
+            bound = bound + B.FP8_KINK_SWITCH_STEPS * fp8_eps * switched
+        elif switched is not None:
+            bound = B.FP8_KINK_SWITCH_STEPS * fp8_eps * switched
         t.fp8_budget(
             label + name,
             actual,
@@ -297,9 +315,10 @@ def judge(
             dtype,
             module_dtype,
             case.config.recipe,
-            2.0**-2 if coarse else 2.0**-3,
+            fp8_eps,
             _smallest_gemm_dimension(case),
             bound,
+            naive_truth,
         )
 
 
@@ -331,20 +350,32 @@ def check_p1(backend: Backend, case: Case) -> CheckResult:
 
 def _truth_candidates(case: Case, truth: AccuracyRun) -> tuple[list[AccuracyRun], str]:
     """The truths ``case`` may legally be judged against: ``[truth]``, or, for a relu MLP with
-    fc1 pre-activations within rounding distance of the kink, one truth per ``relu'`` choice on
-    them (see :mod:`.kink`); raises :class:`~.kink.CaseRejected` when there are too many to try.
-    Also returns the note a failure message gets."""
+    fc1 pre-activations within rounding distance of the kink, one truth per ``relu'`` choice
+    :func:`~.kink.kink_choices` allows there (all of them in high precision, where it raises
+    :class:`~.kink.CaseRejected` when there are too many to try; one or two switched under FP8;
+    see :mod:`.kink`). Also returns the note a failure message gets."""
     sites = kink_sites(case)
-    if not sites:
+    picks = kink_choices(case, sites)
+    if len(picks) == 1:
         return [truth], ""
-    if len(sites) > B.KINK_MAX_ENUMERATED:
-        raise CaseRejected(
-            f"{len(sites)} relu pre-activations lie within rounding distance of 0 (more than "
-            f"KINK_MAX_ENUMERATED={B.KINK_MAX_ENUMERATED}): the example cannot be judged"
-        )
     deltas = kink_deltas(case, sites)
+    candidates = kink_candidates(truth, sites, picks, deltas)
+    return candidates, kink_note(case, sites, len(candidates))
+
+
+def kink_candidates(
+    truth: AccuracyRun,
+    sites: Sequence[KinkSite],
+    picks: Sequence[tuple[int, ...]],
+    deltas: Sequence[dict],
+    reaches: Callable[[KinkSite, str, int | str], bool] | None = None,
+) -> list[AccuracyRun]:
+    """One candidate truth per ``relu'`` assignment in ``picks``: ``truth`` plus each switched
+    site's change (``deltas``, :func:`~.kink.kink_deltas`) on every compared tensor it
+    ``reaches`` (``(site, "x" | "p", micro-batch or snapshot key)``; default: all). Each records
+    what it switched, by tensor name, in ``switched``."""
     candidates = []
-    for choice in choices(sites):
+    for choice in picks:
         cand = AccuracyRun(
             list(truth.outputs), list(truth.xgrads), dict(truth.norm), dict(truth.gemm)
         )
@@ -353,23 +384,41 @@ def _truth_candidates(case: Case, truth: AccuracyRun) -> tuple[list[AccuracyRun]
             if not w:
                 continue
             for (where, key), d in delta.items():
+                if reaches is not None and not reaches(site, where, key):
+                    continue
                 if where == "x":
+                    if cand.xgrads[key] is None:
+                        continue
                     cand.xgrads[key] = cand.xgrads[key] + w * d
+                    name = f"inp.grad[micro-batch {key}]"
                 else:
                     snap = cand.norm if key in cand.norm else cand.gemm
-                    if snap.get(key) is not None:
-                        snap[key] = snap[key] + w * d
+                    if snap.get(key) is None:
+                        continue
+                    snap[key] = snap[key] + w * d
+                    name = key
+                cand.switched[name] = cand.switched.get(name, 0.0) + d.abs()
         candidates.append(cand)
+    return candidates
+
+
+def kink_note(case: Case, sites: Sequence[KinkSite], candidates: int) -> str:
+    """What a failure message says about the kink sites it was judged at."""
+    shown = sites[:8]
     where = ", ".join(
         f"micro-batch {s.micro_batch} row {s.row} feature {s.feature}: h={s.h:.3g} "
         f"(bound {s.bound:.3g})"
-        for s in sites
+        for s in shown
+    ) + (f", and {len(sites) - len(shown)} more" if len(sites) > len(shown) else "")
+    how = (
+        "the truth, then one or two of them switched (FP8)"
+        if case.config.recipe is not None
+        else "one per relu' choice there"
     )
-    note = (
+    return (
         f" (relu kink: {len(sites)} fc1 pre-activation(s) within rounding distance of 0 [{where}]; "
-        f"judged against the best of {len(candidates)} truths, one per relu' choice there)"
+        f"judged against the best of {candidates} truths, {how})"
     )
-    return candidates, note
 
 
 def naive_error(naive: torch.Tensor | None, truths: list[torch.Tensor | None]) -> float | None:
@@ -382,10 +431,13 @@ def naive_error(naive: torch.Tensor | None, truths: list[torch.Tensor | None]) -
 
 
 def best_of(
-    candidates: list[AccuracyRun], compare: Callable[[Tracker, AccuracyRun], None]
+    candidates: list[AccuracyRun],
+    compare: Callable[[Tracker, AccuracyRun], None],
+    first_wins: bool = False,
 ) -> CheckResult:
-    """Run ``compare`` against each candidate truth: the result of the best one that passes, or
-    the violation of the one that came closest."""
+    """Run ``compare`` against each candidate truth: the result of the best one that passes (the
+    first one that passes with ``first_wins``: FP8's candidates are tried in order, the truth
+    first), or the violation of the one that came closest."""
     if len(candidates) == 1:
         t = Tracker()
         compare(t, candidates[0])
@@ -399,6 +451,8 @@ def best_of(
         except AssertionError as exc:
             failures.append(exc)
             continue
+        if first_wins:
+            return t.result
         if best is None or (t.result.ratio or 0.0) < (best.ratio or 0.0):
             best = t.result
     if best is not None:
@@ -449,6 +503,8 @@ def compare_dgrads(
             label=label,
             fp8_exact=fp8_exact,
             bound=bounds.get(name),
+            naive_truth=candidates[0].xgrads[i],
+            switched=cand.switched.get(name),
         )
     for key in sorted(cand.norm):
         n = naive.norm.get(key)
@@ -470,6 +526,8 @@ def compare_dgrads(
             label=label,
             fp8_exact=fp8_exact,
             bound=bounds.get(key),
+            naive_truth=candidates[0].norm.get(key),
+            switched=cand.switched.get(key),
         )
 
 
@@ -523,6 +581,8 @@ def compare_wgrads(
             label=label,
             fp8_exact=fp8_exact,
             bound=bounds.get(key),
+            naive_truth=candidates[0].gemm.get(key),
+            switched=cand.switched.get(key),
         )
 
 
@@ -538,7 +598,7 @@ def check_p2(backend: Backend, case: Case) -> CheckResult:
     def compare(t: Tracker, cand: AccuracyRun) -> None:
         compare_dgrads(t, case, test, naive, cand, candidates, truth8, note, floors, bounds=bounds)
 
-    return best_of(candidates, compare)
+    return best_of(candidates, compare, first_wins=case.config.recipe is not None)
 
 
 def check_p3(backend: Backend, case: Case) -> CheckResult:
@@ -565,4 +625,4 @@ def check_p3(backend: Backend, case: Case) -> CheckResult:
             t, case, test, naive, cand, candidates, truth8, note, floors, prefills, bounds=bounds
         )
 
-    return best_of(candidates, compare)
+    return best_of(candidates, compare, first_wins=case.config.recipe is not None)

@@ -18,6 +18,18 @@ compare against *every* truth the ambiguous elements allow instead:
   example is rejected (:class:`CaseRejected`, a hypothesis rejection), so it is neither passed
   nor counted.
 
+Under FP8 (:func:`has_fp8_relu_kink`) the band is an FP8 step of fc1's operands wide
+(:func:`~.budgets.fp8_kink_bound`), about a quarter of the pre-activations lie in it, and the
+naive FP8 run flips ``relu'`` inside it as well, so its error against the truth (the FP8
+budget's yardstick) already carries flips of its own. What that yardstick cannot carry is a
+flip the implementation makes where the naive run happened not to, in a tensor too small for
+the two runs' flips to even out (found by the nightly campaign on impl: a 2-row MLP's
+``fc1_bias.grad`` moved by 0.88 at one element). So the FP8 candidates are the truth, then the
+truth with one site's ``relu'`` switched (each site in turn), then with two (when there are at
+most :data:`~.budgets.FP8_KINK_PAIRS_UP_TO` sites); the first that passes is taken; the naive
+yardstick stays measured against the truth itself; past :data:`~.budgets.FP8_KINK_MAX_SITES`
+sites the example is judged against the truth alone, as before (nothing is rejected).
+
 Everything else stays as strict as before: away from the sites the candidates are the truth
 itself, and one choice must hold for every compared tensor of the property at once.
 """
@@ -39,6 +51,8 @@ __all__ = [
     "CaseRejected",
     "KinkSite",
     "has_relu_kink",
+    "has_fp8_relu_kink",
+    "kink_choices",
     "kink_sites",
     "site_at",
     "kink_deltas",
@@ -80,9 +94,17 @@ class KinkSite:
 
 
 def has_relu_kink(case: Case) -> bool:
-    """Whether ``case`` runs a relu MLP in high precision (FP8 runs are judged otherwise)."""
+    """Whether ``case`` runs a relu MLP in high precision (every ``relu'`` choice on its sites is
+    a candidate; FP8 runs: :func:`has_fp8_relu_kink`)."""
     c = case.config
     return c.kind == "LayerNormMLP" and c.activation == "relu" and c.recipe is None
+
+
+def has_fp8_relu_kink(case: Case) -> bool:
+    """Whether ``case`` runs a relu MLP under an FP8 recipe (one or two switched ``relu'`` per
+    candidate: see the module docstring)."""
+    c = case.config
+    return c.kind == "LayerNormMLP" and c.activation == "relu" and c.recipe is not None
 
 
 @dataclasses.dataclass
@@ -101,15 +123,18 @@ def _forwards(case: Case) -> tuple[dict[str, torch.Tensor], list[_Forward]]:
     state, mbs = float64_internals(case)
     w1, b1 = state["fc1_weight"], state.get("fc1_bias")
     dtype = case.config.compute_dtype
+    bounds = [B.kink_bound(m.ln_out, w1, b1, dtype) for m in mbs]
+    if case.config.recipe is not None:
+        bounds = B.fp8_kink_bound(case.config.recipe, [m.ln_out for m in mbs], w1, bounds)
     return state, [
-        _Forward(m.x, m.ln_out, m.stats, m.h, m.d_act, B.kink_bound(m.ln_out, w1, b1, dtype))
-        for m in mbs
+        _Forward(m.x, m.ln_out, m.stats, m.h, m.d_act, bound) for m, bound in zip(mbs, bounds)
     ]
 
 
 def kink_sites(case: Case) -> list[KinkSite]:
-    """The ambiguous pre-activations of ``case`` (empty unless :func:`has_relu_kink`)."""
-    if not has_relu_kink(case):
+    """The ambiguous pre-activations of ``case`` (empty unless :func:`has_relu_kink` or
+    :func:`has_fp8_relu_kink`)."""
+    if not (has_relu_kink(case) or has_fp8_relu_kink(case)):
         return []
     _, fwds = _forwards(case)
     sites = []
@@ -193,3 +218,35 @@ def choices(sites: list[KinkSite]) -> Iterator[tuple[int, ...]]:
     for c in itertools.product((0, 1), repeat=len(sites)):
         if c != own:
             yield c
+
+
+def switched(sites: list[KinkSite], most: int) -> Iterator[tuple[int, ...]]:
+    """The truth's own ``relu'`` assignment, then every one that switches one site, then (with
+    ``most >= 2``) every one that switches two."""
+    own = tuple(s.truth_slope for s in sites)
+    yield own
+    for k in range(1, most + 1):
+        for picked in itertools.combinations(range(len(sites)), k):
+            yield tuple(1 - v if i in picked else v for i, v in enumerate(own))
+
+
+def kink_choices(case: Case, sites: list[KinkSite]) -> list[tuple[int, ...]]:
+    """The ``relu'`` assignments of ``sites`` that ``case`` is judged against, the truth's own
+    first (a single one: judge against the truth alone). High precision: all of them, and
+    :class:`CaseRejected` past :data:`~.budgets.KINK_MAX_ENUMERATED` sites. FP8: one or two
+    switched sites (:func:`switched`), and the truth alone past
+    :data:`~.budgets.FP8_KINK_MAX_SITES` sites (the module docstring says why)."""
+    if not sites:
+        return [()]
+    if case.config.recipe is None:
+        if len(sites) > B.KINK_MAX_ENUMERATED:
+            raise CaseRejected(
+                f"{len(sites)} relu pre-activations lie within rounding distance of 0 (more "
+                f"than KINK_MAX_ENUMERATED={B.KINK_MAX_ENUMERATED}): the example cannot be "
+                "judged"
+            )
+        return list(choices(sites))
+    if len(sites) > B.FP8_KINK_MAX_SITES:
+        return [tuple(s.truth_slope for s in sites)]
+    most = 2 if len(sites) <= B.FP8_KINK_PAIRS_UP_TO else 1
+    return list(switched(sites, most))

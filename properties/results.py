@@ -117,6 +117,7 @@ class Tracker:
         fp8_eps: float = 2.0**-3,
         samples: int | None = None,
         bound=None,
+        naive_truth=None,
     ) -> None:
         self._note(
             B.check_fp8_budget(
@@ -131,6 +132,7 @@ class Tracker:
                 fp8_eps,
                 samples,
                 bound,
+                naive_truth,
             )
         )
 

@@ -40,6 +40,8 @@ from .accuracy import (
     best_of,
     compare_dgrads,
     compare_wgrads,
+    kink_candidates,
+    kink_note,
     reference_backend,
     reorders_rows,
     row_reversal,
@@ -54,7 +56,7 @@ from .data import (
     param_specs,
 )
 from .internals import dgrad_operand_floors, rounding_bounds, wgrad_operand_floors
-from .kink import CaseRejected, choices, has_relu_kink, kink_deltas, kink_sites
+from .kink import has_relu_kink, kink_choices, kink_deltas, kink_sites
 from .results import Tracker
 from .runner import ModuleRun
 from .strategies import LOW_PRECISION_DTYPES, Case
@@ -218,17 +220,12 @@ def _candidates(
 ) -> tuple[list[AccuracyRun], str]:
     """The truths the case may be judged against (see the module docstring) and the note a
     failure message gets; raises :class:`~.kink.CaseRejected` past
-    :data:`~.budgets.KINK_MAX_ENUMERATED` ambiguous sites."""
-    from . import budgets as B
-
+    :data:`~.budgets.KINK_MAX_ENUMERATED` ambiguous sites in high precision
+    (:func:`~.kink.kink_choices`)."""
     sites = kink_sites(case)
-    if not sites:
+    picks = kink_choices(case, sites)
+    if len(picks) == 1:
         return [truth], ""
-    if len(sites) > B.KINK_MAX_ENUMERATED:
-        raise CaseRejected(
-            f"{len(sites)} relu pre-activations lie within rounding distance of 0 (more than "
-            f"KINK_MAX_ENUMERATED={B.KINK_MAX_ENUMERATED}): the example cannot be judged"
-        )
     # Without flags kink_deltas never drops a contribution: _reached decides which count.
     unflagged = dataclasses.replace(
         case,
@@ -241,29 +238,14 @@ def _candidates(
     ran = {s.index for s in steps if s.op == "fb"} | {
         s.index + k for s in steps if s.op == "tied" for k in (0, 1)
     }
-    candidates = []
-    for choice in choices(sites):
-        cand = AccuracyRun([], list(truth.xgrads), dict(truth.norm), dict(truth.gemm))
-        for site, slope, delta in zip(sites, choice, deltas):
-            w = slope - site.truth_slope
-            if not w or site.micro_batch not in ran:
-                continue
-            for (where, key), d in delta.items():
-                if where == "x":
-                    if cand.xgrads[key] is not None:
-                        cand.xgrads[key] = cand.xgrads[key] + w * d
-                    continue
-                if site.micro_batch not in reached.get(key, ()):
-                    continue
-                snap = cand.norm if key in cand.norm else cand.gemm
-                if snap.get(key) is not None:
-                    snap[key] = snap[key] + w * d
-        candidates.append(cand)
-    note = (
-        f" (relu kink: {len(sites)} fc1 pre-activation(s) within rounding distance of 0; "
-        f"judged against the best of {len(candidates)} truths, one per relu' choice there)"
-    )
-    return candidates, note
+
+    def reaches(site, where: str, key) -> bool:
+        if site.micro_batch not in ran:
+            return False
+        return where == "x" or site.micro_batch in reached.get(key, ())
+
+    candidates = kink_candidates(truth, sites, picks, deltas, reaches)
+    return candidates, kink_note(case, sites, len(candidates))
 
 
 def _prefills(case: Case, prefill_grads: bool, frozen: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -370,4 +352,4 @@ def judge_steps(
                 bounds,
             )
 
-    t.merge(best_of(candidates, compare))
+    t.merge(best_of(candidates, compare, first_wins=case.config.recipe is not None))
