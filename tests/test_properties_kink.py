@@ -22,6 +22,7 @@ from splitgrad.properties.kink import (
 )
 from splitgrad.properties.strategies import Case, MicroBatch, ModuleConfig
 from splitgrad.reference import functional as F
+from test_properties_pinned import P3_FP8_RELU_KINK
 
 # One bf16 relu MLP with exactly one fc1 pre-activation within rounding distance of 0
 # (h = -0.00154, bound 0.056), found by scanning seeds; the reference computes it as exactly 0.0.
@@ -202,14 +203,7 @@ def test_campaign_counts_rejections_apart(monkeypatch) -> None:
 # pre-activations (0,0) at 0.31, (1,0) at -0.114 and (1,1) at -0.0071 lie inside the FP8 kink band
 # (bounds 0.32, 0.24, 0.46: a quantization step of ln_out and fc1_weight, not a bf16 rounding),
 # and (1,3) at -0.55 lies outside it.
-FP8_KINK_CASE = Case.from_json(
-    '{"asked":[],"config":{"activation":"relu","autocast":null,"bias":true,"device":"cpu",'
-    '"dtype":"bfloat16","fuse_wgrad_accumulation":false,"in_features":10,"kind":"LayerNormMLP",'
-    '"normalization":"RMSNorm","num_gemms":1,"out_features":4,"recipe":"delayed-max-hybrid",'
-    '"zero_centered_gamma":false},"delay":false,"frozen":[],"micro_batches":[{"dy_layout":'
-    '"contiguous","is_first_microbatch":null,"lead_shape":[2],"m_splits":null,"x_layout":'
-    '"contiguous"}],"schedule":[],"seed":7922,"variant":""}'
-)
+FP8_KINK_CASE = P3_FP8_RELU_KINK  # the pinned case (tests/test_properties_pinned.py)
 
 
 def test_fp8_band_is_a_quantization_step_wide() -> None:
