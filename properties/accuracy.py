@@ -302,10 +302,9 @@ def judge(
         # Outputs only meet E4M3; gradients meet E5M2 under HYBRID.
         coarse = case.config.recipe.endswith("hybrid") and not name.startswith("output")
         fp8_eps = 2.0**-2 if coarse else 2.0**-3
-        if switched is not None and bound is not None and bound.shape == switched.shape:
-            bound = bound + B.FP8_KINK_SWITCH_STEPS * fp8_eps * switched
-        elif switched is not None:
-            bound = B.FP8_KINK_SWITCH_STEPS * fp8_eps * switched
+        if switched is not None:
+            extra = B.FP8_KINK_SWITCH_STEPS * fp8_eps * switched
+            bound = extra if bound is None else bound + extra
         t.fp8_budget(
             label + name,
             actual,
