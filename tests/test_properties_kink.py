@@ -127,15 +127,21 @@ def test_a_legal_relu_choice_at_the_site_passes_where_the_truth_alone_fails(monk
     against the float64 truth alone it fails P2 and P3 by far; against the candidate truths it
     passes."""
     (site,) = kink_sites(KINK_CASE)
-    other = ReluGradPatched(_flip_at([(site.row, site.feature)]))
-    assert check_p2(other, KINK_CASE).ratio <= 1.0
-    assert check_p3(other, KINK_CASE).ratio <= 1.0
+    assert _flip_passes_only_with_candidates(monkeypatch, KINK_CASE, (site.row, site.feature)) > 10
+
+
+def _flip_passes_only_with_candidates(monkeypatch, case: Case, where: tuple[int, int]) -> float:
+    """The reference with relu' flipped at ``where`` passes P2 and P3 against the candidate
+    truths; returns its P2 ratio judged against the truth alone (which must fail)."""
+    other = ReluGradPatched(_flip_at([where]))
+    assert check_p2(other, case).ratio <= 1.0
+    assert check_p3(other, case).ratio <= 1.0
     import splitgrad.properties.accuracy as checks
 
     monkeypatch.setattr(checks, "kink_sites", lambda case: [])
     with pytest.raises(B.BudgetViolation) as info:
-        check_p2(other, KINK_CASE)
-    assert info.value.ratio > 10
+        check_p2(other, case)
+    return info.value.ratio
 
 
 @pytest.mark.parametrize("check", [check_p2, check_p3], ids=["P2", "P3"])
@@ -224,15 +230,7 @@ def test_fp8_band_is_a_quantization_step_wide() -> None:
 def test_fp8_a_switched_band_site_passes_where_the_truth_alone_fails(monkeypatch) -> None:
     """The FP8 reference with relu' = 1 at (1,1) (h = -0.0071, inside the band): passes P2 and
     P3 against the candidates; judged against the truth alone it fails P2 (1.31x)."""
-    other = ReluGradPatched(_flip_at([(1, 1)]))
-    assert check_p2(other, FP8_KINK_CASE).ratio <= 1.0
-    assert check_p3(other, FP8_KINK_CASE).ratio <= 1.0
-    import splitgrad.properties.accuracy as checks
-
-    monkeypatch.setattr(checks, "kink_sites", lambda case: [])
-    with pytest.raises(B.BudgetViolation) as info:
-        check_p2(other, FP8_KINK_CASE)
-    assert info.value.ratio > 1.2
+    assert _flip_passes_only_with_candidates(monkeypatch, FP8_KINK_CASE, (1, 1)) > 1.2
 
 
 def test_fp8_a_flip_outside_the_band_still_fails() -> None:
