@@ -34,9 +34,10 @@ listing every mismatch.
   of 2 stages, each stage fully_shard-ed over 2 replicas.
 * :func:`check_expert_parallel` (P14): :class:`~splitgrad.distributed.ExpertParallelMoE` (or
   the layer named by ``moe=``) over 2 ranks; experts bitwise the single-process
-  ``GroupedLinear`` over all experts, and, from the order of recorded events (the dispatch
-  all-to-all's backward start and wait, the experts' ``backward_dw()`` start and end), their
-  ``backward_dw()`` run while that all-to-all was in flight.
+  ``GroupedLinear`` over all experts, and their ``backward_dw()`` run while the dispatch
+  all-to-all of the backward was in flight: from the order of events the harness records itself
+  (each ``all_to_all_single`` launched, its work handle's ``wait()`` called and returned, the
+  experts' ``backward_dw()`` start and end), never from the layer's own account.
 
 A rank that raises or a harness step that meets an unexpected value (a gradient that is
 ``None``) becomes a failure of the report naming what went wrong, never a crash of the check.
@@ -989,18 +990,82 @@ def _load(module, values: dict) -> None:
 _MOE = {"tokens": 12, "hidden": 16, "experts": 4}
 
 
-def _traced_backward_dw(module, timeline: list[str]) -> None:
-    """Bracket ``module.backward_dw()`` with events in ``timeline`` (on the instance, so the
+def _traced_backward_dw(module, events: list) -> None:
+    """Bracket ``module.backward_dw()`` with events in ``events`` (on the instance, so the
     layer under test cannot leave them out)."""
     original = module.backward_dw
 
     def backward_dw(*args, **kwargs):
-        timeline.append("experts backward_dw start")
+        events.append(("experts backward_dw start", None))
         result = original(*args, **kwargs)
-        timeline.append("experts backward_dw end")
+        events.append(("experts backward_dw end", None))
         return result
 
     module.backward_dw = backward_dw
+
+
+class _TracedWork:
+    """A collective's work handle that records in ``events`` when ``wait()`` is called and
+    returns, and the first ``is_completed()`` that says ``True``."""
+
+    def __init__(self, work, index: int, events: list) -> None:
+        self._work, self._index, self._events = work, index, events
+        self._completed = False
+
+    def wait(self, *args, **kwargs):
+        self._events.append(("wait() called", self._index))
+        result = self._work.wait(*args, **kwargs)
+        self._events.append(("wait() returned", self._index))
+        return result
+
+    def is_completed(self) -> bool:
+        done = self._work.is_completed()
+        if done and not self._completed:
+            self._completed = True
+            self._events.append(("seen completed", self._index))
+        return done
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
+
+
+class _AllToAllTrace:
+    """While active, every ``torch.distributed.all_to_all_single`` of this process is numbered
+    and recorded in ``events`` (launched, or run synchronously) and its work handle traced: P14
+    reads what ran while the dispatch all-to-all was in flight from this record, kept by the
+    harness, never from the layer's own account of itself."""
+
+    def __init__(self, events: list) -> None:
+        self.events = events
+        self.launched = 0
+
+    def __enter__(self) -> _AllToAllTrace:
+        import torch.distributed.distributed_c10d as c10d
+
+        original = c10d.all_to_all_single
+        self._saved = [(m, m.all_to_all_single) for m in (dist, c10d)]
+
+        def all_to_all_single(*args, **kwargs):
+            index = self.launched
+            self.launched += 1
+            work = original(*args, **kwargs)
+            if work is None:
+                self.events.append(("ran synchronously", index))
+                return None
+            self.events.append(("launched", index))
+            return _TracedWork(work, index, self.events)
+
+        for m, _ in self._saved:
+            m.all_to_all_single = all_to_all_single
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m, fn in self._saved:
+            m.all_to_all_single = fn
+
+
+def _render(events: list) -> list[str]:
+    return [what if index is None else f"all-to-all {index} {what}" for what, index in events]
 
 
 def _moe_rank(rank: int, world: int, lib_name: str, moe_name: str) -> dict:
@@ -1018,15 +1083,19 @@ def _moe_rank(rank: int, world: int, lib_name: str, moe_name: str) -> dict:
     _load(grouped, {f"weight{i}": expert_w[e] for i, e in enumerate(mine)})
     _load(grouped, {f"bias{i}": expert_b[e] for i, e in enumerate(mine)})
     moe = moe_cls(grouped)
-    _traced_backward_dw(grouped, moe.timeline)
+    events: list = []
+    _traced_backward_dw(grouped, events)
     model = torch.nn.ModuleDict({"proj": proj, "moe": moe})
     # data parallel for the replicated projection, the experts left to expert parallelism
     reducer = GradientReducer(
         model, ignore=[n for n, _ in model.named_parameters() if n.startswith("moe.")]
     )
     x = xs[rank].clone().requires_grad_()
-    y = moe(proj(x), assign[rank])
-    y.backward(dys[rank])
+    with _AllToAllTrace(events):
+        y = moe(proj(x), assign[rank])
+        events.append(("backward() called", None))
+        y.backward(dys[rank])
+        events.append(("backward() returned", None))
     import time
 
     dw_start = time.perf_counter()
@@ -1040,7 +1109,7 @@ def _moe_rank(rank: int, world: int, lib_name: str, moe_name: str) -> dict:
             e: (getattr(grouped, f"weight{i}").grad, getattr(grouped, f"bias{i}").grad)
             for i, e in enumerate(mine)
         },
-        "timeline": list(moe.timeline),
+        "events": events,
         "pending": (proj.pending_wgrad_count, grouped.pending_wgrad_count),
         "launches": [t for *_, t in ((e["bucket"], e["time"]) for e in reducer.launch_log)],
         "dw_start": dw_start,
@@ -1080,20 +1149,38 @@ def _moe_truth(rank: int, world: int, lib_name: str, nranks: int) -> dict:
     }
 
 
-def _overlap_failure(timeline: list[str]) -> str | None:
-    """Why ``timeline`` does not show the experts' backward_dw() run (start and end) between the
-    dispatch all-to-all's backward start and its wait, exactly once; ``None`` if it does."""
-    start, done = "dispatch all-to-all backward start", "dispatch all-to-all backward wait done"
-    if timeline.count(start) != 1 or timeline.count(done) != 1:
-        return f"the dispatch all-to-all's backward ran {timeline.count(start)} times, expected 1"
-    lo, hi = timeline.index(start), timeline.index(done)
-    runs = [i for i, e in enumerate(timeline) if e == "experts backward_dw start"]
+def _overlap_failure(events: list) -> str | None:
+    """Why ``events`` (see :class:`_AllToAllTrace`) do not show the experts' backward_dw() run
+    once, start and end, while the dispatch all-to-all of the backward (the last all-to-all the
+    backward launched) was in flight: after its launch, before its ``wait()`` was called (or an
+    ``is_completed()`` said ``True``); ``None`` if they do."""
+    lo = events.index(("backward() called", None))
+    hi = events.index(("backward() returned", None))
+    runs = [i for i, (what, _) in enumerate(events) if what == "experts backward_dw start"]
     if len(runs) != 1:
         return f"the experts' backward_dw() ran {len(runs)} times, expected 1"
-    (i,) = runs
-    ends = [j for j, e in enumerate(timeline) if e == "experts backward_dw end" and j > i]
-    if not (ends and lo < i < ends[0] < hi):
-        return "the experts' backward_dw() did not run while the dispatch all-to-all was in flight"
+    (start,) = runs
+    ends = [j for j, (what, _) in enumerate(events) if what == "experts backward_dw end"]
+    ends = [j for j in ends if j > start]
+    issued = [(i, k) for i, (what, k) in enumerate(events[lo:hi], lo) if k is not None]
+    issued = [(i, k) for i, k in issued if events[i][0] in ("launched", "ran synchronously")]
+    if not issued:
+        return "the backward issued no all_to_all_single (traced at torch.distributed)"
+    launch, dispatch = issued[-1]
+    if events[launch][0] == "ran synchronously":
+        return f"the dispatch all-to-all (all-to-all {dispatch}) ran synchronously: never in flight"
+    done = [
+        i
+        for i, (what, k) in enumerate(events)
+        if k == dispatch and what in ("wait() called", "seen completed")
+    ]
+    if not done:
+        return f"the dispatch all-to-all (all-to-all {dispatch}) was never waited on"
+    if not (ends and launch < start < ends[0] < done[0]):
+        return (
+            f"the experts' backward_dw() did not run while the dispatch all-to-all (all-to-all "
+            f"{dispatch}) was in flight (after its launch, before its wait())"
+        )
     return None
 
 
@@ -1126,9 +1213,10 @@ def check_expert_parallel(
             report.bitwise(f"rank {rank} expert {e} weight.grad", w, tw)
             report.bitwise(f"rank {rank} expert {e} bias.grad", b, tb)
         report.compared += 1
-        why = _overlap_failure(got["timeline"])
+        why = _overlap_failure(got["events"])
         if why:
-            report.failures.append(f"rank {rank}: {why}; events in order: {got['timeline']}")
+            shown = _render(got["events"])
+            report.failures.append(f"rank {rank}: {why}; events in order: {shown}")
         if got["pending"] != (0, 0):
             report.failures.append(f"rank {rank}: entries left pending {got['pending']}")
         for name, g in got["proj"].items():

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import types
 
+import splitgrad.distributed.expert_parallel as _ep
 import splitgrad.impl as _impl
+import torch.distributed as dist
 from splitgrad.distributed import ExpertParallelMoE
 
 
@@ -81,3 +83,38 @@ class LateBackwardDwMoE(ExpertParallelMoE):
 
     def _late_backward_dw(self, grad):
         self._experts_backward_dw()
+
+
+class _WaitsFirstAllToAll(_ep._AllToAll):
+    """``_AllToAll`` with its backward's wait moved before the overlapped work: the layer's own
+    timeline still reads start, backward_dw, wait done."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        dx = grad.new_empty(sum(input_splits), *grad.shape[1:])
+        work = dist.all_to_all_single(
+            dx, grad.contiguous(), input_splits, output_splits, group=ctx.group, async_op=True
+        )
+        label = ctx.timeline[0] if ctx.timeline else None
+        if label:
+            ctx.timeline[1].append(f"{label} all-to-all backward start")
+        _ep._wait(work, ctx.timeout, "all_to_all (backward)")
+        if ctx.during_backward is not None:
+            ctx.during_backward()  # nothing left in flight to overlap
+        if label:
+            ctx.timeline[1].append(f"{label} all-to-all backward wait done")
+        return dx, None, None, None, None, None, None
+
+
+class WaitsFirstMoE(ExpertParallelMoE):
+    """The expert-parallel layer whose dispatch all-to-all backward waits on the collective
+    before running the experts' ``backward_dw()`` (every gradient right, nothing overlapped)."""
+
+    def forward(self, x, expert_index):
+        real = _ep._AllToAll
+        _ep._AllToAll = _WaitsFirstAllToAll  # the graph keeps the class it was built with
+        try:
+            return super().forward(x, expert_index)
+        finally:
+            _ep._AllToAll = real

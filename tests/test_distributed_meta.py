@@ -71,3 +71,41 @@ def test_cli_refuses_bad_options_naming_them(argv, needle, capsys):
 
     assert main(argv) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_p14_catches_a_dispatch_backward_that_waits_before_backward_dw():
+    """The layer's own timeline still claims the overlap; the harness's trace of the
+    all-to-all's launch and wait() shows backward_dw() ran after the wait."""
+    report = conformance.check_expert_parallel(
+        "splitgrad.impl", moe="distributed_mutants:WaitsFirstMoE"
+    )
+    assert not report.ok
+    assert len(report.failures) == 2, report.failures  # one per rank, gradients all right
+    for f in report.failures:
+        assert "did not run while the dispatch all-to-all" in f and "in flight" in f, f
+        assert f.index("wait() called") < f.index("experts backward_dw start"), f
+
+
+_B0, _B1 = ("backward() called", None), ("backward() returned", None)
+_DW = [("experts backward_dw start", None), ("experts backward_dw end", None)]
+
+
+@pytest.mark.parametrize(
+    "trace, needle",
+    [
+        ([_B0, _B1], "ran 0 times"),
+        ([("launched", 0), _B0, *_DW, _B1], "issued no all_to_all_single"),
+        ([_B0, ("ran synchronously", 0), *_DW, _B1], "ran synchronously"),
+        ([_B0, ("launched", 0), *_DW, _B1], "never waited on"),
+        ([_B0, ("launched", 0), ("wait() called", 0), *_DW, _B1], "was in flight"),
+        ([_B0, ("launched", 0), ("seen completed", 0), *_DW, _B1], "was in flight"),
+        ([_B0, ("launched", 0), *_DW, ("launched", 1), ("wait() called", 1), _B1], "in flight"),
+        ([_B0, ("launched", 0), *_DW, ("wait() called", 0), _B1], None),
+    ],
+)
+def test_p14_overlap_reading_on_hand_made_traces(trace, needle):
+    """A synchronous, never waited, absent or already completed dispatch all-to-all fails,
+    naming it (the dispatch being the backward's last all-to-all); backward_dw() between its
+    launch and its wait() passes."""
+    why = conformance._overlap_failure(trace)
+    assert why is None if needle is None else needle in why, why
