@@ -1,24 +1,33 @@
-"""What every reference module shares: gradient routing (SPEC §3) and the wgrad queue (§4), on
+"""What every reference module shares: where gradients go (SPEC §3) and the wgrad queue (§4), on
 top of the contract of :mod:`.contract` (options, parameters, input validation, §5 errors).
 
 Contract, as code states it below:
 
-Gradient routing (§3)
-  * Plain (``fuse_wgrad_accumulation=False``): like autograd, ``param.grad`` is set when it is
-    ``None`` and accumulated with ``+=`` otherwise. Biases and norm parameters always use ``.grad``.
-  * Fused: every GEMM weight that needs a gradient must carry ``main_grad`` (same shape and
-    device; float32, or float64 when the parameters are float64) before backward. Its gradient is
-    accumulated in fp32 into ``main_grad``; ``weight.grad`` stays ``None``. If the forward of that
-    micro-batch got ``is_first_microbatch=True`` the contribution overwrites ``main_grad``. If the
-    weight has an attribute ``grad_added_to_main_grad`` it is set to ``True`` afterwards.
-    ``is_first_microbatch`` changes nothing in plain mode.
-  * Only what the backward asks for, as autograd does (:func:`.contract.gradient_destination`): a
-    parameter the running backward does not compute — ``backward(inputs=[...])`` without it,
-    ``torch.autograd.grad(outputs, inputs)`` without it — gets nothing written and, under
-    delay, nothing queued (no entry at all when no GEMM parameter is asked for, and then no
-    hook fires). A GEMM parameter that ``torch.autograd.grad`` asks for gets its gradient
-    *returned*, computed in the backward in the parameter's dtype, as autograd returns it:
-    nothing is written to ``.grad`` or ``main_grad``, nothing queued, no hook fires.
+Where each gradient goes (§3), decided by the Function's own autograd edges
+  * The gradient belongs to the tensor the forward was given, never to whatever the module's
+    attribute holds when backward runs (``torch.func.functional_call`` substitutes tensors and
+    restores the originals before backward). Each parameter input's autograd edge tells
+    (:func:`param_targets`): a leaf that the running backward accumulates (:data:`ACCUMULATE`:
+    the module's ``Parameter`` or a substituted leaf) is written by the module, by the rules
+    below, now or at ``backward_dw()``; a leaf that ``torch.autograd.grad`` captures, or a weight
+    that is not a leaf (``torch.nn.utils.parametrize``, a weight computed from another tensor),
+    gets its gradient *returned* through autograd during backward (:data:`RETURN`), exactly as
+    without delay: nothing is written, nothing queued, no module hook fires. Only leaves can be
+    deferred. A parameter the running backward does not compute (``backward(inputs=[...])``
+    without it) gets nothing at all (no entry when no GEMM parameter is asked for).
+  * Plain (``fuse_wgrad_accumulation=False``): the module writes a leaf's gradient as autograd's
+    accumulator does (:mod:`.accumulate`): the leaf's tensor hooks see it and may replace it,
+    ``.grad`` is set when ``None`` and accumulated with ``+=`` otherwise, then the leaf's
+    post-accumulate hooks run — in ``backward()``, or in ``backward_dw()`` under delay (never in
+    ``backward()`` then). Biases and norm parameters always use ``.grad``; norm parameters are
+    returned through autograd.
+  * Fused: every GEMM weight the module writes must be a leaf carrying ``main_grad`` (same shape
+    and device; float32, or float64 when the parameters are float64) and no tensor hook. Its
+    gradient is accumulated in fp32 into ``main_grad``; ``weight.grad`` stays ``None``. If the
+    forward of that micro-batch got ``is_first_microbatch=True`` the contribution overwrites
+    ``main_grad``. If the weight has an attribute ``grad_added_to_main_grad`` it is set to
+    ``True`` afterwards; its post-accumulate hooks then run. A non-leaf weight under fused
+    accumulation is refused by the forward. ``is_first_microbatch`` changes nothing in plain mode.
 
 Split backward (§4, ``delay_wgrad_compute=True``)
   * ``backward()`` writes input and norm-parameter gradients only. The GEMM-parameter work of one
@@ -30,14 +39,26 @@ Split backward (§4, ``delay_wgrad_compute=True``)
     modes execute the same instructions, so their gradients are bitwise identical.
   * ``backward_dw()`` with an empty queue raises ``RuntimeError``; on a module built without
     delay it does nothing.
-  * If computing the entry's gradients raises, nothing is written and the entry stays at the head
-    of the queue. If a hook raises, the gradients are written, the entry is consumed, and the
-    exception propagates (the remaining hooks do not run).
+  * Computing an entry's gradients includes running the leaves' tensor hooks on them. If that
+    raises, nothing is written and the entry stays at the head of the queue. If a
+    post-accumulate hook or a module hook raises, the gradients are written, the entry is
+    consumed, and the exception propagates (the remaining hooks do not run).
   * Deferred parameters carry ``skip_backward_post_hook = True``; frozen parameters are skipped
     and a backward in which no GEMM parameter needs a gradient queues nothing.
   * ``ub_bulk_wgrad=True`` with ``delay_wgrad_compute=True`` raises ``ValueError`` in the
     constructor (an exception, so it holds under ``python -O``); without delay it is accepted and
     changes no result in one process.
+
+Double backward and ``torch.func`` (§2)
+  * A backward that runs with grad mode on (``create_graph=True``, or a ``torch.func``
+    transform) differentiates the hand-written backward itself: the forward's intermediates are
+    recomputed from the saved inputs so that every formula is on the graph. A gradient the module
+    writes then carries its graph as autograd's would. Deferring it is impossible (``RuntimeError``
+    naming the module: build it without delay, or ask ``torch.autograd.grad`` for the gradients),
+    and FP8 GEMMs are not differentiable twice (``RuntimeError``).
+  * Forward-mode AD (``torch.func.jvp``, ``jacfwd``, ``hessian``) raises ``RuntimeError`` naming
+    the module. ``torch.func.vmap`` works through autograd's generated vmap rule, except under
+    FP8 (``RuntimeError``).
 
 Distributed (§8)
   * Inside the forward of torch's ``DistributedDataParallel``, a module with delay or fused
@@ -56,7 +77,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from . import accumulate as acc
 from . import functional as F
+from ._torch_private import functorch_active
 from .contract import (
     ACCUMULATE,
     RETURN,
@@ -65,13 +88,19 @@ from .contract import (
     check_not_under_ddp,
     gradient_destination,
     gradient_destinations,
+    node_destination,
 )
 from .fp8_gemm import FP8Gemm
 
 __all__ = [
+    "Target",
+    "param_targets",
+    "remember_params",
     "GradWrite",
     "WgradEntry",
     "SplitBackwardModule",
+    "no_forward_ad",
+    "qualified_name",
     "ACCUMULATE",
     "RETURN",
     "gradient_destination",
@@ -80,14 +109,65 @@ __all__ = [
 ]
 
 
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where the running backward sends one parameter input's gradient.
+
+    ``dest`` is :data:`ACCUMULATE` (the module writes ``leaf``), :data:`RETURN` (returned through
+    autograd) or ``None`` (not computed); ``where`` names it for messages (``"Linear.weight"``).
+    """
+
+    where: str
+    dest: str | None
+    leaf: torch.Tensor | None = None
+
+    @property
+    def written(self) -> bool:
+        """The module writes this gradient itself (now, or at ``backward_dw()``)."""
+        return self.dest == ACCUMULATE
+
+    @property
+    def returned(self) -> bool:
+        """The gradient is returned through autograd (captured, or a non-leaf)."""
+        return self.dest == RETURN
+
+    @property
+    def needed(self) -> bool:
+        return self.dest is not None
+
+
+def remember_params(ctx, names: Sequence[str], tensors: Sequence[torch.Tensor | None]) -> None:
+    """In ``setup_context``: the names of the Function's parameter inputs (those after ``x``)
+    and which of them were tensors (``None``, e.g. no bias, has no autograd edge)."""
+    ctx.param_names = tuple(names)
+    ctx.param_present = tuple(t is not None for t in tensors)
+
+
+def param_targets(ctx, module: torch.nn.Module) -> list[Target]:
+    """The :class:`Target` of each parameter input, from the Function's own autograd edges
+    (``ctx.next_functions``: one per tensor input, ``x`` first). Call it inside backward."""
+    edges = iter(ctx.next_functions[1:])
+    kind = type(module).__name__
+    out = []
+    for name, present in zip(ctx.param_names, ctx.param_present):
+        node = next(edges)[0] if present else None
+        dest = node_destination(node)
+        leaf = node.variable if dest == ACCUMULATE else None
+        out.append(Target(f"{kind}.{name}", dest, leaf))
+    return out
+
+
 @dataclasses.dataclass
 class GradWrite:
-    """One gradient to write: ``value`` goes to ``param.main_grad`` if ``to_main_grad``, else to
-    ``param.grad``."""
+    """One gradient to write: ``value`` goes to ``target.leaf.main_grad`` if ``to_main_grad``,
+    else to ``target.leaf.grad`` by autograd's rules. ``own``: no tensor hook has seen ``value``
+    (it may become ``.grad`` without a copy)."""
 
-    param: torch.nn.Parameter
+    target: Target
     value: torch.Tensor
     to_main_grad: bool
+    own: bool = True
+    overwrite: bool = False
 
 
 @dataclasses.dataclass
@@ -106,6 +186,19 @@ class WgradEntry:
 def detached(tensors) -> list[torch.Tensor | None]:
     """Saved tensors without their autograd history (``None`` stays ``None``)."""
     return [None if t is None else t.detach() for t in tensors]
+
+
+def qualified_name(module: torch.nn.Module) -> str:
+    """``"splitgrad.reference.Linear"``: the package and class, for messages."""
+    return f"{type(module).__module__.rsplit('.', 1)[0]}.{type(module).__name__}"
+
+
+def no_forward_ad(ctx, *tangents):
+    """The ``jvp`` of every reference Function: forward-mode AD is not supported."""
+    raise RuntimeError(
+        f"{qualified_name(ctx.module)} does not support forward-mode AD (torch.func.jvp, "
+        "jacfwd, hessian, torch.autograd.forward_ad)"
+    )
 
 
 class SplitBackwardModule(ModuleContract):
@@ -142,38 +235,87 @@ class SplitBackwardModule(ModuleContract):
         if self.delay_wgrad_compute:
             self._wgrad_queue.append(entry)
             return
-        writes = self._compute(entry)
+        writes = self._compute(entry, differentiable=torch.is_grad_enabled())
         self._write(writes)
         self._run_hooks()
 
-    def _compute(self, entry: WgradEntry) -> list[tuple[GradWrite, bool]]:
-        with torch.no_grad(), autocast_off(self.fp8_device.type):
-            return [(w, entry.overwrite_main_grad) for w in entry.wgrad_closure()]
+    def _compute(self, entry: WgradEntry, differentiable: bool = False) -> list[GradWrite]:
+        """The entry's gradients, after the tensor hooks of the leaves they go to (step 1 of
+        autograd's accumulation, for every gradient before any is written)."""
+        with torch.set_grad_enabled(differentiable), autocast_off(self.fp8_device.type):
+            writes = entry.wgrad_closure()
+            for w in writes:
+                w.overwrite = entry.overwrite_main_grad
+                if not w.to_main_grad and acc.has_hooks(w.target.leaf):
+                    w.value = acc.apply_tensor_hooks(w.target.leaf, w.value, w.target.where)
+                    w.own = False
+            return writes
 
     @staticmethod
-    def _write(writes: list[tuple[GradWrite, bool]]) -> None:
-        with torch.no_grad():
-            for w, overwrite in writes:
-                p = w.param
-                if w.to_main_grad:
-                    if overwrite:
-                        p.main_grad.copy_(w.value)
+    def _write(writes: list[GradWrite]) -> None:
+        """Store every gradient, then run each leaf's post-accumulate hooks once."""
+        for w in writes:
+            leaf = w.target.leaf
+            if w.to_main_grad:
+                with torch.no_grad():
+                    if w.overwrite:
+                        leaf.main_grad.copy_(w.value)
                     else:
-                        p.main_grad.add_(w.value)
-                    if hasattr(p, "grad_added_to_main_grad"):
-                        p.grad_added_to_main_grad = True
-                elif p.grad is None:
-                    # Under torch.autocast a GEMM's gradient comes in the autocast dtype; the
-                    # parameter's gradient is in the parameter's dtype (SPEC §2).
-                    p.grad = w.value.to(p.dtype)
-                else:
-                    p.grad += w.value
+                        leaf.main_grad.add_(w.value)
+                if hasattr(leaf, "grad_added_to_main_grad"):
+                    leaf.grad_added_to_main_grad = True
+            else:
+                acc.accumulate(leaf, w.value, own=w.own)
+        seen = set()
+        for w in writes:
+            if id(w.target.leaf) not in seen:
+                seen.add(id(w.target.leaf))
+                acc.run_post_accumulate_hooks(w.target.leaf)
 
-    # ---- helpers for subclasses -----------------------------------------------------------
+    # ---- helpers for the Functions ----------------------------------------------------------
+
+    def _begin_backward(
+        self, targets: Sequence[Target], weights: Sequence[Target], fp8: object
+    ) -> bool:
+        """Checks at the start of every backward, before anything is computed, written or
+        queued. ``weights``: the GEMM weights among ``targets``. Returns whether the backward is
+        differentiable (grad mode on: ``create_graph=True`` or a ``torch.func`` transform)."""
+        differentiable = torch.is_grad_enabled()
+        written = [t for t in targets if t.written]
+        if differentiable:
+            kind = qualified_name(self)
+            if fp8 is not None:
+                raise RuntimeError(
+                    f"{kind} under FP8 cannot be differentiated twice "
+                    "(backward with create_graph=True, or a torch.func transform): its "
+                    "quantized GEMMs have no derivative"
+                )
+            if written and self.delay_wgrad_compute:
+                names = ", ".join(t.where for t in written)
+                raise RuntimeError(
+                    f"{kind} with delay_wgrad_compute=True cannot defer the gradients "
+                    f"of {names} in a backward with create_graph=True: a deferred gradient has "
+                    "no graph. Build the module without delay, or take these gradients with "
+                    "torch.autograd.grad(..., inputs=[...]) (returned, never deferred)"
+                )
+        self._begin_wgrad([t for t in weights if t.written])
+        for t in written:
+            if acc.has_hooks(t.leaf):
+                acc.mute_empty_calls(t.leaf)
+        return differentiable
+
+    def _begin_wgrad(self, weights: Sequence[Target]) -> None:
+        """First step of every backward and of every wgrad closure: under fused accumulation,
+        each written GEMM weight needs a usable ``main_grad`` and no tensor hook."""
+        if not self.fuse_wgrad_accumulation:
+            return
+        self._check_main_grads([(t.where, t.leaf) for t in weights])
+        for t in weights:
+            acc.check_no_tensor_hooks(t.leaf, t.where)
 
     def _weight_write(
         self,
-        param: torch.nn.Parameter,
+        target: Target,
         dy: torch.Tensor | None,
         x: torch.Tensor | None,
         fp8: FP8Gemm | None = None,
@@ -182,30 +324,58 @@ class SplitBackwardModule(ModuleContract):
         both operands upcast to ``main_grad``'s dtype (fused). Under FP8 the GEMM runs on the
         quantized column-wise copies that ``fp8`` holds (dy and x are then unused)."""
         fused = self.fuse_wgrad_accumulation
+        leaf = target.leaf
         if fp8 is not None:
-            out_dtype = param.main_grad.dtype if fused else param.dtype
-            return GradWrite(param, fp8.wgrad(out_dtype), fused)
+            out_dtype = leaf.main_grad.dtype if fused else leaf.dtype
+            return GradWrite(target, fp8.wgrad(out_dtype), fused)
         if fused:
-            return GradWrite(param, F.linear_wgrad_fp32(dy, x, param.main_grad.dtype), True)
-        return GradWrite(param, F.linear_wgrad(dy, x), False)
+            value = F.linear_wgrad_fp32(dy.detach(), x.detach(), leaf.main_grad.dtype)
+            return GradWrite(target, value, True)
+        return GradWrite(target, F.linear_wgrad(dy, x), False)
 
     def _returned_weight_grad(
         self,
-        param: torch.nn.Parameter,
+        target: Target,
+        dtype: torch.dtype,
         dy: torch.Tensor | None,
         x: torch.Tensor | None,
         fp8: FP8Gemm | None = None,
-    ) -> torch.Tensor:
-        """``dy^T x`` in the parameter's dtype, for a weight ``torch.autograd.grad`` asked for
-        (:data:`RETURN`): the plain-mode formula, never ``main_grad``."""
+    ) -> torch.Tensor | None:
+        """``dy^T x`` in ``dtype`` (the weight's), for a weight whose gradient is returned
+        through autograd (:data:`RETURN`): the plain-mode formula, never ``main_grad``."""
+        if not target.returned:
+            return None
         if fp8 is not None:
-            return fp8.wgrad(param.dtype)
+            return fp8.wgrad(dtype)
         return F.linear_wgrad(dy, x)
 
-    def _bias_write(self, param: torch.nn.Parameter, dy: torch.Tensor) -> GradWrite:
+    def _bias_write(self, target: Target, dy: torch.Tensor) -> GradWrite:
         """The gradient of one GEMM bias, always to ``.grad``."""
-        return GradWrite(param, F.bias_grad(dy), False)
+        return GradWrite(target, F.bias_grad(dy), False)
 
-    def _begin_wgrad(self, named_weights: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
-        """First step of every wgrad closure (and of every backward): validate ``main_grad``."""
-        self._check_main_grads(named_weights)
+    @staticmethod
+    def _returned_bias_grad(target: Target, dy: torch.Tensor) -> torch.Tensor | None:
+        return F.bias_grad(dy) if target.returned else None
+
+    def _check_forward_params(
+        self, recipe: object, weights: Sequence[tuple[str, torch.Tensor | None]]
+    ) -> None:
+        """Called by the forward, before anything runs: FP8 does not run under ``torch.func``
+        transforms, and under fused accumulation a weight that is not a leaf has no
+        ``main_grad`` its gradient could go to."""
+        if recipe is not None and functorch_active():
+            raise RuntimeError(
+                f"{qualified_name(self)} under FP8 does not support torch.func transforms "
+                "(grad, vjp, jacrev, vmap): its FP8 scaling state is updated in place"
+            )
+        if not self.fuse_wgrad_accumulation:
+            return
+        for name, w in weights:
+            if w is not None and w.requires_grad and w.grad_fn is not None:
+                raise RuntimeError(
+                    f"{type(self).__name__}.{name} is not a leaf tensor (parametrized, or "
+                    "computed from another tensor), but fuse_wgrad_accumulation=True "
+                    "accumulates a weight's gradient into the main_grad of the leaf itself. "
+                    "Build the module with fuse_wgrad_accumulation=False to let autograd take "
+                    "the gradient through the parametrization"
+                )

@@ -52,6 +52,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ._fsdp_guard import check_not_under_fsdp
+from ._torch_private import TorchMoved, will_engine_execute_node
 from .fp8 import Float8BlockScaling, MXFP8BlockScaling, Recipe, fp8_active_recipe
 
 __all__ = [
@@ -137,7 +138,9 @@ def node_destination(node: torch.autograd.graph.Node | None) -> str | None:
     if node is None:
         return None
     try:
-        executes = torch._C._will_engine_execute_node(node)
+        executes = will_engine_execute_node(node)
+    except TorchMoved:
+        raise
     except RuntimeError:
         return RETURN  # a leaf captured by torch.autograd.grad()
     if not executes:

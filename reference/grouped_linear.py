@@ -7,43 +7,49 @@ from collections.abc import Sequence
 import torch
 
 from . import functional as F
-from .base import SplitBackwardModule, WgradEntry, detached
-from .contract import (
-    ACCUMULATE,
-    RETURN,
-    GroupedLinearContract,
-    autocast_off,
-    gradient_destinations,
-    without_autocast,
+from .base import (
+    SplitBackwardModule,
+    WgradEntry,
+    detached,
+    no_forward_ad,
+    param_targets,
+    remember_params,
 )
+from .contract import GroupedLinearContract, autocast_off, without_autocast
 from .fp8_gemm import FP8Gemm, update_delayed_scaling
+from .linear import _gemm_operands
 
 __all__ = ["GroupedLinear"]
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, x, m_splits, module, is_first_microbatch, recipe, autocast, *params):
+    def forward(x, m_splits, module, overwrite, fp8, autocast, *params):
         n = module.num_gemms
         weights, biases = list(params[:n]), list(params[n:]) or [None] * n
-        if autocast is not None:
-            # SPEC §2, torch.autocast: as Linear, group by group.
-            if recipe is None:
-                weights = [w.to(autocast) for w in weights]
-            biases = [None if b is None else b.to(autocast) for b in biases]
-        ctx.module, ctx.m_splits = module, m_splits
-        ctx.overwrite = bool(is_first_microbatch) and module.fuse_wgrad_accumulation
-        if recipe is None:
-            ctx.fp8 = None
-            ctx.save_for_backward(x, *weights)
-            return F.grouped_linear_fwd(x, weights, biases, m_splits)
+        # SPEC §2, torch.autocast: as Linear, group by group.
+        pairs = [_gemm_operands(autocast, fp8, w, b) for w, b in zip(weights, biases)]
+        if fp8 is None:
+            return F.grouped_linear_fwd(x, [w for w, _ in pairs], [b for _, b in pairs], m_splits)
         # FP8: every group quantizes its own rows and weight (own scales and amax histories).
-        ctx.fp8 = [FP8Gemm(module, recipe, f"gemm{i}") for i in range(n)]
-        outs = [
-            g.fprop(xi, w, b) for g, xi, w, b in zip(ctx.fp8, x.split(m_splits), weights, biases)
-        ]
-        update_delayed_scaling(module, recipe, ("input", "weight"))
+        outs = [g.fprop(xi, w, b) for g, xi, (w, b) in zip(fp8, x.split(m_splits), pairs)]
+        update_delayed_scaling(module, fp8[0].recipe, ("input", "weight"))
         return torch.cat(outs, dim=0)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, m_splits, module, overwrite, fp8, autocast, *params = inputs
+        ctx.module, ctx.m_splits, ctx.overwrite = module, m_splits, overwrite
+        ctx.fp8, ctx.autocast = fp8, autocast
+        remember_params(ctx, module.gemm_weight_names() + module.gemm_bias_names(), params)
+        weights = params[: module.num_gemms]
+        ctx.weight_dtypes = [w.dtype for w in weights]
+        if fp8 is None:  # under FP8 the quantized copies in ``fp8`` are all the backward needs
+            ctx.save_for_backward(x, *weights)
+
+    jvp = no_forward_ad
 
     @staticmethod
     @without_autocast
@@ -51,20 +57,15 @@ class _GroupedLinearFunction(torch.autograd.Function):
         module: GroupedLinear = ctx.module
         n, m_splits = module.num_gemms, ctx.m_splits
         fp8, ctx.fp8 = ctx.fp8, None
+        targets = param_targets(ctx, module)
+        to_w, to_b = targets[:n], targets[n:] or [None] * n
+        differentiable = module._begin_backward(targets, to_w, fp8)
         need_x = ctx.needs_input_grad[0]
-        dest = gradient_destinations(
-            *(getattr(module, name) for name in module.gemm_weight_names()),
-            *(getattr(module, name) for name in module.gemm_bias_names()),
-        )
-        to_w, to_b = dest[:n], dest[n:]
-        need = [d == ACCUMULATE for d in dest]
-        need_w, need_b = need[:n], need[n:]
-        named_weights = [
-            (f"weight{i}", getattr(module, f"weight{i}")) for i in range(n) if need_w[i]
-        ]
-        module._begin_wgrad(named_weights)
         if fp8 is None:
-            x, *weights = detached(ctx.saved_tensors)
+            x, *weights = ctx.saved_tensors
+            if not differentiable:  # otherwise the formulas below are on the graph
+                x, *weights = detached((x, *weights))
+            weights = [_gemm_operands(ctx.autocast, None, w, None)[0] for w in weights]
             dx = F.grouped_linear_dgrad(dy, weights, m_splits) if need_x else None
             x_parts = x.split(m_splits)
             fp8 = [None] * n
@@ -73,28 +74,27 @@ class _GroupedLinearFunction(torch.autograd.Function):
             dx = torch.cat(parts, dim=0) if need_x else None
             update_delayed_scaling(module, fp8[0].recipe, ("grad_output",))
             x_parts = [None] * n
-        if any(need_w) or any(need_b):
+        dy_parts = dy.split(m_splits)
+        written = [t for t in to_w if t.written]
+        if written or any(b is not None and b.written for b in to_b):
 
             def wgrad_closure():
-                module._begin_wgrad(named_weights)
+                module._begin_wgrad(written)
                 writes = []
-                for i, dy_i in enumerate(dy.split(m_splits)):
-                    if need_w[i]:
-                        weight = getattr(module, f"weight{i}")
-                        writes.append(module._weight_write(weight, dy_i, x_parts[i], fp8[i]))
-                    if need_b and need_b[i]:
-                        writes.append(module._bias_write(getattr(module, f"bias{i}"), dy_i))
+                for i, dy_i in enumerate(dy_parts):
+                    if to_w[i].written:
+                        writes.append(module._weight_write(to_w[i], dy_i, x_parts[i], fp8[i]))
+                    if to_b[i] is not None and to_b[i].written:
+                        writes.append(module._bias_write(to_b[i], dy_i))
                 return writes
 
             module._submit_wgrad(WgradEntry(wgrad_closure, ctx.overwrite))
-        returned = [None] * len(dest)
-        for i, dy_i in enumerate(dy.split(m_splits)):
-            if to_w[i] == RETURN:
-                weight = getattr(module, f"weight{i}")
-                returned[i] = module._returned_weight_grad(weight, dy_i, x_parts[i], fp8[i])
-            if to_b and to_b[i] == RETURN:
-                returned[n + i] = F.bias_grad(dy_i)
-        return (dx, None, None, None, None, None, *returned)
+        dws = [
+            module._returned_weight_grad(t, dtype, dy_i, x_i, g)
+            for t, dtype, dy_i, x_i, g in zip(to_w, ctx.weight_dtypes, dy_parts, x_parts, fp8)
+        ]
+        dbs = [module._returned_bias_grad(t, dy_i) for t, dy_i in zip(targets[n:], dy_parts)]
+        return (dx, None, None, None, None, None, *dws, *dbs)
 
 
 class GroupedLinear(GroupedLinearContract, SplitBackwardModule):
@@ -114,12 +114,14 @@ class GroupedLinear(GroupedLinearContract, SplitBackwardModule):
     ) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.in_features)
         splits = self._check_m_splits(m_splits, x.shape[0])
+        params = [getattr(self, n) for n in self.gemm_weight_names() + self.gemm_bias_names()]
+        self._check_forward_params(recipe, list(zip(self.gemm_weight_names(), params)))
+        fp8 = None
         if recipe is not None:
             self._check_fp8_shapes(recipe, splits)
-        params = [getattr(self, n) for n in self.gemm_weight_names() + self.gemm_bias_names()]
+            fp8 = [FP8Gemm(self, recipe, f"gemm{i}") for i in range(self.num_gemms)]
+        overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
         autocast = self.autocast_dtype()
         with autocast_off(x.device.type):
-            y = _GroupedLinearFunction.apply(
-                x, splits, self, is_first_microbatch, recipe, autocast, *params
-            )
-        return y.reshape(*inp.shape[:-1], self.out_features)
+            y = _GroupedLinearFunction.apply(x, splits, self, overwrite, fp8, autocast, *params)
+        return y if inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.out_features)

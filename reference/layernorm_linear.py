@@ -5,88 +5,103 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
-from .base import SplitBackwardModule, WgradEntry, detached
-from .contract import (
-    ACCUMULATE,
-    RETURN,
-    LayerNormLinearContract,
-    autocast_off,
-    gradient_destinations,
-    without_autocast,
+from .base import (
+    SplitBackwardModule,
+    WgradEntry,
+    detached,
+    no_forward_ad,
+    param_targets,
+    remember_params,
 )
+from .contract import LayerNormLinearContract, autocast_off, without_autocast
 from .fp8_gemm import FP8Gemm, update_delayed_scaling
+from .linear import _gemm_operands
 from .norm import norm_bwd, norm_fwd
 
 __all__ = ["LayerNormLinear"]
 
 
+def _normed(module, x, ln_weight, ln_bias, autocast):
+    """``(ln_out, stats)``: the norm in the parameters' dtype; its output cast to the autocast
+    dtype, where the GEMM runs (SPEC §2)."""
+    ln_out, stats = norm_fwd(module, x, ln_weight, ln_bias)
+    return (ln_out if autocast is None else ln_out.to(autocast)), stats
+
+
 class _LayerNormLinearFunction(torch.autograd.Function):
+    """Returns ``(y, ln_out, *stats)``: the intermediates the backward needs are outputs
+    (autograd's ``setup_context`` form), marked non-differentiable."""
+
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(
-        ctx, x, ln_weight, ln_bias, weight, bias, module, is_first_microbatch, recipe, autocast
-    ):
-        ctx.module = module
-        ctx.overwrite = bool(is_first_microbatch) and module.fuse_wgrad_accumulation
-        ln_out, stats = norm_fwd(module, x)
-        if autocast is not None:
-            # SPEC §2, torch.autocast: the norm in the parameters' dtype, the GEMM in the
-            # autocast dtype (under FP8 the weight is quantized from its own dtype).
-            ln_out = ln_out.to(autocast)
-            weight = weight if recipe is not None else weight.to(autocast)
-            bias = None if bias is None else bias.to(autocast)
-        if recipe is None:
-            ctx.fp8 = None
-            ctx.save_for_backward(x, ln_weight, ln_out, weight, *stats)
-            return F.linear_fwd(ln_out, weight, bias)
-        ctx.fp8 = FP8Gemm(module, recipe)
-        ctx.save_for_backward(x, ln_weight, None, None, *stats)
-        y = ctx.fp8.fprop(ln_out, weight, bias)
-        update_delayed_scaling(module, recipe, ("input", "weight"))
-        return y
+    def forward(x, ln_weight, ln_bias, weight, bias, module, overwrite, fp8, autocast):
+        ln_out, stats = _normed(module, x, ln_weight, ln_bias, autocast)
+        weight, bias = _gemm_operands(autocast, fp8, weight, bias)
+        if fp8 is None:
+            return (F.linear_fwd(ln_out, weight, bias), ln_out, *stats)
+        y = fp8.fprop(ln_out, weight, bias)
+        update_delayed_scaling(module, fp8.recipe, ("input", "weight"))
+        return (y, ln_out, *stats)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, ln_weight, ln_bias, weight, bias, module, overwrite, fp8, autocast = inputs
+        _, ln_out, *stats = output
+        ctx.mark_non_differentiable(ln_out, *stats)
+        ctx.module, ctx.overwrite, ctx.fp8, ctx.autocast = module, overwrite, fp8, autocast
+        remember_params(
+            ctx,
+            ("layer_norm_weight", "layer_norm_bias", "weight", "bias"),
+            (ln_weight, ln_bias, weight, bias),
+        )
+        ctx.weight_dtype = weight.dtype
+        if fp8 is not None:  # the quantized copies in ``fp8`` replace ln_out and the weight
+            ln_out = weight = None
+        ctx.save_for_backward(x, ln_weight, ln_bias, ln_out, weight, *stats)
+
+    jvp = no_forward_ad
 
     @staticmethod
     @without_autocast
-    def backward(ctx, dy):
+    def backward(ctx, dy, *_):
         module: LayerNormLinear = ctx.module
         fp8, ctx.fp8 = ctx.fp8, None
-        x, ln_weight, ln_out, weight, *stats = detached(ctx.saved_tensors)
+        targets = param_targets(ctx, module)
+        to_lnw, to_lnb, to_w, to_b = targets
+        differentiable = module._begin_backward(targets, (to_w,), fp8)
+        x, ln_weight, ln_bias, ln_out, weight, *stats = ctx.saved_tensors
+        if differentiable:  # recompute, so that the formulas below are on the graph
+            ln_out, stats = _normed(module, x, ln_weight, ln_bias, ctx.autocast)
+        else:
+            x, ln_weight, ln_out, weight, *stats = detached((x, ln_weight, ln_out, weight, *stats))
         need_x = ctx.needs_input_grad[0]
-        to_lnw, to_lnb, to_w, to_b = gradient_destinations(
-            module.layer_norm_weight, module.layer_norm_bias, module.weight, module.bias
-        )
-        need_lnw, need_lnb = to_lnw is not None, to_lnb is not None
-        need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
-        named_weights = [("weight", module.weight)] if need_w else []
-        module._begin_wgrad(named_weights)
+        need_norm_grads = need_x or to_lnw.needed or to_lnb.needed
         dx = d_lnw = d_lnb = None
-        need_norm_grads = need_x or need_lnw or need_lnb
         if fp8 is None:
+            weight, _ = _gemm_operands(ctx.autocast, None, weight, None)
             d_ln_out = F.linear_dgrad(dy, weight) if need_norm_grads else None
         else:
             d_ln_out = fp8.dgrad(dy, need_norm_grads)
             update_delayed_scaling(module, fp8.recipe, ("grad_output",))
         if need_norm_grads:
             dx, d_lnw, d_lnb = norm_bwd(module, d_ln_out, x, ln_weight, stats)
-        if need_w or need_b:
+        if to_w.written or to_b.written:
 
             def wgrad_closure():
-                module._begin_wgrad(named_weights)
-                writes = [module._weight_write(module.weight, dy, ln_out, fp8)] if need_w else []
-                if need_b:
-                    writes.append(module._bias_write(module.bias, dy))
+                module._begin_wgrad([to_w] if to_w.written else [])
+                writes = [module._weight_write(to_w, dy, ln_out, fp8)] if to_w.written else []
+                if to_b.written:
+                    writes.append(module._bias_write(to_b, dy))
                 return writes
 
             module._submit_wgrad(WgradEntry(wgrad_closure, ctx.overwrite))
-        dw = (
-            module._returned_weight_grad(module.weight, dy, ln_out, fp8) if to_w == RETURN else None
-        )
-        db = F.bias_grad(dy) if to_b == RETURN else None
         return (
             dx if need_x else None,
-            d_lnw if need_lnw else None,
-            d_lnb if need_lnb else None,
-            dw,
-            db,
+            d_lnw if to_lnw.needed else None,
+            d_lnb if to_lnb.needed else None,
+            module._returned_weight_grad(to_w, ctx.weight_dtype, dy, ln_out, fp8),
+            module._returned_bias_grad(to_b, dy),
             *([None] * 4),
         )
 
@@ -104,22 +119,15 @@ class LayerNormLinear(LayerNormLinearContract, SplitBackwardModule):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.in_features)
+        weight = self.weight
+        self._check_forward_params(recipe, [("weight", weight)])
+        fp8 = None
         if recipe is not None:
             self._check_fp8_shapes(recipe, x.shape[0])
+            fp8 = FP8Gemm(self, recipe)
+        overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
         autocast = self.autocast_dtype()
+        params = (self.layer_norm_weight, self.layer_norm_bias, weight, self.bias)
         with autocast_off(x.device.type):
-            y = self._function(x, is_first_microbatch, recipe, autocast)
-        return y.reshape(*inp.shape[:-1], self.out_features)
-
-    def _function(self, x, is_first_microbatch, recipe, autocast) -> torch.Tensor:
-        return _LayerNormLinearFunction.apply(
-            x,
-            self.layer_norm_weight,
-            self.layer_norm_bias,
-            self.weight,
-            self.bias,
-            self,
-            is_first_microbatch,
-            recipe,
-            autocast,
-        )
+            y = _LayerNormLinearFunction.apply(x, *params, self, overwrite, fp8, autocast)[0]
+        return y if inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.out_features)

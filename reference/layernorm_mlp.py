@@ -5,100 +5,114 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
-from .base import SplitBackwardModule, WgradEntry, detached
-from .contract import (
-    ACCUMULATE,
-    RETURN,
-    LayerNormMLPContract,
-    autocast_off,
-    gradient_destinations,
-    without_autocast,
+from .base import (
+    SplitBackwardModule,
+    WgradEntry,
+    detached,
+    no_forward_ad,
+    param_targets,
+    remember_params,
 )
+from .contract import LayerNormMLPContract, autocast_off, without_autocast
 from .fp8_gemm import FP8Gemm, update_delayed_scaling
-from .norm import norm_bwd, norm_fwd
+from .layernorm_linear import _normed
+from .linear import _gemm_operands
+from .norm import norm_bwd
 
 __all__ = ["LayerNormMLP"]
 
+_PARAMS = (
+    "layer_norm_weight",
+    "layer_norm_bias",
+    "fc1_weight",
+    "fc1_bias",
+    "fc2_weight",
+    "fc2_bias",
+)
+
+
+def _mlp_forward(module, x, ln_weight, ln_bias, w1, b1, w2, b2, autocast):
+    """``(y, ln_out, fc1_out, act_out, stats)`` without FP8. Under torch.autocast (SPEC §2) the
+    norm runs in the parameters' dtype, both GEMMs and the activation between them in the
+    autocast dtype."""
+    ln_out, stats = _normed(module, x, ln_weight, ln_bias, autocast)
+    w1, b1 = _gemm_operands(autocast, None, w1, b1)
+    w2, b2 = _gemm_operands(autocast, None, w2, b2)
+    fc1_out = F.linear_fwd(ln_out, w1, b1)
+    act_out = F.activation_fwd(fc1_out, module.activation)
+    return F.linear_fwd(act_out, w2, b2), ln_out, fc1_out, act_out, stats
+
 
 class _LayerNormMLPFunction(torch.autograd.Function):
+    """Returns ``(y, ln_out, fc1_out, act_out, *stats)``: the intermediates the backward needs
+    are outputs (autograd's ``setup_context`` form), marked non-differentiable."""
+
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(
-        ctx,
-        x,
-        ln_weight,
-        ln_bias,
-        fc1_weight,
-        fc1_bias,
-        fc2_weight,
-        fc2_bias,
-        module,
-        first,
-        recipe,
-        autocast,
-    ):
-        ctx.module = module
-        ctx.overwrite = bool(first) and module.fuse_wgrad_accumulation
-        ln_out, stats = norm_fwd(module, x)
-        if autocast is not None:
-            # SPEC §2, torch.autocast: the norm in the parameters' dtype, both GEMMs (and the
-            # activation between them, on their dtype) in the autocast dtype; under FP8 the
-            # weights are quantized from their own dtype.
-            ln_out = ln_out.to(autocast)
-            if recipe is None:
-                fc1_weight, fc2_weight = fc1_weight.to(autocast), fc2_weight.to(autocast)
-            fc1_bias = None if fc1_bias is None else fc1_bias.to(autocast)
-            fc2_bias = None if fc2_bias is None else fc2_bias.to(autocast)
-        if recipe is None:
-            ctx.fp8 = None
-            fc1_out = F.linear_fwd(ln_out, fc1_weight, fc1_bias)
-            act_out = F.activation_fwd(fc1_out, module.activation)
-            ctx.save_for_backward(
-                x, ln_weight, ln_out, fc1_weight, fc1_out, act_out, fc2_weight, *stats
+    def forward(x, ln_weight, ln_bias, w1, b1, w2, b2, module, overwrite, fp8, autocast):
+        if fp8 is None:
+            y, ln_out, fc1_out, act_out, stats = _mlp_forward(
+                module, x, ln_weight, ln_bias, w1, b1, w2, b2, autocast
             )
-            return F.linear_fwd(act_out, fc2_weight, fc2_bias)
-        # FP8: both GEMMs quantized; the activation runs in high precision between them.
-        ctx.fp8 = (FP8Gemm(module, recipe, "fc1"), FP8Gemm(module, recipe, "fc2"))
-        fc1_out = ctx.fp8[0].fprop(ln_out, fc1_weight, fc1_bias)
+            return (y, ln_out, fc1_out, act_out, *stats)
+        # FP8: both GEMMs quantized (weights from their own dtype); the activation runs in high
+        # precision between them.
+        fc1_fp8, fc2_fp8 = fp8
+        ln_out, stats = _normed(module, x, ln_weight, ln_bias, autocast)
+        _, b1 = _gemm_operands(autocast, fp8, w1, b1)
+        _, b2 = _gemm_operands(autocast, fp8, w2, b2)
+        fc1_out = fc1_fp8.fprop(ln_out, w1, b1)
         act_out = F.activation_fwd(fc1_out, module.activation)
-        y = ctx.fp8[1].fprop(act_out, fc2_weight, fc2_bias)
-        update_delayed_scaling(module, recipe, ("input", "weight"))
-        ctx.save_for_backward(x, ln_weight, None, None, fc1_out, None, None, *stats)
-        return y
+        y = fc2_fp8.fprop(act_out, w2, b2)
+        update_delayed_scaling(module, fc1_fp8.recipe, ("input", "weight"))
+        return (y, ln_out, fc1_out, act_out, *stats)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, ln_weight, ln_bias, w1, b1, w2, b2, module, overwrite, fp8, autocast = inputs
+        _, ln_out, fc1_out, act_out, *stats = output
+        ctx.mark_non_differentiable(ln_out, fc1_out, act_out, *stats)
+        ctx.module, ctx.overwrite, ctx.fp8, ctx.autocast = module, overwrite, fp8, autocast
+        remember_params(ctx, _PARAMS, (ln_weight, ln_bias, w1, b1, w2, b2))
+        ctx.weight_dtypes = (w1.dtype, w2.dtype)
+        if fp8 is not None:  # the quantized copies in ``fp8`` replace these
+            ln_out = act_out = w1 = w2 = None
+        ctx.save_for_backward(
+            x, ln_weight, ln_bias, w1, b1, w2, b2, ln_out, fc1_out, act_out, *stats
+        )
+
+    jvp = no_forward_ad
 
     @staticmethod
     @without_autocast
-    def backward(ctx, dy):
+    def backward(ctx, dy, *_):
         module: LayerNormMLP = ctx.module
         fp8, ctx.fp8 = ctx.fp8, None
-        saved = detached(ctx.saved_tensors)
-        x, ln_weight, ln_out, fc1_weight, fc1_out, act_out, fc2_weight, *stats = saved
-        need_x = ctx.needs_input_grad[0]
-        dest = gradient_destinations(
-            module.layer_norm_weight,
-            module.layer_norm_bias,
-            module.fc1_weight,
-            module.fc1_bias,
-            module.fc2_weight,
-            module.fc2_bias,
-        )
-        to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2 = dest
-        need_lnw, need_lnb = to_lnw is not None, to_lnb is not None
-        need_w1, need_b1, need_w2, need_b2 = (d == ACCUMULATE for d in dest[2:])
-        named_weights = [("fc2_weight", module.fc2_weight)] if need_w2 else []
-        if need_w1:
-            named_weights.append(("fc1_weight", module.fc1_weight))
-        module._begin_wgrad(named_weights)
+        targets = param_targets(ctx, module)
+        to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2 = targets
+        differentiable = module._begin_backward(targets, (to_w2, to_w1), fp8)
+        x, ln_weight, ln_bias, w1, b1, w2, b2, ln_out, fc1_out, act_out, *stats = ctx.saved_tensors
+        if differentiable:  # recompute, so that the formulas below are on the graph
+            _, ln_out, fc1_out, act_out, stats = _mlp_forward(
+                module, x, ln_weight, ln_bias, w1, b1, w2, b2, ctx.autocast
+            )
+        else:
+            x, ln_weight, w1, w2, ln_out, fc1_out, act_out, *stats = detached(
+                (x, ln_weight, w1, w2, ln_out, fc1_out, act_out, *stats)
+            )
         fc1_fp8, fc2_fp8 = fp8 if fp8 is not None else (None, None)
-
-        need_norm_grads = need_x or need_lnw or need_lnb
-        need_d_fc1 = need_norm_grads or to_w1 is not None or to_b1 is not None
+        need_x = ctx.needs_input_grad[0]
+        need_norm_grads = need_x or to_lnw.needed or to_lnb.needed
+        need_d_fc1 = need_norm_grads or to_w1.needed or to_b1.needed
         dx = d_lnw = d_lnb = d_fc1_out = d_ln_out = None
         if fp8 is None:
+            (w1, _), (w2, _) = (_gemm_operands(ctx.autocast, None, w, None) for w in (w1, w2))
             if need_d_fc1:
-                d_act = F.linear_dgrad(dy, fc2_weight)
+                d_act = F.linear_dgrad(dy, w2)
                 d_fc1_out = F.activation_bwd(d_act, fc1_out, module.activation)
             if need_norm_grads:
-                d_ln_out = F.linear_dgrad(d_fc1_out, fc1_weight)
+                d_ln_out = F.linear_dgrad(d_fc1_out, w1)
         else:
             d_act = fc2_fp8.dgrad(dy, need_d_fc1)
             if need_d_fc1:
@@ -108,39 +122,32 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         if need_norm_grads:
             dx, d_lnw, d_lnb = norm_bwd(module, d_ln_out, x, ln_weight, stats)
 
-        if named_weights or need_b1 or need_b2:
+        written = [t for t in (to_w2, to_w1) if t.written]
+        if written or to_b1.written or to_b2.written:
 
             def wgrad_closure():
-                module._begin_wgrad(named_weights)
+                module._begin_wgrad(written)
                 writes = []
-                if need_w2:
-                    writes.append(module._weight_write(module.fc2_weight, dy, act_out, fc2_fp8))
-                if need_b2:
-                    writes.append(module._bias_write(module.fc2_bias, dy))
-                if need_w1:
-                    writes.append(
-                        module._weight_write(module.fc1_weight, d_fc1_out, ln_out, fc1_fp8)
-                    )
-                if need_b1:
-                    writes.append(module._bias_write(module.fc1_bias, d_fc1_out))
+                if to_w2.written:
+                    writes.append(module._weight_write(to_w2, dy, act_out, fc2_fp8))
+                if to_b2.written:
+                    writes.append(module._bias_write(to_b2, dy))
+                if to_w1.written:
+                    writes.append(module._weight_write(to_w1, d_fc1_out, ln_out, fc1_fp8))
+                if to_b1.written:
+                    writes.append(module._bias_write(to_b1, d_fc1_out))
                 return writes
 
             module._submit_wgrad(WgradEntry(wgrad_closure, ctx.overwrite))
-        returned = [
-            module._returned_weight_grad(module.fc1_weight, d_fc1_out, ln_out, fc1_fp8)
-            if to_w1 == RETURN
-            else None,
-            F.bias_grad(d_fc1_out) if to_b1 == RETURN else None,
-            module._returned_weight_grad(module.fc2_weight, dy, act_out, fc2_fp8)
-            if to_w2 == RETURN
-            else None,
-            F.bias_grad(dy) if to_b2 == RETURN else None,
-        ]
+        w1_dtype, w2_dtype = ctx.weight_dtypes
         return (
             dx if need_x else None,
-            d_lnw if need_lnw else None,
-            d_lnb if need_lnb else None,
-            *returned,
+            d_lnw if to_lnw.needed else None,
+            d_lnb if to_lnb.needed else None,
+            module._returned_weight_grad(to_w1, w1_dtype, d_fc1_out, ln_out, fc1_fp8),
+            module._returned_bias_grad(to_b1, d_fc1_out),
+            module._returned_weight_grad(to_w2, w2_dtype, dy, act_out, fc2_fp8),
+            module._returned_bias_grad(to_b2, dy),
             *([None] * 4),
         )
 
@@ -162,24 +169,22 @@ class LayerNormMLP(LayerNormMLPContract, SplitBackwardModule):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.hidden_size)
+        w1, w2 = self.fc1_weight, self.fc2_weight
+        self._check_forward_params(recipe, [("fc1_weight", w1), ("fc2_weight", w2)])
+        fp8 = None
         if recipe is not None:
             self._check_fp8_shapes(recipe, x.shape[0])
+            fp8 = (FP8Gemm(self, recipe, "fc1"), FP8Gemm(self, recipe, "fc2"))
+        overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
         autocast = self.autocast_dtype()
-        with autocast_off(x.device.type):
-            y = self._function(x, is_first_microbatch, recipe, autocast)
-        return y.reshape(*inp.shape[:-1], self.hidden_size)
-
-    def _function(self, x, is_first_microbatch, recipe, autocast) -> torch.Tensor:
-        return _LayerNormMLPFunction.apply(
-            x,
+        params = (
             self.layer_norm_weight,
             self.layer_norm_bias,
-            self.fc1_weight,
+            w1,
             self.fc1_bias,
-            self.fc2_weight,
+            w2,
             self.fc2_bias,
-            self,
-            is_first_microbatch,
-            recipe,
-            autocast,
         )
+        with autocast_off(x.device.type):
+            y = _LayerNormMLPFunction.apply(x, *params, self, overwrite, fp8, autocast)[0]
+        return y if inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.hidden_size)

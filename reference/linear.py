@@ -5,69 +5,82 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
-from .base import SplitBackwardModule, WgradEntry, detached
-from .contract import (
-    ACCUMULATE,
-    RETURN,
-    LinearContract,
-    autocast_off,
-    gradient_destinations,
-    without_autocast,
+from .base import (
+    SplitBackwardModule,
+    WgradEntry,
+    detached,
+    no_forward_ad,
+    param_targets,
+    remember_params,
 )
+from .contract import LinearContract, autocast_off, without_autocast
 from .fp8_gemm import FP8Gemm, update_delayed_scaling
 
 __all__ = ["Linear"]
 
 
+def _gemm_operands(autocast, fp8, weight, bias):
+    """SPEC §2, torch.autocast: the GEMM's parameters cast to the autocast dtype (under FP8 the
+    weight is quantized from its own dtype)."""
+    if autocast is None:
+        return weight, bias
+    weight = weight if fp8 is not None else weight.to(autocast)
+    return weight, None if bias is None else bias.to(autocast)
+
+
 class _LinearFunction(torch.autograd.Function):
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, x, weight, bias, module, is_first_microbatch, recipe, autocast):
-        ctx.module = module
-        ctx.overwrite = bool(is_first_microbatch) and module.fuse_wgrad_accumulation
-        if autocast is not None:
-            # SPEC §2, torch.autocast: x arrives in the autocast dtype; the GEMM's parameters
-            # are cast to it too (under FP8 the weight is quantized from its own dtype).
-            weight = weight if recipe is not None else weight.to(autocast)
-            bias = None if bias is None else bias.to(autocast)
-        if recipe is None:
-            ctx.fp8 = None
-            ctx.save_for_backward(x, weight)
+    def forward(x, weight, bias, module, overwrite, fp8, autocast):
+        weight, bias = _gemm_operands(autocast, fp8, weight, bias)
+        if fp8 is None:
             return F.linear_fwd(x, weight, bias)
-        ctx.fp8 = FP8Gemm(module, recipe)
-        y = ctx.fp8.fprop(x, weight, bias)
-        update_delayed_scaling(module, recipe, ("input", "weight"))
+        y = fp8.fprop(x, weight, bias)
+        update_delayed_scaling(module, fp8.recipe, ("input", "weight"))
         return y
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, module, overwrite, fp8, autocast = inputs
+        ctx.module, ctx.overwrite, ctx.fp8, ctx.autocast = module, overwrite, fp8, autocast
+        remember_params(ctx, ("weight", "bias"), (weight, bias))
+        ctx.weight_dtype = weight.dtype
+        if fp8 is None:  # under FP8 the quantized copies in ``fp8`` are all the backward needs
+            ctx.save_for_backward(x, weight)
+
+    jvp = no_forward_ad
 
     @staticmethod
     @without_autocast
     def backward(ctx, dy):
         module: Linear = ctx.module
         fp8, ctx.fp8 = ctx.fp8, None
+        to_w, to_b = param_targets(ctx, module)
+        differentiable = module._begin_backward((to_w, to_b), (to_w,), fp8)
         need_x = ctx.needs_input_grad[0]
-        to_w, to_b = gradient_destinations(module.weight, module.bias)
-        need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
-        named_weights = [("weight", module.weight)] if need_w else []
-        module._begin_wgrad(named_weights)
         x = weight = None
         if fp8 is None:
-            x, weight = detached(ctx.saved_tensors)
+            x, weight = ctx.saved_tensors
+            if not differentiable:  # otherwise the formulas below are on the graph
+                x, weight = detached((x, weight))
+            weight, _ = _gemm_operands(ctx.autocast, None, weight, None)
             dx = F.linear_dgrad(dy, weight) if need_x else None
         else:
             dx = fp8.dgrad(dy, need_x)
             update_delayed_scaling(module, fp8.recipe, ("grad_output",))
-        if need_w or need_b:
+        if to_w.written or to_b.written:
 
             def wgrad_closure():
-                module._begin_wgrad(named_weights)
-                writes = [module._weight_write(module.weight, dy, x, fp8)] if need_w else []
-                if need_b:
-                    writes.append(module._bias_write(module.bias, dy))
+                module._begin_wgrad([to_w] if to_w.written else [])
+                writes = [module._weight_write(to_w, dy, x, fp8)] if to_w.written else []
+                if to_b.written:
+                    writes.append(module._bias_write(to_b, dy))
                 return writes
 
             module._submit_wgrad(WgradEntry(wgrad_closure, ctx.overwrite))
-        dw = module._returned_weight_grad(module.weight, dy, x, fp8) if to_w == RETURN else None
-        db = F.bias_grad(dy) if to_b == RETURN else None
-        return dx, dw, db, None, None, None, None
+        dw = module._returned_weight_grad(to_w, ctx.weight_dtype, dy, x, fp8)
+        return dx, dw, module._returned_bias_grad(to_b, dy), None, None, None, None
 
 
 class Linear(LinearContract, SplitBackwardModule):
@@ -77,17 +90,21 @@ class Linear(LinearContract, SplitBackwardModule):
     Forward: ``module(inp, is_first_microbatch=None)``; ``inp`` is ``(..., in_features)`` in
     ``params_dtype`` on the module's device, flattened to rows; the output is
     ``(..., out_features)``. Backward: ``dx = dy @ W`` now; ``dW = dy^T x`` and ``db = sum(dy)``
-    now or, with ``delay_wgrad_compute=True``, at ``backward_dw()`` (see :mod:`.base`).
+    now or, with ``delay_wgrad_compute=True``, at ``backward_dw()`` (see :mod:`.base`: the
+    gradients go to the tensors this forward used; only leaves are deferred).
     ``ub_bulk_wgrad=True`` with delay raises ``ValueError``; without delay it changes nothing.
     """
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.in_features)
+        weight, bias = self.weight, self.bias
+        self._check_forward_params(recipe, [("weight", weight)])
+        fp8 = None
         if recipe is not None:
             self._check_fp8_shapes(recipe, x.shape[0])
+            fp8 = FP8Gemm(self, recipe)
+        overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
         autocast = self.autocast_dtype()
         with autocast_off(x.device.type):
-            y = _LinearFunction.apply(
-                x, self.weight, self.bias, self, is_first_microbatch, recipe, autocast
-            )
-        return y.reshape(*inp.shape[:-1], self.out_features)
+            y = _LinearFunction.apply(x, weight, bias, self, overwrite, fp8, autocast)
+        return y if inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.out_features)

@@ -15,18 +15,15 @@ import torch
 from . import functional as F
 
 
-def norm_fwd(module, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """Returns ``(ln_out, stats)``; stats are what :func:`norm_bwd` needs besides x."""
+def norm_fwd(
+    module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Returns ``(ln_out, stats)``; stats are what :func:`norm_bwd` needs besides x. ``weight``
+    and ``bias`` are the norm parameters the forward was given; ``module`` gives the options."""
     if module.normalization == "LayerNorm":
-        y, mean, rstd = F.layer_norm_fwd(
-            x,
-            module.layer_norm_weight,
-            module.layer_norm_bias,
-            module.eps,
-            module.zero_centered_gamma,
-        )
+        y, mean, rstd = F.layer_norm_fwd(x, weight, bias, module.eps, module.zero_centered_gamma)
         return y, (mean, rstd)
-    y, rstd = F.rms_norm_fwd(x, module.layer_norm_weight, module.eps, module.zero_centered_gamma)
+    y, rstd = F.rms_norm_fwd(x, weight, module.eps, module.zero_centered_gamma)
     return y, (rstd,)
 
 
