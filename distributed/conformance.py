@@ -86,6 +86,7 @@ RECIPES = {
     "block": "Float8BlockScaling",
 }
 _WEIGHT_NAMES = ("weight", "fc1_weight", "fc2_weight")
+_REDUCER = "splitgrad.distributed:GradientReducer"
 
 
 @dataclasses.dataclass
@@ -229,7 +230,11 @@ class Block(torch.nn.Module):
     ``microbatches_per_step``: pass ``is_first_microbatch=True`` to the first forward of every
     step (counting forwards, pipelining's shape-inference pass excluded), as a training loop with
     fused accumulation does; ``main_grad`` then starts from ``prefill_seed``'s random values,
-    which the first micro-batch must overwrite."""
+    which the first micro-batch must overwrite. ``proj_twice``: ``proj`` is applied twice in
+    every forward, ``x + proj(tanh(proj(tanh(gate(mlp(x))))))``, so each backward queues two of
+    its entries (SPEC §4: a weight used twice in one graph); its first use passes
+    ``is_first_microbatch=False`` (its entry runs second and must add to what the second use's
+    overwrite left)."""
 
     def __init__(
         self,
@@ -244,6 +249,7 @@ class Block(torch.nn.Module):
         microbatches_per_step: int | None = None,
         prefill_seed: int = 0,
         delay: bool = True,
+        proj_twice: bool = False,
     ) -> None:
         super().__init__()
         kw = dict(params_dtype=dtype, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fused)
@@ -258,6 +264,7 @@ class Block(torch.nn.Module):
                 value = (torch.randn(p.shape, generator=gen) * 0.3).to(value_dtype or dtype)
                 p.copy_(value.to(dtype))
         self.microbatches_per_step = microbatches_per_step
+        self.proj_twice = proj_twice
         self._forwards = 0
         if fused:
             noise = torch.Generator().manual_seed(2000 + prefill_seed)
@@ -275,8 +282,10 @@ class Block(torch.nn.Module):
         if self.microbatches_per_step and not in_shape_inference():
             first = self._forwards % self.microbatches_per_step == 0
             self._forwards += 1
-        h = self.mlp(x, is_first_microbatch=first)
-        return x + self.proj(torch.tanh(self.gate(h)), is_first_microbatch=first)
+        h = torch.tanh(self.gate(self.mlp(x, is_first_microbatch=first)))
+        if self.proj_twice:
+            h = torch.tanh(self.proj(h, is_first_microbatch=None if first is None else False))
+        return x + self.proj(h, is_first_microbatch=first)
 
 
 def _gradients(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
@@ -627,15 +636,42 @@ def check_pipeline(
 # ---- P16: data parallel ----------------------------------------------------------------------
 
 
-def _dp_step(lib, rank: int, *, fused: bool, mode: str, n_mb: int, dtype, skip_dw=False):
+def _dp_step(
+    lib,
+    rank: int,
+    *,
+    fused: bool,
+    mode: str,
+    n_mb: int,
+    dtype,
+    proj_twice: bool,
+    reducer_cls,
+    skip_dw=False,
+):
     """One step of 2 Blocks on one replica, micro-batches marked by ``mode`` ("no_sync" or
     "count"), every backward_dw() deferred until after the last backward and run block by block
-    (so the first block's reductions overlap the second block's wgrad GEMMs)."""
+    (so the first block's reductions overlap the second block's wgrad GEMMs). ``proj_twice``:
+    each Block applies ``proj`` twice (two entries per backward, the step's last pass too).
+    Fused, ``main_grad`` starts random and the first micro-batch passes
+    ``is_first_microbatch=True``."""
     hidden, ffn, rows = _sizes(None)
     blocks = torch.nn.Sequential(
-        *(Block(lib, hidden, ffn, i, fused=fused, dtype=dtype) for i in range(2))
+        *(
+            Block(
+                lib,
+                hidden,
+                ffn,
+                i,
+                fused=fused,
+                dtype=dtype,
+                microbatches_per_step=n_mb if fused else None,
+                prefill_seed=rank + 1,
+                proj_twice=proj_twice,
+            )
+            for i in range(2)
+        )
     )
-    reducer = GradientReducer(
+    reducer = reducer_cls(
         blocks,
         num_microbatches=n_mb if mode == "count" else None,
         bucket_cap_mb=hidden * ffn * 4 / 2**20,  # about one GEMM weight per bucket
@@ -676,9 +712,12 @@ def _nullcontext():
     return contextlib.nullcontext()
 
 
-def _dp_rank(rank: int, world: int, lib_name: str, configs: list[dict]) -> list:
+def _dp_rank(
+    rank: int, world: int, lib_name: str, configs: list[dict], reducer_name: str = _REDUCER
+) -> list:
     lib = load_package(lib_name)
-    return [_dp_step(lib, rank, **cfg) for cfg in configs]
+    reducer_cls = load_package(reducer_name)
+    return [_dp_step(lib, rank, reducer_cls=reducer_cls, **cfg) for cfg in configs]
 
 
 def _dp_truth(rank: int, _: int, lib_name: str, configs: list[dict], world: int) -> list:
@@ -690,7 +729,7 @@ def _dp_truth(rank: int, _: int, lib_name: str, configs: list[dict], world: int)
     ref = load_package("splitgrad.reference")
     hidden, ffn, rows = _sizes(None)
 
-    def run(package, dtype, seeds, value_dtype, fused):
+    def run(package, dtype, seeds, value_dtype, fused, proj_twice):
         blocks = torch.nn.Sequential(
             *(
                 Block(
@@ -701,7 +740,11 @@ def _dp_truth(rank: int, _: int, lib_name: str, configs: list[dict], world: int)
                     fused=fused,
                     dtype=dtype,
                     value_dtype=value_dtype,
+                    # one step over every seed's micro-batches: only the very first overwrites
+                    microbatches_per_step=n_mb * len(seeds) if fused else None,
+                    prefill_seed=99,
                     delay=False,
+                    proj_twice=proj_twice,
                 )
                 for i in range(2)
             )
@@ -715,13 +758,15 @@ def _dp_truth(rank: int, _: int, lib_name: str, configs: list[dict], world: int)
     out = []
     for cfg in configs:
         n_mb, fused, dtype = cfg["n_mb"], cfg["fused"], cfg["dtype"]
-        replicas = [run(lib, dtype, (100 + r,), dtype, fused) for r in range(world)]
+        twice = cfg.get("proj_twice", False)
+        replicas = [run(lib, dtype, (100 + r,), dtype, fused, twice) for r in range(world)]
         emulated = {name: _mean([rep[name] for rep in replicas], world) for name in replicas[0]}
         emulated = {n: None if g is None else g.div_(n_mb) for n, g in emulated.items()}
         seeds = tuple(100 + r for r in range(world))
         divisor = world * n_mb
-        naive = {n: g.div(divisor) for n, g in run(ref, dtype, seeds, dtype, fused).items()}
-        truth = run(ref, torch.float64, seeds, dtype, False)
+        naive = run(ref, dtype, seeds, dtype, fused, twice)
+        naive = {n: g.div(divisor) for n, g in naive.items()}
+        truth = run(ref, torch.float64, seeds, dtype, False, twice)
         truth = {n: g.div(divisor) for n, g in truth.items()}
         out.append({"emulated": emulated, "naive": naive, "truth": truth})
     return out
@@ -733,17 +778,23 @@ def check_data_parallel(
     n_microbatches: int = 3,
     dtypes: tuple[torch.dtype, ...] = (torch.float32,),
     timeout_s: float = 600.0,
+    reducer: str = _REDUCER,
 ) -> DistributedReport:
-    """P16 alone, on 2 gloo replicas: fused and plain, no_sync() and num_microbatches."""
+    """P16 alone, on 2 gloo replicas: fused and plain, no_sync() and num_microbatches; a
+    delayed module applied twice per micro-batch; fused ``main_grad`` prefilled with random
+    values that the first micro-batch (``is_first_microbatch=True``) overwrites. ``reducer``
+    names the reducer class (``"module:Class"``, built as ``GradientReducer`` is)."""
     configs = [
-        {"fused": f, "mode": m, "n_mb": n_microbatches, "dtype": d}
+        {"fused": f, "mode": m, "n_mb": n_microbatches, "dtype": d, "proj_twice": True}
         for f in (False, True)
         for m in ("no_sync", "count")
         for d in dtypes
     ]
     world = 2
     report = DistributedReport(f"P16 {lib_name} on {world} replicas")
-    results = _ranks(report, "replicas", _dp_rank, world, lib_name, configs, timeout_s=timeout_s)
+    results = _ranks(
+        report, "replicas", _dp_rank, world, lib_name, configs, reducer, timeout_s=timeout_s
+    )
     truths = _ranks(
         report,
         "single-process baseline",

@@ -10,7 +10,7 @@ import types
 import splitgrad.distributed.expert_parallel as _ep
 import splitgrad.impl as _impl
 import torch.distributed as dist
-from splitgrad.distributed import ExpertParallelMoE
+from splitgrad.distributed import ExpertParallelMoE, GradientReducer
 
 
 def _package(name: str, **overrides) -> types.ModuleType:
@@ -118,3 +118,13 @@ class WaitsFirstMoE(ExpertParallelMoE):
             return super().forward(x, expert_index)
         finally:
             _ep._AllToAll = real
+
+
+class FirstEntryFinalReducer(GradientReducer):
+    """The reducer taking a delayed gradient as final after the *first* entry of the step's
+    last backward pass instead of its last (a module applied twice queues two in that pass)."""
+
+    def _end_of_pass(self, owner, task) -> None:
+        super()._end_of_pass(owner, task)
+        if owner.queue and owner.queue[-1].final:
+            owner.queue[-1].entries = 1

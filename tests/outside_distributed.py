@@ -7,17 +7,19 @@ checks (P14-P16) at an outside package that follows SPEC §2-§4 in its own way:
   requires grad, not a parameter) keeps the Function in the graph when its input needs no
   gradient, and tells, through ``get_gradient_edge`` and ``_will_engine_execute_node`` (SPEC §3),
   whether the running backward asks for parameter gradients at all;
-* without delay it returns the GEMM gradients through autograd, as ``torch.nn.Linear`` does
-  (fused weights: into ``main_grad``, returning nothing for them, as TransformerEngine does);
+* without delay it writes the GEMM gradients itself inside backward, one use at a time, and
+  returns nothing for them (autograd would sum a tied weight's two uses before accumulating,
+  which the delayed entries, run one by one, cannot match bitwise; SPEC §1, P7);
 * every GEMM of one forward shares one entry object, queued by the first of them that runs
   backward: one entry per module per backward (``LayerNormMLP``: fc2 then fc1;
   ``GroupedLinear``: every group).
 
 Packages (importable by name, as the checks import the package inside their spawned ranks):
-``outside_distributed:correct``, and two planted bugs that a check comparing the package only
+``outside_distributed:correct``, and three planted bugs that a check comparing the package only
 with itself would miss: ``outside_distributed:overwrites_grad`` (``backward_dw()`` assigns
-``.grad`` instead of accumulating, TE #3437) and ``outside_distributed:drops_bias`` (the delayed
-bias gradient is never written).
+``.grad`` instead of accumulating, TE #3437), ``outside_distributed:drops_bias`` (the delayed
+bias gradient is never written) and ``outside_distributed:ignores_first_microbatch`` (fused
+accumulation adds to ``main_grad`` even when the forward got ``is_first_microbatch=True``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-__all__ = ["make_package", "correct", "overwrites_grad", "drops_bias"]
+__all__ = ["make_package", "correct", "overwrites_grad", "drops_bias", "ignores_first_microbatch"]
 
 
 class _Entry:
@@ -72,11 +74,14 @@ class _Gemm(torch.autograd.Function):
                     entry.queued = True
                     module._entries.append(entry)
             return dx, None, None, None, None, None
-        dw, db = _wgrad(dy, x, weight, bias)
-        if dw is not None and module.fuse_wgrad_accumulation:
-            module._write_weight(weight, dw, entry.first)
-            dw = None
-        return dx, None, dw, db, None, None
+        if _engine_will_accumulate(module.anchor):
+            dw, db = _wgrad(dy, x, weight, bias)
+            with torch.no_grad():
+                if dw is not None:
+                    module._write_weight(weight, dw, entry.first)
+                if db is not None:
+                    module._write_grad(bias, db)
+        return dx, None, None, None, None, None
 
 
 def _wgrad(dy, x, weight, bias):
@@ -90,6 +95,7 @@ class _SplitModule(torch.nn.Module):
 
     _overwrite_grad = False
     _drop_bias = False
+    _ignore_first = False
 
     def __init__(
         self,
@@ -147,19 +153,21 @@ class _SplitModule(torch.nn.Module):
                 )
         return _Gemm.apply(x, self.anchor, w, b, entry, (weight, bias))
 
-    def _write_weight(self, weight: torch.nn.Parameter, dw: torch.Tensor, first: bool) -> None:
+    def _write_weight(
+        self, weight: torch.nn.Parameter, dw: torch.Tensor, first: bool, overwrite=False
+    ) -> None:
         if self.fuse_wgrad_accumulation:
-            if first:
+            if first and not self._ignore_first:
                 weight.main_grad.copy_(dw)
             else:
                 weight.main_grad.add_(dw)
             if hasattr(weight, "grad_added_to_main_grad"):
                 weight.grad_added_to_main_grad = True
         else:
-            self._write_grad(weight, dw)
+            self._write_grad(weight, dw, overwrite)
 
-    def _write_grad(self, p: torch.nn.Parameter, g: torch.Tensor) -> None:
-        if p.grad is None or self._overwrite_grad:
+    def _write_grad(self, p: torch.nn.Parameter, g: torch.Tensor, overwrite=False) -> None:
+        if p.grad is None or overwrite:
             p.grad = g
         else:
             p.grad += g
@@ -176,9 +184,9 @@ class _SplitModule(torch.nn.Module):
         with torch.no_grad():
             for w, b, dw, db in results:
                 if dw is not None:
-                    self._write_weight(w, dw, entry.first)
+                    self._write_weight(w, dw, entry.first, self._overwrite_grad)
                 if db is not None and not self._drop_bias:
-                    self._write_grad(b, db)
+                    self._write_grad(b, db, self._overwrite_grad)
         entry.parts = []
         for fn in self._hooks:
             fn()
@@ -285,13 +293,19 @@ class GroupedLinear(_SplitModule):
 _MODULES = (Linear, LayerNormLinear, LayerNormMLP, GroupedLinear)
 
 
-def make_package(name: str, *, overwrite_grad: bool = False, drop_bias: bool = False):
-    """A namespace with the four modules; the flags plant one bug each in ``backward_dw()``."""
+def make_package(
+    name: str, *, overwrite_grad: bool = False, drop_bias: bool = False, ignore_first: bool = False
+):
+    """A namespace with the four modules; the flags plant one bug each in the wgrad writes
+    (``ignore_first``: in the non-delayed path too)."""
     pkg = types.ModuleType(f"outside_distributed.{name}")
     for cls in _MODULES:
-        variant = type(
-            cls.__name__, (cls,), {"_overwrite_grad": overwrite_grad, "_drop_bias": drop_bias}
-        )
+        flags = {
+            "_overwrite_grad": overwrite_grad,
+            "_drop_bias": drop_bias,
+            "_ignore_first": ignore_first,
+        }
+        variant = type(cls.__name__, (cls,), flags)
         variant.__module__ = __name__
         variant.__qualname__ = f"{name}.{cls.__name__}"
         setattr(pkg, cls.__name__, variant)
@@ -302,3 +316,4 @@ def make_package(name: str, *, overwrite_grad: bool = False, drop_bias: bool = F
 correct = make_package("correct")
 overwrites_grad = make_package("overwrites_grad", overwrite_grad=True)
 drops_bias = make_package("drops_bias", drop_bias=True)
+ignores_first_microbatch = make_package("ignores_first_microbatch", ignore_first=True)

@@ -36,6 +36,26 @@ def test_p15_catches_lifo_entries_under_fused_first_microbatch():
     assert not report.ok
 
 
+def test_p16_catches_a_reducer_final_after_the_first_entry_of_the_last_pass():
+    """Each Block applies proj twice: the step's last pass queues two proj entries, and a
+    reducer that launches after the first of them reduces a partial gradient (fused) or sees
+    the second written after its reduction started; mlp (one entry per pass) stays right."""
+    report = conformance.check_data_parallel(
+        "splitgrad.impl", reducer="distributed_mutants:FirstEntryFinalReducer"
+    )
+    assert not report.ok
+    assert all("proj" in f and "mlp" not in f for f in report.failures), report.failures[:3]
+    assert any(
+        f.startswith("plain") and "proj.weight, 0.proj.bias: backward_dw() wrote it again" in f
+        for f in report.failures
+    ), report.failures[:3]
+    assert any(
+        f.startswith("fused") and "0.proj.weight vs (replica0 + replica1) / 2 without delay" in f
+        for f in report.failures
+    )
+    assert any("1.proj.bias vs the float64 truth: max error" in f for f in report.failures)
+
+
 def test_cli_fails_on_a_planted_bug(capsys):
     from splitgrad.distributed.cli import main
 

@@ -2,8 +2,8 @@
 is written apart from splitgrad.impl (its Function takes detached copies of the delayed
 parameters, so autograd never reaches them, as TransformerEngine returns no gradient for a
 delayed weight) and passes every distributed check; the same package with one planted bug in
-``backward_dw()`` fails them, and an expert-parallel layer whose experts' ``backward_dw()`` runs
-after the dispatch all-to-all's wait fails P14.
+its weight-gradient writes fails them, and an expert-parallel layer whose experts'
+``backward_dw()`` runs after the dispatch all-to-all's wait fails P14.
 
 The planted bugs are invisible to a check that compares the package only with itself: the
 baseline runs the package without delay (bitwise) and everything is also judged against
@@ -19,6 +19,7 @@ pytestmark = pytest.mark.distributed
 CORRECT = "outside_distributed:correct"
 OVERWRITES = "outside_distributed:overwrites_grad"
 DROPS_BIAS = "outside_distributed:drops_bias"
+IGNORES_FIRST = "outside_distributed:ignores_first_microbatch"
 
 
 def test_p14_passes_the_outside_package():
@@ -80,6 +81,21 @@ def test_p16_fails_both_planted_bugs_naming_the_parameter():
         "finish() raised" in f and "bias: final but no gradient was written" in f
         for f in report.failures
     ), report.failures[:3]
+
+
+def test_p16_fails_a_package_that_ignores_is_first_microbatch():
+    """Fused, main_grad starts random and the first micro-batch passes
+    is_first_microbatch=True: a package that adds instead of overwriting keeps the prefill, in
+    every fused GEMM weight and in no plain cell."""
+    report = conformance.check_data_parallel(IGNORES_FIRST)
+    assert not report.ok
+    assert all(f.startswith("fused") for f in report.failures), report.failures[:3]
+    for name in ("0.mlp.fc1_weight", "0.mlp.fc2_weight", "1.proj.weight"):
+        assert any(
+            f"{name} vs (replica0 + replica1) / 2 without delay: not bitwise" in f
+            for f in report.failures
+        ), name
+        assert any(f"{name} vs the float64 truth: max error" in f for f in report.failures)
 
 
 def test_p16_pp_fails_a_dropped_delayed_bias():
