@@ -372,9 +372,9 @@ SHARED_PATH_MUTANTS = (
         (
             (
                 "linear.py",
-                '    Function\'s backward and the compiled op."""\n'
+                "    (to_w, to_b), (w, b) = dests, leaves\n"
                 "    need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE\n",
-                '    Function\'s backward and the compiled op."""\n'
+                "    (to_w, to_b), (w, b) = dests, leaves\n"
                 "    need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE\n"
                 "    if getattr(module, '_uses', 1) > 1:\n"
                 "        need_b = False\n"
@@ -468,14 +468,8 @@ P17_MUTANTS = (
         (
             (
                 "base.py",
-                "            out.append(node_destination(edges[i][0]))\n",
-                "            out.append(ACCUMULATE if node_destination(edges[i][0]) else None)\n",
-            ),
-            (
-                "base.py",
-                "from splitgrad.reference.contract import (\n    ModuleContract,\n",
-                "from splitgrad.reference.contract import (\n"
-                "    ACCUMULATE,\n    ModuleContract,\n",
+                "            dest = node_destination(node)\n",
+                "            dest = ACCUMULATE if node_destination(node) else None\n",
             ),
         ),
     ),
@@ -487,7 +481,8 @@ P17_MUTANTS = (
             (
                 "linear.py",
                 "    need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE\n",
-                "    need_w, need_b = to_w is not None, to_b == ACCUMULATE\n",
+                "    need_w, need_b = to_w is not None, to_b == ACCUMULATE\n"
+                "    w = module.weight if w is None else w\n",
             ),
         ),
     ),

@@ -22,17 +22,22 @@ grad). Under ``torch.compile`` the backward runs through :mod:`.compiled`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
+from splitgrad.reference import accumulate as acc
+from splitgrad.reference._torch_private import functorch_active
 from splitgrad.reference.contract import (
+    ACCUMULATE,
     ModuleContract,
     autocast_off,
     node_destination,
     without_autocast,
 )
+from splitgrad.reference.routing import route_differentiable
 
-from . import compiled, gemm
+from . import compiled, gemm, twin
 from .fp8 import Float8Tensor
 from .fp8_gemm import fp8_wgrad_write, pack, unpack
 from .store import WeightGradStore, WgradEntry
@@ -42,7 +47,10 @@ __all__ = [
     "FP8WgradPart",
     "autocast_cast",
     "autocast_off",
-    "edge_destinations",
+    "edge_routes",
+    "fp8_not_differentiable",
+    "functorch_active",
+    "twin",
     "fast_apply",
     "take_fp8",
     "without_autocast",
@@ -59,23 +67,34 @@ def autocast_cast(dtype: torch.dtype | None, *tensors: torch.Tensor | None) -> t
     return tuple(None if t is None else t.to(dtype) for t in tensors)
 
 
-def edge_destinations(ctx, present: Sequence[bool]) -> list[str | None]:
-    """Where the running backward wants the gradients of the Function's parameters: the inputs
-    after ``x``, ``present[i]`` telling whether parameter ``i`` was a tensor (``None``, e.g. no
-    bias, has no autograd edge). Each is
-    :func:`~splitgrad.reference.contract.node_destination` of that input's autograd edge (the
-    same node ``torch.autograd.graph.get_gradient_edge`` finds, without building a view to find
-    it). Call it inside the Function's backward."""
+def edge_routes(ctx, present: Sequence[bool]) -> tuple[list[str | None], list[torch.Tensor | None]]:
+    """Where the running backward wants the gradients of the Function's parameters (the inputs
+    after ``x``; ``present[i]``: parameter ``i`` was a tensor, ``None`` such as no bias has no
+    autograd edge), and for each one the module writes itself
+    (:data:`~splitgrad.reference.contract.ACCUMULATE`) the leaf its edge leads to: the tensor the
+    forward was given (SPEC §3), never the module's attribute (``None`` for the others). Each
+    destination is :func:`~splitgrad.reference.contract.node_destination` of that input's
+    autograd edge. Call it inside the Function's backward."""
     edges = ctx.next_functions
-    out: list[str | None] = []
+    dests: list[str | None] = []
+    leaves: list[torch.Tensor | None] = []
     i = 1  # edge 0 is x
     for is_tensor in present:
+        dest = leaf = None
         if is_tensor:
-            out.append(node_destination(edges[i][0]))
+            node = edges[i][0]
+            dest = node_destination(node)
+            if dest == ACCUMULATE:
+                leaf = node.variable
             i += 1
-        else:
-            out.append(None)
-    return out
+        dests.append(dest)
+        leaves.append(leaf)
+    return dests, leaves
+
+
+def fp8_not_differentiable(module) -> None:
+    """Raise ``RuntimeError``: an FP8 backward cannot be differentiated (create_graph=True)."""
+    route_differentiable(module, (), fp8=True)
 
 
 def take_fp8(ctx) -> tuple[torch.nn.Module, object]:
@@ -95,12 +114,13 @@ def fast_apply(function: type[torch.autograd.Function]) -> Callable[..., torch.T
     Python wrapper's per-call work (default-argument binding, a dead-functorch-wrapper check on
     every tensor argument: 128 of them in a 64-group ``GroupedLinear``) costs more than the
     Function itself at small shapes; only the input can be such a wrapper. Under
-    ``torch.compile`` and functorch transforms it is ``function.apply``."""
+    ``torch.compile`` it is ``function.apply``; a module under a ``torch.func`` transform runs
+    :class:`.twin.TwinFunction` instead (see :meth:`SplitBackwardModule._twin_forward`)."""
     c_apply = _C_APPLY.__get__(None, function)
 
     def apply(x: torch.Tensor, *args) -> torch.Tensor:
-        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-            if not compiled.SUPPORTED and torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            if not compiled.SUPPORTED:
                 compiled.check_supported()
             return function.apply(x, *args)
         return c_apply(_unwrap_if_dead(x), *args)
@@ -128,6 +148,8 @@ class SplitBackwardModule(ModuleContract):
 
     #: How FP8 GEMMs run: ``"auto"``, ``"scaled_mm"`` or ``"dequantize"`` (see :mod:`.fp8_gemm`).
     fp8_gemm: str = "auto"
+    #: While an entry whose leaves have hooks runs: the writes it collects (see :meth:`_execute`).
+    _collected: list | None = None
 
     def __init__(self, **options) -> None:
         super().__init__(**options)
@@ -141,39 +163,110 @@ class SplitBackwardModule(ModuleContract):
         super().__setstate__(state)
         self._handle = compiled.register(self)
 
+    # ---- the forward's parameters -----------------------------------------------------------
+
+    def _param(self, name: str) -> torch.Tensor | None:
+        """The tensor the forward uses for parameter ``name``: the registered one (or the one
+        ``torch.func.functional_call`` put in its place), or a parametrization's result."""
+        params = self._parameters
+        if name in params:
+            return params[name]
+        return getattr(self, name)
+
+    def _twin_forward(self, x, names, params, autocast, recipe, m_splits=None) -> torch.Tensor:
+        """The forward under a ``torch.func`` transform (:mod:`.twin`)."""
+        self._check_forward_params(recipe, [])
+        return twin.TwinFunction.apply(x, self, autocast, m_splits, tuple(names), *params)
+
     # ---- gradient routing (§3) ------------------------------------------------------------
 
+    def _begin_writes(self, named_leaves: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """At the start of a backward, for the leaves the module writes itself: under fused
+        accumulation their weights need a usable ``main_grad`` and no tensor hook (raised
+        before anything is written); hooked leaves get autograd's call without a gradient muted
+        (:func:`~splitgrad.reference.accumulate.mute_empty_calls`)."""
+        if self.fuse_wgrad_accumulation:
+            weights = self._gemm_weight_names
+            self._check_main_grads([(n, leaf) for n, leaf in named_leaves if n in weights])
+        for _, leaf in named_leaves:
+            if acc.has_hooks(leaf):
+                acc.mute_empty_calls(leaf, deferred=self.delay_wgrad_compute)
+
     def _write_weight_grad(
-        self, param: torch.nn.Parameter, dy: torch.Tensor, x: torch.Tensor, overwrite: bool
+        self, param: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, overwrite: bool
     ) -> None:
         """Write ``dy^T x`` to ``param.main_grad`` (fused) or ``param.grad`` (plain)."""
         if self.fuse_wgrad_accumulation:
+            if self._collected is not None:
+                later = functools.partial(self._write_weight_grad, param, dy, x, overwrite)
+                self._collected.append((param, None, later))
+                return
             gemm.wgrad_into_main_grad_(param.main_grad, dy, x, overwrite)
             if hasattr(param, "grad_added_to_main_grad"):
                 param.grad_added_to_main_grad = True
+        elif self._collected is not None:
+            self._collected.append((param, gemm.wgrad(dy, x), None))
         elif param.grad is None:
             param.grad = _in_dtype_of(param, gemm.wgrad(dy, x))
         else:
             gemm.wgrad_accumulate_(param.grad, dy, x)
 
-    @classmethod
-    def _write_bias_grad(cls, param: torch.nn.Parameter, dy: torch.Tensor) -> None:
+    def _write_bias_grad(self, param: torch.Tensor, dy: torch.Tensor) -> None:
         """Write ``sum over rows of dy`` to ``param.grad`` (biases never use ``main_grad``)."""
-        cls._write_bias_value(param, dy.sum(dim=0))
+        self._write_bias_value(param, dy.sum(dim=0))
 
-    @staticmethod
-    def _write_bias_value(param: torch.nn.Parameter, db: torch.Tensor) -> None:
+    def _write_bias_value(self, param: torch.Tensor, db: torch.Tensor) -> None:
         """Set or accumulate an already reduced bias gradient into ``param.grad``."""
-        if param.grad is None:
+        if self._collected is not None:
+            self._collected.append((param, db, None))
+        elif param.grad is None:
             param.grad = _in_dtype_of(param, db)
         else:
             param.grad.add_(db)
 
+    def _execute(self, closure: Callable[..., None], saved: tuple, written: tuple) -> None:
+        """Run a wgrad closure with grad mode off. When a leaf it writes has hooks, its writes
+        follow autograd's accumulator (:mod:`splitgrad.reference.accumulate`): every gradient
+        is computed and passed through its leaf's tensor hooks first (so a hook that raises
+        leaves everything unwritten), then stored, then, for a deferred entry, each leaf's
+        post-accumulate hooks run (without delay autograd's own call on the leaf, which follows
+        the backward, runs them). ``written``: the (name, leaf) pairs the closure writes."""
+        if not any(acc.has_hooks(leaf) for _, leaf in written):
+            with torch.no_grad():
+                closure(*saved)
+            return
+        self._collected = []
+        try:
+            with torch.no_grad():
+                closure(*saved)
+            collected = self._collected
+        finally:
+            self._collected = None
+        names = {id(leaf): name for name, leaf in written}
+        kind = type(self).__name__
+        with torch.no_grad():
+            # (leaf, value after its tensor hooks or None, a fused write to run or None)
+            hooked = [
+                (leaf, acc.apply_tensor_hooks(leaf, value, f"{kind}.{names[id(leaf)]}"), later)
+                if value is not None
+                else (leaf, value, later)
+                for leaf, value, later in collected
+            ]
+            for leaf, value, later in hooked:
+                if later is not None:
+                    later()  # a main_grad write: fused weights have no tensor hooks
+                else:
+                    acc.accumulate(leaf, value, own=not acc.has_hooks(leaf))
+        if self.delay_wgrad_compute:
+            for leaf in {id(leaf): leaf for leaf, _, _ in hooked}.values():
+                acc.run_post_accumulate_hooks(leaf)
+
     def _submit_fp8_wgrad(
         self,
         parts: Sequence[FP8WgradPart],
-        named_weights: Sequence[tuple[str, torch.nn.Parameter]],
+        named_weights: Sequence[tuple[str, torch.Tensor]],
         overwrite: bool,
+        written: tuple,
     ) -> None:
         """Queue (or run) one entry that writes every part's weight and bias gradient, in order.
 
@@ -198,8 +291,7 @@ class SplitBackwardModule(ModuleContract):
                 if bias is not None:
                     self._write_bias_value(bias, saved[n + i])
 
-        params = tuple(p for pair in targets for p in pair if p is not None)
-        self._submit_wgrad(wgrad_closure, tensors + dbs, params)
+        self._submit_wgrad(wgrad_closure, tensors + dbs, written)
 
     # ---- the queue (§4) -----------------------------------------------------------------
 
@@ -212,8 +304,9 @@ class SplitBackwardModule(ModuleContract):
         """Run the oldest queued weight-gradient entry (FIFO), then the hooks.
 
         No-op on a module built without delay; ``RuntimeError`` when nothing is pending. If the
-        wgrad raises, nothing is written and the entry stays at the head of the queue; if a hook
-        raises, the gradients are written, the entry is consumed and the error propagates.
+        wgrad raises (a parameter's tensor hook included), nothing is written and the entry
+        stays at the head of the queue; if a post-accumulate hook or a module hook raises, the
+        gradients are written, the entry is consumed and the error propagates.
 
         ``stream`` (CUDA only; ignored on CPU): run the wgrad GEMMs on this side stream so they
         overlap work already queued on the current stream (e.g. an all-to-all). The side stream
@@ -232,9 +325,9 @@ class SplitBackwardModule(ModuleContract):
         # (its backward runs with autocast off too), whatever context the caller is in.
         with autocast_off(self.fp8_device.type):
             if stream is not None and _on_cuda(entry):
-                _run_on_side_stream(entry, stream)
+                self._run_on_side_stream(entry, stream)
             else:
-                entry.run()  # raises -> the entry stays at the head, nothing written
+                self._execute(entry.closure, entry.saved, entry.params)
         self._wgrad_store.pop_and_release()
         del entry
         self._run_hooks()
@@ -243,24 +336,38 @@ class SplitBackwardModule(ModuleContract):
         self,
         closure: Callable[..., None],
         saved: tuple[torch.Tensor | None, ...],
-        params: tuple[torch.nn.Parameter, ...],
+        written: tuple[tuple[str, torch.Tensor], ...],
         own_copies: bool = False,
     ) -> None:
         """Called at the end of the autograd backward: queue ``closure(*saved)`` as an entry
-        writing ``params``, or run it now (then the hooks). ``own_copies``: the entry keeps
-        copies of ``saved`` (a compiled backward, see :mod:`.compiled`)."""
+        writing the ``written`` (name, leaf) pairs, or run it now (then the hooks).
+        ``own_copies``: the entry keeps copies of ``saved`` (a compiled backward, see
+        :mod:`.compiled`)."""
         if self.delay_wgrad_compute:
             if own_copies:
                 saved = tuple(None if t is None else t.clone() for t in saved)
-            self._wgrad_store.push(WgradEntry(closure, saved, params))
+            self._wgrad_store.push(WgradEntry(closure, saved, written))
             return
-        if torch.is_grad_enabled():  # backward(create_graph=True)
-            with torch.no_grad():
-                closure(*saved)
-        else:
-            closure(*saved)
+        self._execute(closure, saved, written)
         if self._wgrad_hooks:
             self._run_hooks()
+
+    def _run_on_side_stream(self, entry: WgradEntry, stream: torch.cuda.Stream) -> None:
+        """Run ``entry`` on ``stream`` with the event waits and allocator bookkeeping it
+        needs."""
+        main = torch.cuda.current_stream(stream.device)
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            self._execute(entry.closure, entry.saved, entry.params)
+        for t in entry.saved:
+            if t is not None and t.is_cuda:
+                t.record_stream(stream)
+        for _, p in entry.params:
+            # A .grad first created inside the side-stream block belongs to that stream's pool;
+            # it is read on the current stream from now on.
+            if p.grad is not None and p.grad.is_cuda:
+                p.grad.record_stream(main)
+        main.wait_stream(stream)
 
 
 def _in_dtype_of(param: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
@@ -271,20 +378,3 @@ def _in_dtype_of(param: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
 
 def _on_cuda(entry: WgradEntry) -> bool:
     return any(t is not None and t.is_cuda for t in entry.saved)
-
-
-def _run_on_side_stream(entry: WgradEntry, stream: torch.cuda.Stream) -> None:
-    """Run ``entry`` on ``stream`` with the event waits and allocator bookkeeping it needs."""
-    main = torch.cuda.current_stream(stream.device)
-    stream.wait_stream(main)
-    with torch.cuda.stream(stream):
-        entry.run()
-    for t in entry.saved:
-        if t is not None and t.is_cuda:
-            t.record_stream(stream)
-    for p in entry.params:
-        # A .grad first created inside the side-stream block belongs to that stream's pool;
-        # it is read on the current stream from now on.
-        if p.grad is not None and p.grad.is_cuda:
-            p.grad.record_stream(main)
-    main.wait_stream(stream)

@@ -51,6 +51,7 @@ __all__ = [
     "destinations",
     "zeros_for_unwanted",
     "no_returned_gemm_grads",
+    "parameters",
 ]
 
 _modules: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
@@ -103,6 +104,20 @@ def destinations(*params: torch.Tensor | None) -> list[str | None]:
         exclude = exclude.remove(key)
     with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
         return gradient_destinations(*params)
+
+
+def parameters(module: torch.nn.Module, names) -> list[torch.Tensor | None]:
+    """The module's registered parameters ``names``: what a compiled backward writes (a traced
+    graph does not keep the forward's own tensors). A parametrized one is refused."""
+    params = module._parameters
+    missing = [name for name in names if name not in params]
+    if missing:
+        raise RuntimeError(
+            f"a torch.compile-d {type(module).__name__} cannot write the gradient of "
+            f"{', '.join(missing)}, which is parametrized (torch.nn.utils.parametrize): run "
+            "this module uncompiled (torch.compiler.disable)"
+        )
+    return [params[name] for name in names]
 
 
 def no_returned_gemm_grads(module: torch.nn.Module, names_and_dests) -> None:

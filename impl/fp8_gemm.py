@@ -423,21 +423,29 @@ class FP8GemmOperands:
 
 
 def fp8_wgrad_value(
-    module, param: torch.nn.Parameter, dy_q: Float8Tensor, x_q: Float8Tensor
+    module, dtype: torch.dtype, dy_q: Float8Tensor, x_q: Float8Tensor
 ) -> torch.Tensor:
-    """``q(dy)^T @ q(x)`` rounded to the parameter dtype: the plain-mode value, also what
+    """``q(dy)^T @ q(x)`` rounded to ``dtype``, the weight's: the plain-mode value, also what
     ``torch.autograd.grad`` gets back for a weight it asks for."""
-    cdt = torch.float64 if param.dtype == torch.float64 else torch.float32
-    return fp8_mm(
-        dy_q, True, x_q, False, out_dtype=param.dtype, compute_dtype=cdt, path=module.fp8_gemm
-    )
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    return fp8_mm(dy_q, True, x_q, False, out_dtype=dtype, compute_dtype=cdt, path=module.fp8_gemm)
 
 
 def fp8_wgrad_write(
     module, param: torch.nn.Parameter, dy_q: Float8Tensor, x_q: Float8Tensor, overwrite: bool
 ) -> None:
     """Write ``q(dy)^T @ q(x)`` to ``param.main_grad`` (fused, fp32) or ``param.grad`` (plain,
-    rounded to the parameter dtype and added like autograd)."""
+    rounded to the parameter dtype and added like autograd). While the module collects an
+    entry's writes (its leaves have hooks: ``SplitBackwardModule._execute``), the write is
+    handed to it instead."""
+    collected = module._collected
+    if collected is not None:
+        if module.fuse_wgrad_accumulation:  # runs once the collection is over
+            later = functools.partial(fp8_wgrad_write, module, param, dy_q, x_q, overwrite)
+            collected.append((param, None, later))
+        else:
+            collected.append((param, fp8_wgrad_value(module, param.dtype, dy_q, x_q), None))
+        return
     cdt = torch.float64 if param.dtype == torch.float64 else torch.float32
     path = module.fp8_gemm
     if module.fuse_wgrad_accumulation:
@@ -454,7 +462,7 @@ def fp8_wgrad_write(
         if hasattr(param, "grad_added_to_main_grad"):
             param.grad_added_to_main_grad = True
         return
-    g = fp8_wgrad_value(module, param, dy_q, x_q)
+    g = fp8_wgrad_value(module, param.dtype, dy_q, x_q)
     if param.grad is None:
         param.grad = g
     else:

@@ -38,9 +38,12 @@ from .base import (
     SplitBackwardModule,
     autocast_cast,
     autocast_off,
-    edge_destinations,
+    edge_routes,
     fast_apply,
+    fp8_not_differentiable,
+    functorch_active,
     take_fp8,
+    twin,
     without_autocast,
 )
 from .fp8 import update_delayed_scaling
@@ -98,22 +101,37 @@ def _returned_grads(to_w, to_b, dy, x, m_splits) -> list[torch.Tensor | None]:
     return out
 
 
+def _written(module, leaves, need_w, need_b) -> tuple:
+    """The (name, leaf) pairs a closure writes: the weights, then the biases."""
+    names = module._gemm_weight_names + module._gemm_bias_names
+    return tuple((n, leaf) for n, leaf, need in zip(names, leaves, [*need_w, *need_b]) if need)
+
+
 def _backward(
-    module, dy, x, weights, m_splits, use_grouped, need_x, dest, overwrite, compiled_graph=False
+    module,
+    dy,
+    x,
+    weights,
+    m_splits,
+    use_grouped,
+    need_x,
+    dest,
+    leaves,
+    overwrite,
+    compiled_graph=False,
 ):
     """``(dx, *weight grads, *bias grads)``: dgrad now; one wgrad closure for all groups run
-    now or queued; the gradients ``torch.autograd.grad`` asked for returned. ``dest``: the
-    destinations of weight0..n-1, then of bias0..n-1 (none without biases). The body of both
-    the eager Function's backward and the compiled op."""
+    now or queued, writing the leaves the forward used; the gradients ``torch.autograd.grad``
+    asked for returned. ``dest`` / ``leaves``: of weight0..n-1, then of bias0..n-1 (none
+    without biases). The body of both the eager Function's backward and the compiled op."""
     n = module.num_gemms
-    p = module._parameters
-    weight_params = [p[name] for name in module._gemm_weight_names]
-    bias_params = [p[name] for name in module._gemm_bias_names] or [None] * n
+    weight_params, bias_params = leaves[:n], leaves[n:] or [None] * n
     to_w, to_b = dest[:n], dest[n:]
     need_w = [d == ACCUMULATE for d in to_w]
     need_b = [d == ACCUMULATE for d in to_b] or [False] * n
-    named_weights = [(f"weight{i}", weight_params[i]) for i in range(n) if need_w[i]]
-    module._check_main_grads(named_weights)
+    written = _written(module, leaves, need_w, need_b)
+    named_weights = written[: sum(need_w)]
+    module._begin_writes(written)
     dx = None
     if need_x:
         if use_grouped:
@@ -134,9 +152,6 @@ def _backward(
                     module._write_bias_grad(bias_params[i], dy_g)
 
         saved = (dy, x.detach()) if any(need_w) else (dy,)
-        written = tuple(q for q, f in zip(weight_params, need_w) if f) + tuple(
-            q for q, f in zip(bias_params, need_b) if f
-        )
         module._submit_wgrad(wgrad_closure, saved, written, compiled_graph)
     return (dx, *_returned_grads(to_w, to_b, dy, x, m_splits))
 
@@ -154,6 +169,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             overwrite,
             use_grouped,
         )
+        ctx.params, ctx.autocast = params, autocast
         ctx.save_for_backward(x, *weights)
         if use_grouped:
             return gemm.grouped_mm_forward(x, _stacked(weights), biases, m_splits)
@@ -182,9 +198,27 @@ class _GroupedLinearFunction(torch.autograd.Function):
             )
             n_params = len(ctx.needs_input_grad) - _N_ARGS
             return ((out[0] if need_x else None), *(None,) * (_N_ARGS - 1 + n_params))
-        dest = edge_destinations(ctx, (True,) * (len(ctx.needs_input_grad) - _N_ARGS))
+        module = ctx.module
+        present = (True,) * (len(ctx.needs_input_grad) - _N_ARGS)
+        if torch.is_grad_enabled():  # create_graph=True: see .twin
+            ctx.param_names = module._gemm_weight_names + module._gemm_bias_names
+            ctx.param_present = present
+            grads = twin.differentiable_backward(
+                ctx, module, dy, x, ctx.params, ctx.autocast, ctx.m_splits
+            )
+            return (grads[0], *(None,) * (_N_ARGS - 1), *grads[1:])
+        dest, leaves = edge_routes(ctx, present)
         dx, *returned = _backward(
-            ctx.module, dy, x, weights, ctx.m_splits, ctx.use_grouped, need_x, dest, ctx.overwrite
+            module,
+            dy,
+            x,
+            weights,
+            ctx.m_splits,
+            ctx.use_grouped,
+            need_x,
+            dest,
+            leaves,
+            ctx.overwrite,
         )
         return (dx, *(None,) * (_N_ARGS - 1), *returned)
 
@@ -206,13 +240,13 @@ def _grouped_linear_backward_op(
 ) -> list[torch.Tensor]:
     """The backward of a compiled ``GroupedLinear`` (see :mod:`.compiled`): ``[dx]`` or ``[]``."""
     module = compiled.module_of(handle)
-    p = module._parameters
     names = module._gemm_weight_names + module._gemm_bias_names
-    dest = compiled.destinations(*(p[name] for name in names))
+    leaves = compiled.parameters(module, names)
+    dest = compiled.destinations(*leaves)
     compiled.no_returned_gemm_grads(module, zip(names, dest))
     with autocast_off(dy.device.type):
         dx = _backward(
-            module, dy, x, weights, m_splits, use_grouped, need_x, dest, overwrite, True
+            module, dy, x, weights, m_splits, use_grouped, need_x, dest, leaves, overwrite, True
         )[0]
     return [dx] if need_x else []
 
@@ -242,6 +276,7 @@ class _GroupedLinearFP8Function(torch.autograd.Function):
             y_g.copy_(out)
         update_delayed_scaling(module, recipe, ("input", "weight"))
         ctx.module, ctx.m_splits, ctx.overwrite, ctx.fp8 = module, m_splits, overwrite, gemms
+        ctx.weight_dtypes = [w.dtype for w in weights]
         return y
 
     @staticmethod
@@ -250,15 +285,17 @@ class _GroupedLinearFP8Function(torch.autograd.Function):
         module, gemms = take_fp8(ctx)
         n, m_splits = module.num_gemms, ctx.m_splits
         need_x = ctx.needs_input_grad[0]
-        weight_params = [getattr(module, f"weight{i}") for i in range(n)]
-        bias_params = [getattr(module, f"bias{i}") for i in range(n)]
-        dest = edge_destinations(ctx, (True,) * (len(ctx.needs_input_grad) - _N_ARGS))
+        if torch.is_grad_enabled():  # create_graph=True
+            fp8_not_differentiable(module)
+        dest, leaves = edge_routes(ctx, (True,) * (len(ctx.needs_input_grad) - _N_ARGS))
         to_w, to_b = dest[:n], dest[n:] or [None] * n
+        weight_params, bias_params = leaves[:n], leaves[n:] or [None] * n
         need_w = [d == ACCUMULATE for d in to_w]
         need_b = [d == ACCUMULATE for d in to_b]
         returned = [None] * (2 * n if module.use_bias else n)
-        named_weights = [(f"weight{i}", weight_params[i]) for i in range(n) if need_w[i]]
-        module._check_main_grads(named_weights)
+        written = _written(module, leaves, need_w, need_b if dest[n:] else [])
+        named_weights = written[: sum(need_w)]
+        module._begin_writes(written)
         dx = dy.new_empty(dy.shape[0], module.in_features) if need_x else None
         dx_parts = dx.split(m_splits) if need_x else (None,) * n
         parts = []
@@ -269,7 +306,7 @@ class _GroupedLinearFP8Function(torch.autograd.Function):
             dy_q, x_q = gemms[i].take_wgrad_operands()
             # Asked for by torch.autograd.grad: returned now, nothing written or queued.
             if to_w[i] == RETURN:
-                returned[i] = fp8_wgrad_value(module, weight_params[i], dy_q, x_q)
+                returned[i] = fp8_wgrad_value(module, ctx.weight_dtypes[i], dy_q, x_q)
             if to_b[i] == RETURN:
                 returned[n + i] = dy_g.sum(dim=0)
             bias = bias_params[i] if need_b[i] else None
@@ -277,7 +314,7 @@ class _GroupedLinearFP8Function(torch.autograd.Function):
             parts.append(FP8WgradPart(weight_params[i] if need_w[i] else None, bias, dy_q, x_q, db))
         update_delayed_scaling(module, gemms[0].recipe, ("grad_output",))
         if any(need_w) or any(need_b):
-            module._submit_fp8_wgrad(parts, named_weights, ctx.overwrite)
+            module._submit_fp8_wgrad(parts, named_weights, ctx.overwrite, written)
         return (dx, *(None,) * (_N_ARGS - 1), *returned)
 
 
@@ -320,10 +357,15 @@ class GroupedLinear(GroupedLinearContract, SplitBackwardModule):
         x, recipe = self._check_input(inp, self.in_features)
         splits = self._check_m_splits(m_splits, x.shape[0])
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
-        p = self._parameters
-        params = [p[name] for name in self._gemm_weight_names + self._gemm_bias_names]
+        names = self._gemm_weight_names + self._gemm_bias_names
+        params = [self._param(name) for name in names]
+        if self.fuse_wgrad_accumulation or recipe is not None:
+            self._check_forward_params(recipe, tuple(zip(self._gemm_weight_names, params)))
         autocast = self.autocast_dtype()
-        if recipe is None and autocast is None:
+        if functorch_active():
+            with autocast_off(x.device.type):
+                y = self._twin_forward(x, names, params, autocast, recipe, splits)
+        elif recipe is None and autocast is None:
             use_grouped = self._use_grouped(x)
             y = _apply(x, splits, self, overwrite, use_grouped, None, *params)
         elif recipe is None:

@@ -11,9 +11,12 @@ from .base import (
     SplitBackwardModule,
     autocast_cast,
     autocast_off,
-    edge_destinations,
+    edge_routes,
     fast_apply,
+    fp8_not_differentiable,
+    functorch_active,
     take_fp8,
+    twin,
     without_autocast,
 )
 from .fp8 import update_delayed_scaling
@@ -23,26 +26,29 @@ from .norm import norm_bwd, norm_fwd
 __all__ = ["LayerNormLinear"]
 
 
-def _backward(module, dy, saved, need_x, dests, overwrite, compiled_graph=False):
+_NAMES = ("layer_norm_weight", "layer_norm_bias", "weight", "bias")
+
+
+def _backward(module, dy, saved, need_x, dests, leaves, overwrite, compiled_graph=False):
     """``(dx, d_layer_norm_weight, d_layer_norm_bias, dW, db)`` from the forward's ``saved``
-    tensors: dgrad and the norm backward now; the wgrad closure run now or queued; the
-    gradients ``torch.autograd.grad`` asked for returned. The body of both the eager Function's
-    backward and the compiled op."""
+    tensors: dgrad and the norm backward now; the wgrad closure run now or queued, writing the
+    leaves the forward used; the gradients ``torch.autograd.grad`` asked for returned. The body
+    of both the eager Function's backward and the compiled op."""
     x, ln_weight, ln_bias, ln_out, weight, *stats = saved
     to_lnw, to_lnb, to_w, to_b = dests
+    w, b = leaves[2:]
     need_lnw, need_lnb = to_lnw is not None, to_lnb is not None
     need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
-    params = module._parameters
-    named_weights = [("weight", params["weight"])] if need_w else []
-    module._check_main_grads(named_weights)
+    written = (("weight", w),) * need_w + (("bias", b),) * need_b
+    named_weights = written[:1] if need_w else ()
+    module._begin_writes(written)
     dx = d_lnw = d_lnb = None
     if need_x or need_lnw or need_lnb:
         d_ln_out = torch.mm(dy, weight)
         dx, d_lnw, d_lnb = norm_bwd(
             module, d_ln_out, x, ln_weight, ln_bias, stats, (need_x, need_lnw, need_lnb)
         )
-    if need_w or need_b:
-        w, b, overwrite = params["weight"], params["bias"], overwrite
+    if written:
 
         def wgrad_closure(dy, ln_out=None):
             module._check_main_grads(named_weights)
@@ -52,7 +58,6 @@ def _backward(module, dy, saved, need_x, dests, overwrite, compiled_graph=False)
                 module._write_bias_grad(b, dy)
 
         saved = (dy, ln_out.detach()) if need_w else (dy,)
-        written = (w,) * need_w + (b,) * need_b
         module._submit_wgrad(wgrad_closure, saved, written, compiled_graph)
     # Asked for by torch.autograd.grad: returned now, nothing written or queued.
     dw = gemm.wgrad(dy, ln_out) if to_w == RETURN else None
@@ -65,6 +70,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
     def forward(ctx, x, ln_weight, ln_bias, weight, bias, module, overwrite, autocast):
         ctx.module, ctx.overwrite = module, overwrite
         ctx.present = (True, ln_bias is not None, True, bias is not None)
+        ctx.params, ctx.autocast = (ln_weight, ln_bias, weight, bias), autocast
         ln_out, stats = norm_fwd(module, x, ln_weight, ln_bias)
         # SPEC §2 under torch.autocast: the norm in the parameters' dtype, the GEMM in the
         # autocast dtype.
@@ -95,8 +101,15 @@ class _LayerNormLinearFunction(torch.autograd.Function):
                 )
             )
             return (*(next(out) if n else None for n in needs), *(None,) * 5)
-        dests = edge_destinations(ctx, ctx.present)
-        return (*_backward(ctx.module, dy, saved, need_x, dests, ctx.overwrite), None, None, None)
+        if torch.is_grad_enabled():  # create_graph=True: see .twin
+            ctx.param_names, ctx.param_present = _NAMES, ctx.present
+            grads = twin.differentiable_backward(
+                ctx, ctx.module, dy, saved[0], ctx.params, ctx.autocast
+            )
+            return (*grads, None, None, None)
+        dests, leaves = edge_routes(ctx, ctx.present)
+        grads = _backward(ctx.module, dy, saved, need_x, dests, leaves, ctx.overwrite)
+        return (*grads, None, None, None)
 
 
 _apply = fast_apply(_LayerNormLinearFunction)
@@ -119,14 +132,12 @@ def _layernorm_linear_backward_op(
     """The backward of a compiled ``LayerNormLinear`` (see :mod:`.compiled`): the gradients of
     x, layer_norm_weight, layer_norm_bias for which ``needs`` is true."""
     module = compiled.module_of(handle)
-    p = module._parameters
-    dests = compiled.destinations(
-        p["layer_norm_weight"], p["layer_norm_bias"], p["weight"], p["bias"]
-    )
+    leaves = compiled.parameters(module, _NAMES)
+    dests = compiled.destinations(*leaves)
     compiled.no_returned_gemm_grads(module, [("weight", dests[2]), ("bias", dests[3])])
     saved = (x, ln_weight, ln_bias, ln_out, weight, *stats)
     with autocast_off(dy.device.type):
-        grads = _backward(module, dy, saved, needs[0], dests, overwrite, True)[:3]
+        grads = _backward(module, dy, saved, needs[0], dests, leaves, overwrite, True)[:3]
     likes = (x, ln_weight, ln_bias)
     return compiled.zeros_for_unwanted(
         [g for g, n in zip(grads, needs) if n], [t for t, n in zip(likes, needs) if n]
@@ -154,6 +165,7 @@ class _LayerNormLinearFP8Function(torch.autograd.Function):
         update_delayed_scaling(module, recipe, ("input", "weight"))
         ctx.module, ctx.overwrite, ctx.fp8 = module, overwrite, fp8
         ctx.present = (True, ln_bias is not None, True, bias is not None)
+        ctx.weight_dtype = weight.dtype
         ctx.save_for_backward(x, ln_weight, ln_bias, *stats)
         return y
 
@@ -163,12 +175,14 @@ class _LayerNormLinearFP8Function(torch.autograd.Function):
         module, fp8 = take_fp8(ctx)
         x, ln_weight, ln_bias, *stats = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
-        to_lnw, to_lnb, to_w, to_b = edge_destinations(ctx, ctx.present)
+        if torch.is_grad_enabled():  # create_graph=True
+            fp8_not_differentiable(module)
+        (to_lnw, to_lnb, to_w, to_b), (_, _, w, b) = edge_routes(ctx, ctx.present)
         need_lnw, need_lnb = to_lnw is not None, to_lnb is not None
         need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
         need_norm = need_x or need_lnw or need_lnb
-        named_weights = [("weight", module.weight)] if need_w else []
-        module._check_main_grads(named_weights)
+        written = (("weight", w),) * need_w + (("bias", b),) * need_b
+        module._begin_writes(written)
         d_ln_out = fp8.dgrad(dy, need_dx=need_norm, keep_dy=to_w is not None)
         update_delayed_scaling(module, fp8.recipe, ("grad_output",))
         dx = d_lnw = d_lnb = None
@@ -177,17 +191,11 @@ class _LayerNormLinearFP8Function(torch.autograd.Function):
                 module, d_ln_out, x, ln_weight, ln_bias, stats, (need_x, need_lnw, need_lnb)
             )
         dy_q, x_q = fp8.take_wgrad_operands()
-        dw = fp8_wgrad_value(module, module.weight, dy_q, x_q) if to_w == RETURN else None
+        dw = fp8_wgrad_value(module, ctx.weight_dtype, dy_q, x_q) if to_w == RETURN else None
         db = dy.sum(dim=0) if to_b == RETURN else None
-        if need_w or need_b:
-            part = FP8WgradPart(
-                module.weight if need_w else None,
-                module.bias if need_b else None,
-                dy_q,
-                x_q,
-                dy.sum(dim=0) if need_b else None,
-            )
-            module._submit_fp8_wgrad([part], named_weights, ctx.overwrite)
+        if written:
+            part = FP8WgradPart(w, b, dy_q, x_q, dy.sum(dim=0) if need_b else None)
+            module._submit_fp8_wgrad([part], written[:need_w], ctx.overwrite, written)
         return dx, d_lnw, d_lnb, dw, db, None, None, None, None
 
 
@@ -203,10 +211,15 @@ class LayerNormLinear(LayerNormLinearContract, SplitBackwardModule):
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.in_features)
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
-        p = self._parameters
-        args = (x, p["layer_norm_weight"], p["layer_norm_bias"], p["weight"], p["bias"], self)
+        params = tuple(self._param(name) for name in _NAMES)
+        if self.fuse_wgrad_accumulation or recipe is not None:
+            self._check_forward_params(recipe, (("weight", params[2]),))
+        args = (x, *params, self)
         autocast = self.autocast_dtype()
-        if recipe is None and autocast is None:
+        if functorch_active():
+            with autocast_off(x.device.type):
+                y = self._twin_forward(x, _NAMES, params, autocast, recipe)
+        elif recipe is None and autocast is None:
             y = _apply(*args, overwrite, None)
         elif recipe is None:
             with autocast_off(x.device.type):

@@ -23,9 +23,12 @@ from .base import (
     SplitBackwardModule,
     autocast_cast,
     autocast_off,
-    edge_destinations,
+    edge_routes,
     fast_apply,
+    fp8_not_differentiable,
+    functorch_active,
     take_fp8,
+    twin,
     without_autocast,
 )
 from .fp8 import update_delayed_scaling
@@ -42,15 +45,25 @@ def _needs(dest) -> tuple[bool, ...]:
     return (dest[0] is not None, dest[1] is not None, *(d == ACCUMULATE for d in dest[2:]))
 
 
-def _fused_weights(w1, w2, need_w1: bool, need_w2: bool) -> list:
-    """The weights whose ``main_grad`` the closure writes, in writing order (fc2, then fc1)."""
-    named = [("fc2_weight", w2)] if need_w2 else []
-    if need_w1:
-        named.append(("fc1_weight", w1))
-    return named
+_NAMES = (
+    "layer_norm_weight",
+    "layer_norm_bias",
+    "fc1_weight",
+    "fc1_bias",
+    "fc2_weight",
+    "fc2_bias",
+)
 
 
-def _backward(module, dy, saved, need_x, dest, overwrite, compiled_graph=False):
+def _written(leaves, need_w1: bool, need_b1: bool, need_w2: bool, need_b2: bool) -> tuple:
+    """The (name, leaf) pairs the closure writes, in writing order: fc2's, then fc1's."""
+    _, _, w1, b1, w2, b2 = leaves
+    pairs = (("fc2_weight", w2, need_w2), ("fc2_bias", b2, need_b2))
+    pairs += (("fc1_weight", w1, need_w1), ("fc1_bias", b1, need_b1))
+    return tuple((name, leaf) for name, leaf, need in pairs if need)
+
+
+def _backward(module, dy, saved, need_x, dest, leaves, overwrite, compiled_graph=False):
     """``(dx, d_layer_norm_weight, d_layer_norm_bias, dW1, db1, dW2, db2)`` from the forward's
     ``saved`` tensors: fc2 dgrad, activation, fc1 dgrad and norm backward now; one wgrad
     closure for fc2 and fc1 run now or queued; the gradients ``torch.autograd.grad`` asked for
@@ -58,10 +71,10 @@ def _backward(module, dy, saved, need_x, dest, overwrite, compiled_graph=False):
     x, ln_weight, ln_bias, ln_out, fc1_weight, fc1_out, act_out, fc2_weight, *stats = saved
     to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2 = dest
     need_lnw, need_lnb, need_w1, need_b1, need_w2, need_b2 = _needs(dest)
-    p = module._parameters
-    w1, b1, w2, b2 = p["fc1_weight"], p["fc1_bias"], p["fc2_weight"], p["fc2_bias"]
-    named_weights = _fused_weights(w1, w2, need_w1, need_w2)
-    module._check_main_grads(named_weights)
+    _, _, w1, b1, w2, b2 = leaves
+    written = _written(leaves, need_w1, need_b1, need_w2, need_b2)
+    named_weights = [(n, leaf) for n, leaf in written if n.endswith("weight")]
+    module._begin_writes(written)
 
     need_norm = need_x or need_lnw or need_lnb
     dx = d_lnw = d_lnb = d_fc1_out = None
@@ -82,7 +95,7 @@ def _backward(module, dy, saved, need_x, dest, overwrite, compiled_graph=False):
         )
         del d_ln_out
 
-    if named_weights or need_b1 or need_b2:
+    if written:
 
         def wgrad_closure(dy, act_out, d_fc1_out, ln_out):
             module._check_main_grads(named_weights)
@@ -102,9 +115,6 @@ def _backward(module, dy, saved, need_x, dest, overwrite, compiled_graph=False):
             d_fc1_out if (need_w1 or need_b1) else None,
             ln_out.detach() if need_w1 else None,
         )
-        written = tuple(
-            q for q, n in ((w2, need_w2), (b2, need_b2), (w1, need_w1), (b1, need_b1)) if n
-        )
         module._submit_wgrad(wgrad_closure, saved, written, compiled_graph)
     # Asked for by torch.autograd.grad: returned now, nothing written or queued.
     returned = (
@@ -121,10 +131,9 @@ class _LayerNormMLPFunction(torch.autograd.Function):
     def forward(
         ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, module, ow, autocast
     ):
-        ctx.module, ctx.overwrite = module, ow
-        ctx.present = tuple(
-            p is not None for p in (ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
-        )
+        ctx.module, ctx.overwrite, ctx.autocast = module, ow, autocast
+        ctx.params = (ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
+        ctx.present = tuple(p is not None for p in ctx.params)
         ln_out, stats = norm_fwd(module, x, ln_weight, ln_bias)
         # SPEC §2 under torch.autocast: the norm in the parameters' dtype; both GEMMs, and the
         # activation between them (on fc1's output), in the autocast dtype.
@@ -152,8 +161,15 @@ class _LayerNormMLPFunction(torch.autograd.Function):
                 )
             )
             return (*(next(out) if n else None for n in needs), *(None,) * 7)
-        dest = edge_destinations(ctx, ctx.present)
-        return (*_backward(ctx.module, dy, saved, need_x, dest, ctx.overwrite), None, None, None)
+        if torch.is_grad_enabled():  # create_graph=True: see .twin
+            ctx.param_names, ctx.param_present = _NAMES, ctx.present
+            grads = twin.differentiable_backward(
+                ctx, ctx.module, dy, saved[0], ctx.params, ctx.autocast
+            )
+            return (*grads, None, None, None)
+        dest, leaves = edge_routes(ctx, ctx.present)
+        grads = _backward(ctx.module, dy, saved, need_x, dest, leaves, ctx.overwrite)
+        return (*grads, None, None, None)
 
 
 _apply = fast_apply(_LayerNormMLPFunction)
@@ -173,13 +189,12 @@ def _layernorm_mlp_backward_op(
     x, layer_norm_weight, layer_norm_bias for which ``needs`` is true. ``saved``: x, ln_weight,
     ln_bias, ln_out, fc1_weight, fc1_out, act_out, fc2_weight (None where not kept)."""
     module = compiled.module_of(handle)
-    p = module._parameters
-    names = ("layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias")
-    dest = compiled.destinations(*(p[n] for n in names), p["fc2_weight"], p["fc2_bias"])
-    gemm_names = ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")
-    compiled.no_returned_gemm_grads(module, zip(gemm_names, dest[2:]))
+    leaves = compiled.parameters(module, _NAMES)
+    dest = compiled.destinations(*leaves)
+    compiled.no_returned_gemm_grads(module, zip(_NAMES[2:], dest[2:]))
     with autocast_off(dy.device.type):
-        grads = _backward(module, dy, (*saved, *stats), needs[0], dest, overwrite, True)[:3]
+        grads = _backward(module, dy, (*saved, *stats), needs[0], dest, leaves, overwrite, True)
+    grads = grads[:3]
     likes = saved[:3]
     return compiled.zeros_for_unwanted(
         [g for g, n in zip(grads, needs) if n], [t for t, n in zip(likes, needs) if n]
@@ -214,6 +229,7 @@ class _LayerNormMLPFP8Function(torch.autograd.Function):
         update_delayed_scaling(module, recipe, ("input", "weight"))
         ctx.module, ctx.overwrite, ctx.fp8 = module, overwrite, (fc1, fc2)
         ctx.present = tuple(p is not None for p in (ln_weight, ln_bias, w1, b1, w2, b2))
+        ctx.weight_dtypes = (w1.dtype, w2.dtype)
         ctx.save_for_backward(x, ln_weight, ln_bias, fc1_out, *stats)
         return y
 
@@ -223,11 +239,15 @@ class _LayerNormMLPFP8Function(torch.autograd.Function):
         module, (fc1, fc2) = take_fp8(ctx)
         x, ln_weight, ln_bias, fc1_out, *stats = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
-        dest = edge_destinations(ctx, ctx.present)
+        if torch.is_grad_enabled():  # create_graph=True
+            fp8_not_differentiable(module)
+        dest, leaves = edge_routes(ctx, ctx.present)
         to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2 = dest
         need_lnw, need_lnb, need_w1, need_b1, need_w2, need_b2 = _needs(dest)
-        named_weights = _fused_weights(module.fc1_weight, module.fc2_weight, need_w1, need_w2)
-        module._check_main_grads(named_weights)
+        _, _, w1, b1, w2, b2 = leaves
+        written = _written(leaves, need_w1, need_b1, need_w2, need_b2)
+        named_weights = [(n, leaf) for n, leaf in written if n.endswith("weight")]
+        module._begin_writes(written)
         need_norm = need_x or need_lnw or need_lnb
         need_d_fc1 = need_norm or to_w1 is not None or to_b1 is not None
         d_act = fc2.dgrad(dy, need_dx=need_d_fc1, keep_dy=to_w2 is not None)
@@ -246,30 +266,19 @@ class _LayerNormMLPFP8Function(torch.autograd.Function):
         dy2, act_q = fc2.take_wgrad_operands()
         dy1, ln_q = fc1.take_wgrad_operands()
         # Asked for by torch.autograd.grad: returned now, nothing written or queued.
+        w1_dtype, w2_dtype = ctx.weight_dtypes
         returned = (
-            fp8_wgrad_value(module, module.fc1_weight, dy1, ln_q) if to_w1 == RETURN else None,
+            fp8_wgrad_value(module, w1_dtype, dy1, ln_q) if to_w1 == RETURN else None,
             d_fc1_out.sum(dim=0) if to_b1 == RETURN else None,
-            fp8_wgrad_value(module, module.fc2_weight, dy2, act_q) if to_w2 == RETURN else None,
+            fp8_wgrad_value(module, w2_dtype, dy2, act_q) if to_w2 == RETURN else None,
             dy.sum(dim=0) if to_b2 == RETURN else None,
         )
-        if named_weights or need_b1 or need_b2:
+        if written:
             parts = [
-                FP8WgradPart(
-                    module.fc2_weight if need_w2 else None,
-                    module.fc2_bias if need_b2 else None,
-                    dy2,
-                    act_q,
-                    dy.sum(dim=0) if need_b2 else None,
-                ),
-                FP8WgradPart(
-                    module.fc1_weight if need_w1 else None,
-                    module.fc1_bias if need_b1 else None,
-                    dy1,
-                    ln_q,
-                    d_fc1_out.sum(dim=0) if need_b1 else None,
-                ),
+                FP8WgradPart(w2, b2, dy2, act_q, dy.sum(dim=0) if need_b2 else None),
+                FP8WgradPart(w1, b1, dy1, ln_q, d_fc1_out.sum(dim=0) if need_b1 else None),
             ]
-            module._submit_fp8_wgrad(parts, named_weights, ctx.overwrite)
+            module._submit_fp8_wgrad(parts, named_weights, ctx.overwrite, written)
         return dx, d_lnw, d_lnb, *returned, None, None, None, None
 
 
@@ -288,20 +297,17 @@ class LayerNormMLP(LayerNormMLPContract, SplitBackwardModule):
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.hidden_size)
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
-        p = self._parameters
-        args = (
-            x,
-            p["layer_norm_weight"],
-            p["layer_norm_bias"],
-            p["fc1_weight"],
-            p["fc1_bias"],
-            p["fc2_weight"],
-            p["fc2_bias"],
-            self,
-            overwrite,
-        )
+        params = tuple(self._param(name) for name in _NAMES)
+        if self.fuse_wgrad_accumulation or recipe is not None:
+            self._check_forward_params(
+                recipe, (("fc1_weight", params[2]), ("fc2_weight", params[4]))
+            )
+        args = (x, *params, self, overwrite)
         autocast = self.autocast_dtype()
-        if recipe is None and autocast is None:
+        if functorch_active():
+            with autocast_off(x.device.type):
+                y = self._twin_forward(x, _NAMES, params, autocast, recipe)
+        elif recipe is None and autocast is None:
             y = _apply(*args, None)
         elif recipe is None:
             with autocast_off(x.device.type):

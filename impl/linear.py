@@ -11,9 +11,12 @@ from .base import (
     SplitBackwardModule,
     autocast_cast,
     autocast_off,
-    edge_destinations,
+    edge_routes,
     fast_apply,
+    fp8_not_differentiable,
+    functorch_active,
     take_fp8,
+    twin,
     without_autocast,
 )
 from .fp8 import update_delayed_scaling
@@ -22,18 +25,21 @@ from .fp8_gemm import FP8GemmOperands, fp8_wgrad_value
 __all__ = ["Linear"]
 
 
-def _backward(module, dy, x, weight, need_x, to_w, to_b, overwrite, compiled_graph=False):
-    """``(dx, dW, db)``: dgrad now; the wgrad closure run now or queued (gradients it writes
-    are returned as ``None``); the gradients ``torch.autograd.grad`` asked for (``RETURN``)
-    computed and returned, nothing written or queued for them. The body of both the eager
-    Function's backward and the compiled op."""
+_NAMES = ("weight", "bias")
+
+
+def _backward(module, dy, x, weight, need_x, dests, leaves, overwrite, compiled_graph=False):
+    """``(dx, dW, db)``: dgrad now; the wgrad closure run now or queued, writing the leaves the
+    forward used (gradients it writes are returned as ``None``); the gradients
+    ``torch.autograd.grad`` asked for (``RETURN``) computed and returned, nothing written or
+    queued for them. The body of both the eager Function's backward and the compiled op."""
+    (to_w, to_b), (w, b) = dests, leaves
     need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
-    params = module._parameters
-    named_weights = [("weight", params["weight"])] if need_w else []
-    module._check_main_grads(named_weights)
+    written = (("weight", w),) * need_w + (("bias", b),) * need_b
+    named_weights = written[:1] if need_w else ()
+    module._begin_writes(written)
     dx = torch.mm(dy, weight) if need_x else None
-    if need_w or need_b:
-        w, b = params["weight"], params["bias"]
+    if written:
 
         def wgrad_closure(dy, x=None):
             module._check_main_grads(named_weights)
@@ -43,7 +49,6 @@ def _backward(module, dy, x, weight, need_x, to_w, to_b, overwrite, compiled_gra
                 module._write_bias_grad(b, dy)
 
         saved = (dy, x.detach()) if need_w else (dy,)
-        written = (w,) * need_w + (b,) * need_b
         module._submit_wgrad(wgrad_closure, saved, written, compiled_graph)
     dw = gemm.wgrad(dy, x) if to_w == RETURN else None
     db = dy.sum(dim=0) if to_b == RETURN else None
@@ -54,6 +59,7 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, module, overwrite, autocast):
         ctx.module, ctx.overwrite, ctx.present = module, overwrite, (True, bias is not None)
+        ctx.params, ctx.autocast = (weight, bias), autocast
         weight, bias = autocast_cast(autocast, weight, bias)  # SPEC §2: the GEMM's dtype
         ctx.save_for_backward(x, weight)
         if bias is None:
@@ -70,8 +76,12 @@ class _LinearFunction(torch.autograd.Function):
                 ctx.module._handle, dy, x, weight, ctx.overwrite, need_x
             )
             return (out[0] if need_x else None), None, None, None, None, None
-        to_w, to_b = edge_destinations(ctx, ctx.present)
-        dx, dw, db = _backward(ctx.module, dy, x, weight, need_x, to_w, to_b, ctx.overwrite)
+        if torch.is_grad_enabled():  # create_graph=True: see .twin
+            ctx.param_names, ctx.param_present = _NAMES, ctx.present
+            grads = twin.differentiable_backward(ctx, ctx.module, dy, x, ctx.params, ctx.autocast)
+            return (*grads, None, None, None)
+        dests, leaves = edge_routes(ctx, ctx.present)
+        dx, dw, db = _backward(ctx.module, dy, x, weight, need_x, dests, leaves, ctx.overwrite)
         return dx, dw, db, None, None, None
 
 
@@ -90,10 +100,11 @@ def _linear_backward_op(
 ) -> list[torch.Tensor]:
     """The backward of a compiled ``Linear`` (see :mod:`.compiled`): ``[dx]`` or ``[]``."""
     module = compiled.module_of(handle)
-    to_w, to_b = compiled.destinations(module.weight, module.bias)
-    compiled.no_returned_gemm_grads(module, [("weight", to_w), ("bias", to_b)])
+    leaves = compiled.parameters(module, _NAMES)
+    dests = compiled.destinations(*leaves)
+    compiled.no_returned_gemm_grads(module, zip(_NAMES, dests))
     with autocast_off(dy.device.type):
-        dx, _, _ = _backward(module, dy, x, weight, need_x, to_w, to_b, overwrite, True)
+        dx, _, _ = _backward(module, dy, x, weight, need_x, dests, leaves, overwrite, True)
     return [dx] if need_x else []
 
 
@@ -115,7 +126,7 @@ class _LinearFP8Function(torch.autograd.Function):
         y = fp8.fprop(x, weight, bias, keep_x=need_w, keep_w=need_x)
         update_delayed_scaling(module, recipe, ("input", "weight"))
         ctx.module, ctx.overwrite, ctx.fp8 = module, overwrite, fp8
-        ctx.present = (True, bias is not None)
+        ctx.present, ctx.weight_dtype = (True, bias is not None), weight.dtype
         return y
 
     @staticmethod
@@ -123,24 +134,20 @@ class _LinearFP8Function(torch.autograd.Function):
     def backward(ctx, dy):
         module, fp8 = take_fp8(ctx)
         need_x = ctx.needs_input_grad[0]
-        to_w, to_b = edge_destinations(ctx, ctx.present)
+        if torch.is_grad_enabled():  # create_graph=True
+            fp8_not_differentiable(module)
+        (to_w, to_b), (w, b) = edge_routes(ctx, ctx.present)
         need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
-        named_weights = [("weight", module.weight)] if need_w else []
-        module._check_main_grads(named_weights)
+        written = (("weight", w),) * need_w + (("bias", b),) * need_b
+        module._begin_writes(written)
         dx = fp8.dgrad(dy, need_dx=need_x, keep_dy=to_w is not None)
         update_delayed_scaling(module, fp8.recipe, ("grad_output",))
         dy_q, x_q = fp8.take_wgrad_operands()
-        dw = fp8_wgrad_value(module, module.weight, dy_q, x_q) if to_w == RETURN else None
+        dw = fp8_wgrad_value(module, ctx.weight_dtype, dy_q, x_q) if to_w == RETURN else None
         db = dy.sum(dim=0) if to_b == RETURN else None
-        if need_w or need_b:
-            part = FP8WgradPart(
-                module.weight if need_w else None,
-                module.bias if need_b else None,
-                dy_q,
-                x_q,
-                dy.sum(dim=0) if need_b else None,
-            )
-            module._submit_fp8_wgrad([part], named_weights, ctx.overwrite)
+        if written:
+            part = FP8WgradPart(w, b, dy_q, x_q, dy.sum(dim=0) if need_b else None)
+            module._submit_fp8_wgrad([part], written[:need_w], ctx.overwrite, written)
         return dx, dw, db, None, None, None, None
 
 
@@ -157,19 +164,22 @@ class Linear(LinearContract, SplitBackwardModule):
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.in_features)
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
-        params = self._parameters
+        weight, bias = self._param("weight"), self._param("bias")
+        if self.fuse_wgrad_accumulation or recipe is not None:
+            self._check_forward_params(recipe, (("weight", weight),))
         autocast = self.autocast_dtype()
-        if recipe is None and autocast is None:
-            y = _apply(x, params["weight"], params["bias"], self, overwrite, None)
+        if functorch_active():
+            with autocast_off(x.device.type):
+                y = self._twin_forward(x, _NAMES, (weight, bias), autocast, recipe)
+        elif recipe is None and autocast is None:
+            y = _apply(x, weight, bias, self, overwrite, None)
         elif recipe is None:
             with autocast_off(x.device.type):
-                y = _apply(x, params["weight"], params["bias"], self, overwrite, autocast)
+                y = _apply(x, weight, bias, self, overwrite, autocast)
         else:
             self._check_fp8_shapes(recipe, x.shape[0])
             with autocast_off(x.device.type):
-                y = _fp8_forward(
-                    x, params["weight"], params["bias"], self, overwrite, recipe, autocast
-                )
+                y = _fp8_forward(x, weight, bias, self, overwrite, recipe, autocast)
         return y if x is inp else y.reshape(*inp.shape[:-1], self.out_features)
 
 

@@ -18,10 +18,16 @@ before it writes any, so a hook that raises leaves the entry unwritten (and queu
 
 Because the Function returns ``None``, autograd still reaches the leaf's accumulator during
 ``backward()``, with no gradient, and would call the leaf's hooks there: tensor hooks with
-``None``, post-accumulate hooks before the gradient exists (and, under delay, never after it).
-:func:`mute_empty_calls` wraps the leaf's hooks so that such a call reaches none of them; a
-gradient that another use of the same leaf sends through autograd (a weight tied to a torch
-operation) still reaches them, as it would without splitgrad.
+``None``, and post-accumulate hooks, before a deferred gradient exists (and, under delay, never
+after it). :func:`mute_empty_calls` wraps the leaf's hooks so that tensor hooks never see such
+a call, and post-accumulate hooks do only when nothing was deferred. A gradient that another use
+of the same leaf sends through autograd (a weight tied to a torch operation) still reaches them,
+as it would without splitgrad.
+
+So, per backward pass: a tensor hook sees each gradient the module writes (two, for a module
+applied twice); post-accumulate hooks fire once after the pass without delay (autograd's own
+call, which comes after the module's writes), and after each entry's write in ``backward_dw()``
+under delay (once per entry: a module applied twice has two).
 
 Under fused accumulation the GEMM accumulates into ``main_grad`` and no gradient tensor exists
 for a tensor hook to see, so a fused weight with tensor hooks is refused
@@ -60,19 +66,22 @@ class _GradientOnly:
 
 
 class _Arrival:
-    """A tensor hook that records whether autograd's last call brought a gradient."""
+    """A tensor hook that decides whether autograd's current call on the leaf reaches its
+    post-accumulate hooks: yes when a gradient arrived, or when nothing was deferred (a
+    non-delayed module wrote the gradient before autograd got here)."""
 
-    __slots__ = ("arrived",)
+    __slots__ = ("deferred", "fire")
 
     def __init__(self) -> None:
-        self.arrived = False
+        self.deferred, self.fire = False, True
 
     def __call__(self, grad) -> None:
-        self.arrived = grad is not None
+        self.fire = grad is not None or not self.deferred
+        self.deferred = False
 
 
 class _AfterGradient:
-    """A post-accumulate hook that autograd calls only after a gradient was accumulated."""
+    """A post-accumulate hook that autograd's call reaches only when :class:`_Arrival` says."""
 
     __slots__ = ("hook", "arrival")
 
@@ -80,7 +89,7 @@ class _AfterGradient:
         self.hook, self.arrival = hook, arrival
 
     def __call__(self, leaf) -> None:
-        if self.arrival.arrived:
+        if self.arrival.fire:
             self.hook(leaf)
 
 
@@ -165,22 +174,28 @@ def run_post_accumulate_hooks(leaf: torch.Tensor) -> None:
         hook(leaf)
 
 
-def mute_empty_calls(leaf: torch.Tensor) -> None:
-    """Wrap ``leaf``'s hooks so that autograd's call without a gradient reaches none of them
-    (see the module docstring). Idempotent; ``handle.remove()`` keeps working."""
+def mute_empty_calls(leaf: torch.Tensor, *, deferred: bool) -> None:
+    """Wrap ``leaf``'s hooks for autograd's call without a gradient (see the module docstring):
+    its tensor hooks never see ``None``. ``deferred``: the running backward defers the leaf's
+    gradient (a delayed module), so that call must not reach its post-accumulate hooks either;
+    they run after the deferred write instead. Without it the call does reach them, after the
+    module's own write, once per backward as for any leaf. Idempotent; ``handle.remove()``
+    keeps working."""
     pre, post = tensor_hook_dict(leaf), post_accumulate_hook_dict(leaf)
     if pre:
         for key, hook in list(pre.items()):
             if not isinstance(hook, (_GradientOnly, _Arrival)):
                 pre[key] = _GradientOnly(hook)
-    if post and any(not isinstance(h, _AfterGradient) for h in post.values()):
-        arrival = next((h for h in (pre or {}).values() if isinstance(h, _Arrival)), None)
-        if arrival is None:
-            arrival = _Arrival()
-            leaf.register_hook(arrival)
-        for key, hook in list(post.items()):
-            if not isinstance(hook, _AfterGradient):
-                post[key] = _AfterGradient(hook, arrival)
+    if not (deferred and post):
+        return
+    arrival = next((h for h in (pre or {}).values() if isinstance(h, _Arrival)), None)
+    if arrival is None:
+        arrival = _Arrival()
+        leaf.register_hook(arrival)
+    for key, hook in list(post.items()):
+        if not isinstance(hook, _AfterGradient):
+            post[key] = _AfterGradient(hook, arrival)
+    arrival.deferred = True
 
 
 def check_no_tensor_hooks(leaf: torch.Tensor, where: str) -> None:

@@ -79,7 +79,6 @@ import torch
 
 from . import accumulate as acc
 from . import functional as F
-from ._torch_private import functorch_active
 from .contract import (
     ACCUMULATE,
     RETURN,
@@ -88,9 +87,9 @@ from .contract import (
     check_not_under_ddp,
     gradient_destination,
     gradient_destinations,
-    node_destination,
 )
 from .fp8_gemm import FP8Gemm
+from .routing import Target, param_targets, qualified_name, remember_params, route_differentiable
 
 __all__ = [
     "Target",
@@ -100,61 +99,12 @@ __all__ = [
     "WgradEntry",
     "SplitBackwardModule",
     "no_forward_ad",
-    "qualified_name",
     "ACCUMULATE",
     "RETURN",
     "gradient_destination",
     "gradient_destinations",
     "check_not_under_ddp",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """Where the running backward sends one parameter input's gradient.
-
-    ``dest`` is :data:`ACCUMULATE` (the module writes ``leaf``), :data:`RETURN` (returned through
-    autograd) or ``None`` (not computed); ``where`` names it for messages (``"Linear.weight"``).
-    """
-
-    where: str
-    dest: str | None
-    leaf: torch.Tensor | None = None
-
-    @property
-    def written(self) -> bool:
-        """The module writes this gradient itself (now, or at ``backward_dw()``)."""
-        return self.dest == ACCUMULATE
-
-    @property
-    def returned(self) -> bool:
-        """The gradient is returned through autograd (captured, or a non-leaf)."""
-        return self.dest == RETURN
-
-    @property
-    def needed(self) -> bool:
-        return self.dest is not None
-
-
-def remember_params(ctx, names: Sequence[str], tensors: Sequence[torch.Tensor | None]) -> None:
-    """In ``setup_context``: the names of the Function's parameter inputs (those after ``x``)
-    and which of them were tensors (``None``, e.g. no bias, has no autograd edge)."""
-    ctx.param_names = tuple(names)
-    ctx.param_present = tuple(t is not None for t in tensors)
-
-
-def param_targets(ctx, module: torch.nn.Module) -> list[Target]:
-    """The :class:`Target` of each parameter input, from the Function's own autograd edges
-    (``ctx.next_functions``: one per tensor input, ``x`` first). Call it inside backward."""
-    edges = iter(ctx.next_functions[1:])
-    kind = type(module).__name__
-    out = []
-    for name, present in zip(ctx.param_names, ctx.param_present):
-        node = next(edges)[0] if present else None
-        dest = node_destination(node)
-        leaf = node.variable if dest == ACCUMULATE else None
-        out.append(Target(f"{kind}.{name}", dest, leaf))
-    return out
 
 
 @dataclasses.dataclass
@@ -186,11 +136,6 @@ class WgradEntry:
 def detached(tensors) -> list[torch.Tensor | None]:
     """Saved tensors without their autograd history (``None`` stays ``None``)."""
     return [None if t is None else t.detach() for t in tensors]
-
-
-def qualified_name(module: torch.nn.Module) -> str:
-    """``"splitgrad.reference.Linear"``: the package and class, for messages."""
-    return f"{type(module).__module__.rsplit('.', 1)[0]}.{type(module).__name__}"
 
 
 def no_forward_ad(ctx, *tangents):
@@ -227,6 +172,7 @@ class SplitBackwardModule(ModuleContract):
         self._wgrad_queue.popleft()
         del entry
         self._write(writes)
+        self._run_post_accumulate_hooks(writes)
         del writes
         self._run_hooks()
 
@@ -235,14 +181,14 @@ class SplitBackwardModule(ModuleContract):
         if self.delay_wgrad_compute:
             self._wgrad_queue.append(entry)
             return
-        writes = self._compute(entry, differentiable=torch.is_grad_enabled())
+        writes = self._compute(entry)
         self._write(writes)
         self._run_hooks()
 
-    def _compute(self, entry: WgradEntry, differentiable: bool = False) -> list[GradWrite]:
+    def _compute(self, entry: WgradEntry) -> list[GradWrite]:
         """The entry's gradients, after the tensor hooks of the leaves they go to (step 1 of
         autograd's accumulation, for every gradient before any is written)."""
-        with torch.set_grad_enabled(differentiable), autocast_off(self.fp8_device.type):
+        with torch.no_grad(), autocast_off(self.fp8_device.type):
             writes = entry.wgrad_closure()
             for w in writes:
                 w.overwrite = entry.overwrite_main_grad
@@ -253,7 +199,8 @@ class SplitBackwardModule(ModuleContract):
 
     @staticmethod
     def _write(writes: list[GradWrite]) -> None:
-        """Store every gradient, then run each leaf's post-accumulate hooks once."""
+        """Store every gradient (step 2 of autograd's accumulation). Without delay, autograd's
+        own call on each leaf, which follows this backward, runs its post-accumulate hooks."""
         for w in writes:
             leaf = w.target.leaf
             if w.to_main_grad:
@@ -266,52 +213,35 @@ class SplitBackwardModule(ModuleContract):
                     leaf.grad_added_to_main_grad = True
             else:
                 acc.accumulate(leaf, w.value, own=w.own)
-        seen = set()
-        for w in writes:
-            if id(w.target.leaf) not in seen:
-                seen.add(id(w.target.leaf))
-                acc.run_post_accumulate_hooks(w.target.leaf)
+
+    @staticmethod
+    def _run_post_accumulate_hooks(writes: list[GradWrite]) -> None:
+        """Step 3 for a deferred entry: each written leaf's post-accumulate hooks, once."""
+        for leaf in {id(w.target.leaf): w.target.leaf for w in writes}.values():
+            acc.run_post_accumulate_hooks(leaf)
 
     # ---- helpers for the Functions ----------------------------------------------------------
 
-    def _begin_backward(
-        self, targets: Sequence[Target], weights: Sequence[Target], fp8: object
-    ) -> bool:
-        """Checks at the start of every backward, before anything is computed, written or
-        queued. ``weights``: the GEMM weights among ``targets``. Returns whether the backward is
-        differentiable (grad mode on: ``create_graph=True`` or a ``torch.func`` transform)."""
-        differentiable = torch.is_grad_enabled()
-        written = [t for t in targets if t.written]
-        if differentiable:
-            kind = qualified_name(self)
-            if fp8 is not None:
-                raise RuntimeError(
-                    f"{kind} under FP8 cannot be differentiated twice "
-                    "(backward with create_graph=True, or a torch.func transform): its "
-                    "quantized GEMMs have no derivative"
-                )
-            if written and self.delay_wgrad_compute:
-                names = ", ".join(t.where for t in written)
-                raise RuntimeError(
-                    f"{kind} with delay_wgrad_compute=True cannot defer the gradients "
-                    f"of {names} in a backward with create_graph=True: a deferred gradient has "
-                    "no graph. Build the module without delay, or take these gradients with "
-                    "torch.autograd.grad(..., inputs=[...]) (returned, never deferred)"
-                )
-        self._begin_wgrad([t for t in weights if t.written])
-        for t in written:
-            if acc.has_hooks(t.leaf):
-                acc.mute_empty_calls(t.leaf)
-        return differentiable
+    def _route(self, ctx, fp8: object) -> list[Target]:
+        """The :class:`Target` of each parameter input (:mod:`.routing`), checked at the start
+        of every backward, before anything is computed, written or queued. A backward with grad
+        mode on (``create_graph=True``, a ``torch.func`` transform) is differentiated itself
+        (:func:`.routing.route_differentiable`). The leaves the module writes get their hooks
+        muted for autograd's call without a gradient (:func:`.accumulate.mute_empty_calls`)."""
+        targets = param_targets(ctx, self)
+        if torch.is_grad_enabled():
+            targets = route_differentiable(self, targets, fp8 is not None)
+        weights = set(self.gemm_weight_names())
+        self._begin_wgrad([t for t in targets if t.written and t.name in weights])
+        for t in targets:
+            if t.written and t.gemm and acc.has_hooks(t.leaf):
+                acc.mute_empty_calls(t.leaf, deferred=self.delay_wgrad_compute)
+        return targets
 
     def _begin_wgrad(self, weights: Sequence[Target]) -> None:
         """First step of every backward and of every wgrad closure: under fused accumulation,
         each written GEMM weight needs a usable ``main_grad`` and no tensor hook."""
-        if not self.fuse_wgrad_accumulation:
-            return
-        self._check_main_grads([(t.where, t.leaf) for t in weights])
-        for t in weights:
-            acc.check_no_tensor_hooks(t.leaf, t.where)
+        self._check_main_grads([(t.name, t.leaf) for t in weights])
 
     def _weight_write(
         self,
@@ -329,8 +259,7 @@ class SplitBackwardModule(ModuleContract):
             out_dtype = leaf.main_grad.dtype if fused else leaf.dtype
             return GradWrite(target, fp8.wgrad(out_dtype), fused)
         if fused:
-            value = F.linear_wgrad_fp32(dy.detach(), x.detach(), leaf.main_grad.dtype)
-            return GradWrite(target, value, True)
+            return GradWrite(target, F.linear_wgrad_fp32(dy, x, leaf.main_grad.dtype), True)
         return GradWrite(target, F.linear_wgrad(dy, x), False)
 
     def _returned_weight_grad(
@@ -356,26 +285,3 @@ class SplitBackwardModule(ModuleContract):
     @staticmethod
     def _returned_bias_grad(target: Target, dy: torch.Tensor) -> torch.Tensor | None:
         return F.bias_grad(dy) if target.returned else None
-
-    def _check_forward_params(
-        self, recipe: object, weights: Sequence[tuple[str, torch.Tensor | None]]
-    ) -> None:
-        """Called by the forward, before anything runs: FP8 does not run under ``torch.func``
-        transforms, and under fused accumulation a weight that is not a leaf has no
-        ``main_grad`` its gradient could go to."""
-        if recipe is not None and functorch_active():
-            raise RuntimeError(
-                f"{qualified_name(self)} under FP8 does not support torch.func transforms "
-                "(grad, vjp, jacrev, vmap): its FP8 scaling state is updated in place"
-            )
-        if not self.fuse_wgrad_accumulation:
-            return
-        for name, w in weights:
-            if w is not None and w.requires_grad and w.grad_fn is not None:
-                raise RuntimeError(
-                    f"{type(self).__name__}.{name} is not a leaf tensor (parametrized, or "
-                    "computed from another tensor), but fuse_wgrad_accumulation=True "
-                    "accumulates a weight's gradient into the main_grad of the leaf itself. "
-                    "Build the module with fuse_wgrad_accumulation=False to let autograd take "
-                    "the gradient through the parametrization"
-                )

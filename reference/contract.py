@@ -52,7 +52,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ._fsdp_guard import check_not_under_fsdp
-from ._torch_private import TorchMoved, will_engine_execute_node
+from ._torch_private import TorchMoved, functorch_active, will_engine_execute_node
+from .accumulate import check_no_tensor_hooks
 from .fp8 import Float8BlockScaling, MXFP8BlockScaling, Recipe, fp8_active_recipe
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "gradient_destinations",
     "node_destination",
     "check_positive",
+    "qualified_name",
     "check_not_under_ddp",
     "check_fp8_gemm_shape",
     "AUTOCAST_DTYPES",
@@ -159,6 +161,11 @@ def gradient_destination(param: torch.Tensor | None) -> str | None:
 def gradient_destinations(*params: torch.Tensor | None) -> list[str | None]:
     """:func:`gradient_destination` of each of ``params``."""
     return [gradient_destination(p) for p in params]
+
+
+def qualified_name(module: torch.nn.Module) -> str:
+    """``"splitgrad.reference.Linear"``: the package and class, for messages."""
+    return f"{type(module).__module__.rsplit('.', 1)[0]}.{type(module).__name__}"
 
 
 # ---- validation -----------------------------------------------------------------------------
@@ -404,28 +411,58 @@ class ModuleContract(torch.nn.Module):
             check_not_under_fsdp(self)
         return (inp if len(shape) == 2 else inp.reshape(-1, in_features)), fp8_active_recipe()
 
-    def _check_main_grads(self, named_weights: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
-        """Fused accumulation needs a usable ``main_grad`` on each weight (float32, or float64
-        for float64 parameters; same shape and device); raise before anything is written."""
+    def _check_main_grads(self, named_weights: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Fused accumulation needs, on each weight the module writes, a usable ``main_grad``
+        (float32, or float64 for float64 parameters; same shape and device) and no tensor hook
+        (:func:`.accumulate.check_no_tensor_hooks`); raise before anything is written.
+        ``named_weights``: (parameter name, the leaf tensor the forward used)."""
         if not self.fuse_wgrad_accumulation:
             return
+        kind = type(self).__name__
         for name, w in named_weights:
+            where = f"{kind}.{name}"
             mg = getattr(w, "main_grad", None)
             if not isinstance(mg, torch.Tensor):
                 raise RuntimeError(
-                    f"fuse_wgrad_accumulation=True but {name} has no main_grad tensor "
+                    f"fuse_wgrad_accumulation=True but {where} has no main_grad tensor "
                     f"(got {type(mg).__name__}); attach an fp32 tensor of shape {tuple(w.shape)}"
                 )
             if mg.shape != w.shape:
                 raise RuntimeError(
-                    f"{name}.main_grad has shape {tuple(mg.shape)}, expected {tuple(w.shape)}"
+                    f"{where}.main_grad has shape {tuple(mg.shape)}, expected {tuple(w.shape)}"
                 )
             wide = w.dtype == torch.float64
             allowed = (torch.float32, torch.float64) if wide else (torch.float32,)
             if mg.dtype not in allowed:
-                raise RuntimeError(f"{name}.main_grad has dtype {mg.dtype}, expected torch.float32")
+                raise RuntimeError(
+                    f"{where}.main_grad has dtype {mg.dtype}, expected torch.float32"
+                )
             if mg.device != w.device:
-                raise RuntimeError(f"{name}.main_grad is on {mg.device}, expected {w.device}")
+                raise RuntimeError(f"{where}.main_grad is on {mg.device}, expected {w.device}")
+            check_no_tensor_hooks(w, where)
+
+    def _check_forward_params(
+        self, recipe: object, weights: Sequence[tuple[str, torch.Tensor | None]]
+    ) -> None:
+        """Called by the forward, before anything runs: FP8 does not run under ``torch.func``
+        transforms, and under fused accumulation a weight that is not a leaf has no
+        ``main_grad`` its gradient could go to."""
+        if recipe is not None and functorch_active():
+            raise RuntimeError(
+                f"{qualified_name(self)} under FP8 does not support torch.func transforms "
+                "(grad, vjp, jacrev, vmap): its FP8 scaling state is updated in place"
+            )
+        if not self.fuse_wgrad_accumulation:
+            return
+        for name, w in weights:
+            if w is not None and w.requires_grad and w.grad_fn is not None:
+                raise RuntimeError(
+                    f"{type(self).__name__}.{name} is not a leaf tensor (parametrized, or "
+                    "computed from another tensor), but fuse_wgrad_accumulation=True "
+                    "accumulates a weight's gradient into the main_grad of the leaf itself. "
+                    "Build the module with fuse_wgrad_accumulation=False to let autograd take "
+                    "the gradient through the parametrization"
+                )
 
     def _nothing_pending(self) -> RuntimeError:
         """The error of ``backward_dw()`` on a delayed module with an empty queue (§4)."""

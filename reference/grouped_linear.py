@@ -7,14 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from . import functional as F
-from .base import (
-    SplitBackwardModule,
-    WgradEntry,
-    detached,
-    no_forward_ad,
-    param_targets,
-    remember_params,
-)
+from .base import SplitBackwardModule, WgradEntry, detached, no_forward_ad, remember_params
 from .contract import GroupedLinearContract, autocast_off, without_autocast
 from .fp8_gemm import FP8Gemm, update_delayed_scaling
 from .linear import _gemm_operands
@@ -57,13 +50,12 @@ class _GroupedLinearFunction(torch.autograd.Function):
         module: GroupedLinear = ctx.module
         n, m_splits = module.num_gemms, ctx.m_splits
         fp8, ctx.fp8 = ctx.fp8, None
-        targets = param_targets(ctx, module)
+        targets = module._route(ctx, fp8)
         to_w, to_b = targets[:n], targets[n:] or [None] * n
-        differentiable = module._begin_backward(targets, to_w, fp8)
         need_x = ctx.needs_input_grad[0]
         if fp8 is None:
             x, *weights = ctx.saved_tensors
-            if not differentiable:  # otherwise the formulas below are on the graph
+            if not torch.is_grad_enabled():  # otherwise the formulas below are on the graph
                 x, *weights = detached((x, *weights))
             weights = [_gemm_operands(ctx.autocast, None, w, None)[0] for w in weights]
             dx = F.grouped_linear_dgrad(dy, weights, m_splits) if need_x else None

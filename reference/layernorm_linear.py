@@ -5,14 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
-from .base import (
-    SplitBackwardModule,
-    WgradEntry,
-    detached,
-    no_forward_ad,
-    param_targets,
-    remember_params,
-)
+from .base import SplitBackwardModule, WgradEntry, detached, no_forward_ad, remember_params
 from .contract import LayerNormLinearContract, autocast_off, without_autocast
 from .fp8_gemm import FP8Gemm, update_delayed_scaling
 from .linear import _gemm_operands
@@ -67,11 +60,9 @@ class _LayerNormLinearFunction(torch.autograd.Function):
     def backward(ctx, dy, *_):
         module: LayerNormLinear = ctx.module
         fp8, ctx.fp8 = ctx.fp8, None
-        targets = param_targets(ctx, module)
-        to_lnw, to_lnb, to_w, to_b = targets
-        differentiable = module._begin_backward(targets, (to_w,), fp8)
+        to_lnw, to_lnb, to_w, to_b = module._route(ctx, fp8)
         x, ln_weight, ln_bias, ln_out, weight, *stats = ctx.saved_tensors
-        if differentiable:  # recompute, so that the formulas below are on the graph
+        if torch.is_grad_enabled():  # recompute, so that the formulas below are on the graph
             ln_out, stats = _normed(module, x, ln_weight, ln_bias, ctx.autocast)
         else:
             x, ln_weight, ln_out, weight, *stats = detached((x, ln_weight, ln_out, weight, *stats))

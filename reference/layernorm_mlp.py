@@ -5,14 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
-from .base import (
-    SplitBackwardModule,
-    WgradEntry,
-    detached,
-    no_forward_ad,
-    param_targets,
-    remember_params,
-)
+from .base import SplitBackwardModule, WgradEntry, detached, no_forward_ad, remember_params
 from .contract import LayerNormMLPContract, autocast_off, without_autocast
 from .fp8_gemm import FP8Gemm, update_delayed_scaling
 from .layernorm_linear import _normed
@@ -89,11 +82,9 @@ class _LayerNormMLPFunction(torch.autograd.Function):
     def backward(ctx, dy, *_):
         module: LayerNormMLP = ctx.module
         fp8, ctx.fp8 = ctx.fp8, None
-        targets = param_targets(ctx, module)
-        to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2 = targets
-        differentiable = module._begin_backward(targets, (to_w2, to_w1), fp8)
+        to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2 = module._route(ctx, fp8)
         x, ln_weight, ln_bias, w1, b1, w2, b2, ln_out, fc1_out, act_out, *stats = ctx.saved_tensors
-        if differentiable:  # recompute, so that the formulas below are on the graph
+        if torch.is_grad_enabled():  # recompute, so that the formulas below are on the graph
             _, ln_out, fc1_out, act_out, stats = _mlp_forward(
                 module, x, ln_weight, ln_bias, w1, b1, w2, b2, ctx.autocast
             )

@@ -5,14 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
-from .base import (
-    SplitBackwardModule,
-    WgradEntry,
-    detached,
-    no_forward_ad,
-    param_targets,
-    remember_params,
-)
+from .base import SplitBackwardModule, WgradEntry, detached, no_forward_ad, remember_params
 from .contract import LinearContract, autocast_off, without_autocast
 from .fp8_gemm import FP8Gemm, update_delayed_scaling
 
@@ -56,8 +49,8 @@ class _LinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         module: Linear = ctx.module
         fp8, ctx.fp8 = ctx.fp8, None
-        to_w, to_b = param_targets(ctx, module)
-        differentiable = module._begin_backward((to_w, to_b), (to_w,), fp8)
+        to_w, to_b = module._route(ctx, fp8)
+        differentiable = torch.is_grad_enabled()
         need_x = ctx.needs_input_grad[0]
         x = weight = None
         if fp8 is None:
