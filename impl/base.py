@@ -35,7 +35,7 @@ from splitgrad.reference.contract import (
     node_destination,
     without_autocast,
 )
-from splitgrad.reference.routing import route_differentiable
+from splitgrad.reference.routing import differentiated, route_differentiable
 
 from . import compiled, gemm, twin
 from .fp8 import Float8Tensor
@@ -47,6 +47,7 @@ __all__ = [
     "FP8WgradPart",
     "autocast_cast",
     "autocast_off",
+    "differentiated",
     "edge_routes",
     "fp8_not_differentiable",
     "functorch_active",

@@ -38,6 +38,7 @@ from .base import (
     SplitBackwardModule,
     autocast_cast,
     autocast_off,
+    differentiated,
     edge_routes,
     fast_apply,
     fp8_not_differentiable,
@@ -200,7 +201,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             return ((out[0] if need_x else None), *(None,) * (_N_ARGS - 1 + n_params))
         module = ctx.module
         present = (True,) * (len(ctx.needs_input_grad) - _N_ARGS)
-        if torch.is_grad_enabled():  # create_graph=True: see .twin
+        if differentiated():  # create_graph=True or a torch.func transform: see .twin
             ctx.param_names = module._gemm_weight_names + module._gemm_bias_names
             ctx.param_present = present
             grads = twin.differentiable_backward(
@@ -285,7 +286,7 @@ class _GroupedLinearFP8Function(torch.autograd.Function):
         module, gemms = take_fp8(ctx)
         n, m_splits = module.num_gemms, ctx.m_splits
         need_x = ctx.needs_input_grad[0]
-        if torch.is_grad_enabled():  # create_graph=True
+        if differentiated():  # create_graph=True or a torch.func transform
             fp8_not_differentiable(module)
         dest, leaves = edge_routes(ctx, (True,) * (len(ctx.needs_input_grad) - _N_ARGS))
         to_w, to_b = dest[:n], dest[n:] or [None] * n
@@ -376,7 +377,7 @@ class GroupedLinear(GroupedLinearContract, SplitBackwardModule):
             self._check_fp8_shapes(recipe, splits)
             with autocast_off(x.device.type):
                 y = _fp8_forward(x, splits, self, overwrite, recipe, autocast, *params)
-        return y if x is inp else y.reshape(*inp.shape[:-1], self.out_features)
+        return y if inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.out_features)
 
 
 @torch.compiler.disable

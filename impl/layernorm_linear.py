@@ -11,6 +11,7 @@ from .base import (
     SplitBackwardModule,
     autocast_cast,
     autocast_off,
+    differentiated,
     edge_routes,
     fast_apply,
     fp8_not_differentiable,
@@ -101,7 +102,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
                 )
             )
             return (*(next(out) if n else None for n in needs), *(None,) * 5)
-        if torch.is_grad_enabled():  # create_graph=True: see .twin
+        if differentiated():  # create_graph=True or a torch.func transform: see .twin
             ctx.param_names, ctx.param_present = _NAMES, ctx.present
             grads = twin.differentiable_backward(
                 ctx, ctx.module, dy, saved[0], ctx.params, ctx.autocast
@@ -175,7 +176,7 @@ class _LayerNormLinearFP8Function(torch.autograd.Function):
         module, fp8 = take_fp8(ctx)
         x, ln_weight, ln_bias, *stats = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
-        if torch.is_grad_enabled():  # create_graph=True
+        if differentiated():  # create_graph=True or a torch.func transform
             fp8_not_differentiable(module)
         (to_lnw, to_lnb, to_w, to_b), (_, _, w, b) = edge_routes(ctx, ctx.present)
         need_lnw, need_lnb = to_lnw is not None, to_lnb is not None
@@ -228,7 +229,7 @@ class LayerNormLinear(LayerNormLinearContract, SplitBackwardModule):
             self._check_fp8_shapes(recipe, x.shape[0])
             with autocast_off(x.device.type):
                 y = _fp8_forward(*args, overwrite, recipe, autocast)
-        return y if x is inp else y.reshape(*inp.shape[:-1], self.out_features)
+        return y if inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.out_features)
 
 
 @torch.compiler.disable

@@ -23,6 +23,7 @@ from .base import (
     SplitBackwardModule,
     autocast_cast,
     autocast_off,
+    differentiated,
     edge_routes,
     fast_apply,
     fp8_not_differentiable,
@@ -161,7 +162,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
                 )
             )
             return (*(next(out) if n else None for n in needs), *(None,) * 7)
-        if torch.is_grad_enabled():  # create_graph=True: see .twin
+        if differentiated():  # create_graph=True or a torch.func transform: see .twin
             ctx.param_names, ctx.param_present = _NAMES, ctx.present
             grads = twin.differentiable_backward(
                 ctx, ctx.module, dy, saved[0], ctx.params, ctx.autocast
@@ -239,7 +240,7 @@ class _LayerNormMLPFP8Function(torch.autograd.Function):
         module, (fc1, fc2) = take_fp8(ctx)
         x, ln_weight, ln_bias, fc1_out, *stats = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
-        if torch.is_grad_enabled():  # create_graph=True
+        if differentiated():  # create_graph=True or a torch.func transform
             fp8_not_differentiable(module)
         dest, leaves = edge_routes(ctx, ctx.present)
         to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2 = dest
@@ -316,7 +317,7 @@ class LayerNormMLP(LayerNormMLPContract, SplitBackwardModule):
             self._check_fp8_shapes(recipe, x.shape[0])
             with autocast_off(x.device.type):
                 y = _fp8_forward(*args, recipe, autocast)
-        return y if x is inp else y.reshape(*inp.shape[:-1], self.hidden_size)
+        return y if inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.hidden_size)
 
 
 @torch.compiler.disable

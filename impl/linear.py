@@ -11,6 +11,7 @@ from .base import (
     SplitBackwardModule,
     autocast_cast,
     autocast_off,
+    differentiated,
     edge_routes,
     fast_apply,
     fp8_not_differentiable,
@@ -76,7 +77,7 @@ class _LinearFunction(torch.autograd.Function):
                 ctx.module._handle, dy, x, weight, ctx.overwrite, need_x
             )
             return (out[0] if need_x else None), None, None, None, None, None
-        if torch.is_grad_enabled():  # create_graph=True: see .twin
+        if differentiated():  # create_graph=True or a torch.func transform: see .twin
             ctx.param_names, ctx.param_present = _NAMES, ctx.present
             grads = twin.differentiable_backward(ctx, ctx.module, dy, x, ctx.params, ctx.autocast)
             return (*grads, None, None, None)
@@ -134,7 +135,7 @@ class _LinearFP8Function(torch.autograd.Function):
     def backward(ctx, dy):
         module, fp8 = take_fp8(ctx)
         need_x = ctx.needs_input_grad[0]
-        if torch.is_grad_enabled():  # create_graph=True
+        if differentiated():  # create_graph=True or a torch.func transform
             fp8_not_differentiable(module)
         (to_w, to_b), (w, b) = edge_routes(ctx, ctx.present)
         need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
@@ -180,7 +181,7 @@ class Linear(LinearContract, SplitBackwardModule):
             self._check_fp8_shapes(recipe, x.shape[0])
             with autocast_off(x.device.type):
                 y = _fp8_forward(x, weight, bias, self, overwrite, recipe, autocast)
-        return y if x is inp else y.reshape(*inp.shape[:-1], self.out_features)
+        return y if inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.out_features)
 
 
 @torch.compiler.disable

@@ -89,7 +89,14 @@ from .contract import (
     gradient_destinations,
 )
 from .fp8_gemm import FP8Gemm
-from .routing import Target, param_targets, qualified_name, remember_params, route_differentiable
+from .routing import (
+    Target,
+    differentiated,
+    param_targets,
+    qualified_name,
+    remember_params,
+    route_differentiable,
+)
 
 __all__ = [
     "Target",
@@ -229,7 +236,7 @@ class SplitBackwardModule(ModuleContract):
         (:func:`.routing.route_differentiable`). The leaves the module writes get their hooks
         muted for autograd's call without a gradient (:func:`.accumulate.mute_empty_calls`)."""
         targets = param_targets(ctx, self)
-        if torch.is_grad_enabled():
+        if differentiated():
             targets = route_differentiable(self, targets, fp8 is not None)
         weights = set(self.gemm_weight_names())
         self._begin_wgrad([t for t in targets if t.written and t.name in weights])

@@ -10,8 +10,9 @@ and what changes when the backward itself is differentiated (SPEC §2). Contract
   not a leaf (``torch.nn.utils.parametrize``, a weight computed from another tensor), get their
   gradient returned through autograd during backward (:data:`RETURN`): nothing is queued for
   them, with or without delay. Only leaves can be deferred.
-* A backward that runs with grad mode on (``create_graph=True``, or under a ``torch.func``
-  transform) is differentiated itself (:func:`route_differentiable`): every plain gradient is
+* A backward that runs with grad mode on (``create_graph=True``), or under a ``torch.func``
+  transform, is differentiated itself or transformed (:func:`differentiated`,
+  :func:`route_differentiable`): every plain gradient is
   returned through autograd, which accumulates it with its graph and the leaf's hooks. A
   gradient the module would defer or accumulate into ``main_grad`` would lose its graph there,
   so delay and fused accumulation raise, naming the module and the parameters; so do FP8
@@ -29,12 +30,20 @@ from ._torch_private import functorch_active
 from .contract import ACCUMULATE, RETURN, node_destination, qualified_name
 
 __all__ = [
+    "differentiated",
     "Target",
     "remember_params",
     "param_targets",
     "route_differentiable",
     "qualified_name",
 ]
+
+
+def differentiated() -> bool:
+    """Whether the running backward is differentiated itself or transformed: grad mode on
+    (``create_graph=True``, ``torch.func.grad``) or any ``torch.func`` transform active
+    (``vmap``: a gradient written there would be batched)."""
+    return torch.is_grad_enabled() or functorch_active()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +107,7 @@ def param_targets(ctx, module: torch.nn.Module) -> list[Target]:
 def route_differentiable(
     module: torch.nn.Module, targets: Sequence[Target], fp8: bool
 ) -> list[Target]:
-    """``targets`` of a backward that runs with grad mode on (see the module docstring):
+    """``targets`` of a :func:`differentiated` backward (see the module docstring):
     raises ``RuntimeError`` naming the module for what cannot be differentiated, and returns
     the plain gradients the module would write as :data:`RETURN` (autograd accumulates them).
     Norm parameters (``layer_norm_*``) are returned through autograd anyway."""
