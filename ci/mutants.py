@@ -480,7 +480,9 @@ P17_MUTANTS = (
         (
             (
                 "linear.py",
+                "    (to_w, to_b), (w, b) = dests, leaves\n"
                 "    need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE\n",
+                "    (to_w, to_b), (w, b) = dests, leaves\n"
                 "    need_w, need_b = to_w is not None, to_b == ACCUMULATE\n"
                 "    w = module.weight if w is None else w\n",
             ),
