@@ -29,6 +29,7 @@ EAGER=(
   tests/test_impl_fp8.py tests/test_impl_grouped.py tests/test_impl_store.py
   tests/test_autocast_modules.py tests/test_autocast_axis.py tests/test_dtype_moves.py
   tests/test_convert.py tests/test_properties_pinned.py tests/test_determinism.py
+  tests/test_module_protocol.py
 )
 version_at_least() { # version_at_least 2.11.0 2.11 -> true
   python3 - "$1" "$2" <<'EOF'

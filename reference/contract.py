@@ -409,8 +409,6 @@ class ModuleContract(torch.nn.Module):
         if self.delay_wgrad_compute or self.fuse_wgrad_accumulation:
             check_not_under_ddp(self)
             check_not_under_fsdp(self)
-        if not inp.is_contiguous():  # computed as its contiguous copy (SPEC §2), bitwise
-            inp = inp.contiguous()
         return (inp if len(shape) == 2 else inp.reshape(-1, in_features)), fp8_active_recipe()
 
     def _check_main_grads(self, named_weights: Sequence[tuple[str, torch.Tensor]]) -> None:
