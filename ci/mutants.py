@@ -490,7 +490,52 @@ P17_MUTANTS = (
     ),
 )
 
-ALL_MUTANTS = MUTANTS + FP8_MUTANTS + SHARED_PATH_MUTANTS + FORCED_PATH_MUTANTS + P17_MUTANTS
+# SPEC §3 "to the tensor the forward used" and "hooks on a parameter run as autograd runs them"
+# (P18).
+P18_MUTANTS = (
+    Mutant(
+        "backward-reads-module-weight",
+        "Linear: the backward writes the weight gradient to the module's weight attribute as it "
+        "is when backward runs, not to the leaf the forward used (a leaf substituted by "
+        "functional_call gets nothing, the module's own Parameter gets it)",
+        (
+            (
+                "linear.py",
+                "    (to_w, to_b), (w, b) = dests, leaves\n",
+                "    (to_w, to_b), (w, b) = dests, leaves\n"
+                '    w = module._parameters["weight"] if w is not None else w\n',
+            ),
+        ),
+    ),
+    Mutant(
+        "tensor-hook-skipped",
+        "a gradient the module writes itself is stored as computed, past the parameter's tensor "
+        "hooks: a hook never sees it or replaces it",
+        (
+            (
+                "base.py",
+                'acc.apply_tensor_hooks(leaf, value, f"{kind}.{names[id(leaf)]}")',
+                "value",
+            ),
+        ),
+    ),
+    Mutant(
+        "post-hook-early",
+        "under delay, autograd's call on the weight during backward() reaches its "
+        "post-accumulate hooks, before the deferred gradient is written",
+        (
+            (
+                "base.py",
+                "acc.mute_empty_calls(leaf, deferred=self.delay_wgrad_compute)",
+                "acc.mute_empty_calls(leaf, deferred=False)",
+            ),
+        ),
+    ),
+)
+
+ALL_MUTANTS = (
+    MUTANTS + FP8_MUTANTS + SHARED_PATH_MUTANTS + FORCED_PATH_MUTANTS + P17_MUTANTS + P18_MUTANTS
+)
 
 
 @dataclasses.dataclass

@@ -110,6 +110,11 @@ class Backend(abc.ABC):
         "n/a", never as a pass)."""
         if config.device == "cuda" and not torch.cuda.is_available():
             return "config asks for CUDA but torch.cuda.is_available() is False"
+        if property_id == "P18":
+            try:
+                self.torch_module(self.build(config, delay=False))
+            except NotImplementedError as exc:
+                return f"P18 substitutes, parametrizes and hooks torch.nn.Module parameters: {exc}"
         return None
 
     def deviation_for(self, property_id: str, case: Case, message: str = "") -> Deviation | None:
@@ -171,14 +176,16 @@ class Backend(abc.ABC):
         outputs: Sequence[torch.Tensor],
         grads: Sequence[torch.Tensor],
         inputs: Sequence[torch.Tensor] | None = None,
+        create_graph: bool = False,
     ) -> None:
         """The autograd backward of ``outputs`` (one call, possibly several outputs of one
         module, e.g. a tied weight used twice); ``inputs``: only these leaves' gradients
-        (``backward(inputs=...)``, P17)."""
-        if inputs is None:
-            torch.autograd.backward(list(outputs), list(grads))
-        else:
-            torch.autograd.backward(list(outputs), list(grads), inputs=list(inputs))
+        (``backward(inputs=...)``, P17); ``create_graph``: the gradients keep a graph of their
+        own (double backward, P18)."""
+        kw: dict[str, Any] = {"create_graph": True} if create_graph else {}
+        if inputs is not None:
+            kw["inputs"] = list(inputs)
+        torch.autograd.backward(list(outputs), list(grads), **kw)
 
     def grad(
         self,
@@ -186,10 +193,51 @@ class Backend(abc.ABC):
         outputs: Sequence[torch.Tensor],
         grads: Sequence[torch.Tensor],
         inputs: Sequence[torch.Tensor],
+        create_graph: bool = False,
     ) -> tuple[torch.Tensor | None, ...]:
         """``torch.autograd.grad(outputs, inputs, grads)``: the gradients returned, nothing
-        written (P17)."""
-        return torch.autograd.grad(list(outputs), list(inputs), list(grads), allow_unused=True)
+        written (P17); with ``create_graph`` they are differentiable themselves (P18)."""
+        return torch.autograd.grad(
+            list(outputs), list(inputs), list(grads), allow_unused=True, create_graph=create_graph
+        )
+
+    # ---- autograd fidelity (SPEC §2, §3; P18) --------------------------------------------
+
+    def torch_module(self, module: Any) -> torch.nn.Module:
+        """The ``torch.nn.Module`` whose parameters :meth:`parameters` returns: what
+        ``torch.func.functional_call``, ``torch.nn.utils.parametrize`` and tensor hooks act on
+        (``module`` itself by default). Raises ``NotImplementedError`` saying why when the
+        backend has none (P18 is then n/a)."""
+        if isinstance(module, torch.nn.Module):
+            return module
+        raise NotImplementedError(
+            f"{self.name}: {type(module).__name__} is not a torch.nn.Module (override "
+            "Backend.torch_module to name the one holding the parameters)"
+        )
+
+    def functional_forward(
+        self,
+        module: Any,
+        tensors: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        m_splits: Sequence[int] | None,
+        is_first_microbatch: bool | None,
+    ) -> torch.Tensor:
+        """:meth:`forward` with the parameters named in ``tensors`` replaced by those tensors
+        for this call only, through ``torch.func.functional_call`` on :meth:`torch_module`
+        (the module's own are back in place when it returns; SPEC §3). Inside a ``torch.func``
+        transform this is the function the transform differentiates."""
+        call = _ForwardCall(self, module)
+        named = {f"module.{name}": t for name, t in tensors.items()}
+        return torch.func.functional_call(call, named, (x, m_splits, is_first_microbatch))
+
+    def parametrize(self, module: Any, name: str, parametrization: torch.nn.Module) -> None:
+        """``torch.nn.utils.parametrize.register_parametrization`` of parameter ``name``: the
+        forward then uses ``parametrization(original)``, a tensor that is not a leaf, and the
+        ``Parameter`` becomes its ``original``."""
+        torch.nn.utils.parametrize.register_parametrization(
+            self.torch_module(module), name, parametrization
+        )
 
     def has_hooks(self) -> bool:
         """Whether :meth:`register_hook` works (SPEC §4's hooks)."""
@@ -246,6 +294,23 @@ class Backend(abc.ABC):
 
     def supports_ub_bulk_wgrad(self, kind: str) -> bool:
         return kind != "GroupedLinear"
+
+
+class _ForwardCall(torch.nn.Module):
+    """``backend.forward(handle, ...)`` as a module whose submodule ``module`` is the
+    backend's :meth:`Backend.torch_module`: ``torch.func.functional_call`` on it replaces that
+    module's parameters for one call of the backend's own forward (whatever bookkeeping the
+    backend does there)."""
+
+    def __init__(self, backend: Backend, handle: Any) -> None:
+        super().__init__()
+        self.module = backend.torch_module(handle)
+        # Plain attributes, not submodules: the handle may be the module itself.
+        object.__setattr__(self, "_call", (backend, handle))
+
+    def forward(self, x, m_splits, is_first_microbatch):
+        backend, handle = self._call
+        return backend.forward(handle, x, m_splits, is_first_microbatch)
 
 
 # -------------------------------------------------------------------------------------------
@@ -621,7 +686,9 @@ _PIPELINING = "torch.distributed.pipelining._backward"
 def _torch_split_deviations() -> list[Deviation]:
     """What PyTorch's generic split (as the ``torch-split`` adapter drives it) does differently
     from SPEC.md."""
-    out = []
+    # P18's own first: a delayed substitution's failure may also be over a budget, which a
+    # budget deviation below would otherwise claim.
+    out = _torch_split_p18_deviations()
     for pid in ("P2", "P5", "P6", "P17"):
         out.append(
             Deviation(
@@ -636,8 +703,10 @@ def _torch_split_deviations() -> list[Deviation]:
                 strict=pid != "P17",
             )
         )
-    for pid in ("P2", "P4", "P5", "P6", "P7", "P8", "P17"):
-        for tag in ("[dgrad budget]", "[norm_grad budget]"):
+    for pid in ("P2", "P4", "P5", "P6", "P7", "P8", "P17", "P18"):
+        for tag in ("[dgrad budget]", "[norm_grad budget]", "[second_order budget]"):
+            if tag == "[second_order budget]" and pid != "P18":
+                continue
             out.append(
                 Deviation(
                     pid,
@@ -719,6 +788,108 @@ def _torch_split_deviations() -> list[Deviation]:
     return out
 
 
+def _delayed(variant: str) -> Callable[[Case], bool]:
+    return lambda case: case.delay and case.variant == variant
+
+
+def _torch_split_p18_deviations() -> list[Deviation]:
+    """P18 (autograd fidelity) under delay: what stage_backward_input / stage_backward_weight
+    do with substituted, parametrized and hooked parameters and with a second backward."""
+    return [
+        Deviation(
+            "P18",
+            "leaves substituted by torch.func.functional_call never get their gradient under "
+            "delay: stage_backward_input / stage_backward_weight are handed the stage module's "
+            "own parameters() (as a PipelineStage hands them), and the substituted leaves are "
+            "not among them",
+            _PIPELINING,
+            applies=_delayed("functional_call"),
+            matches="P18 functional_call (delay",
+        ),
+        Deviation(
+            "P18",
+            "under delay a parametrized weight's original waits for stage_backward_weight like "
+            "every parameter: original.grad is not there after backward() and an entry is "
+            "queued for it (SPEC §3: a weight that is not a leaf gets its gradient during "
+            "backward, nothing queued)",
+            _PIPELINING,
+            applies=_delayed("parametrize"),
+            matches="P18 parametrize (delay",
+            strict=False,
+        ),
+        Deviation(
+            "P18",
+            "norm-parameter gradients are deferred too, so their tensor hooks run in "
+            "backward_dw() (stage_backward_weight) rather than in backward()",
+            _PIPELINING,
+            applies=lambda case: (
+                case.delay
+                and case.variant == "tensor_hook"
+                and any(n.startswith("layer_norm_") for n in case.asked)
+            ),
+            matches="P18 tensor_hook (delay",
+            strict=False,
+        ),
+        Deviation(
+            "P18",
+            "a W step that raises (a tensor hook returning a tensor of another size) has "
+            "consumed its entry: the parameter groups are popped before stage_backward_weight "
+            "runs them, as PipelineStage's backward_weight_one_chunk pops them",
+            _PIPELINING,
+            applies=_delayed("tensor_hook_wrong_size"),
+            matches="P18 tensor_hook_wrong_size (delay",
+            strict=False,
+        ),
+        Deviation(
+            "P18",
+            "post-accumulate hooks of deferred parameters never fire: stage_backward_weight "
+            "takes their gradients with torch.autograd.grad and adds them into .grad itself, "
+            "past autograd's accumulator (norm parameters, deferred too, never fire either)",
+            _PIPELINING,
+            applies=_delayed("post_accumulate_hook"),
+            matches="P18 post_accumulate_hook (delay",
+            strict=False,
+        ),
+        Deviation(
+            "P18",
+            "the backward of a penalty on gradients taken with create_graph=True goes through "
+            "stage_backward_input / stage_backward_weight like any backward under delay: no "
+            "stage input of that pass is left, and the second-order gradients are lost",
+            _PIPELINING,
+            applies=_delayed("grad_of_grad"),
+            matches="P18 grad_of_grad (delay",
+            strict=False,
+        ),
+        Deviation(
+            "P18",
+            "torch.func.vmap and jacrev of the twin's LayerNorm fail inside torch ('expected "
+            "scalar type BFloat16 but found Float'): with a zero-centred gamma the twin keeps "
+            "gamma + 1 and beta in float32 next to a bf16/fp16 input, as TE does, which "
+            "torch.nn.functional.layer_norm accepts on the CPU but its batching rule does not",
+            "torch.nn.functional.layer_norm",
+            applies=lambda case: (
+                case.config.zero_centered_gamma
+                and case.config.normalization == "LayerNorm"
+                and case.config.dtype in ("bfloat16", "float16")
+                and case.variant in ("func.vmap", "func.jacrev")
+            ),
+            matches="expected scalar type",
+            kinds=_NORM_KINDS,
+            strict=False,
+        ),
+        Deviation(
+            "P18",
+            "stage_backward_input has no create_graph: under delay the gradients it writes carry "
+            "no graph, so a second backward through them fails (no clear error naming the "
+            "module)",
+            _PIPELINING,
+            applies=_delayed("backward_create_graph"),
+            matches="P18 backward_create_graph (delay",
+            strict=False,
+        ),
+    ]
+
+
 def _low_precision_norm_case(case: Case) -> bool:
     return case.config.has_norm and case.config.dtype in ("bfloat16", "float16")
 
@@ -772,6 +943,9 @@ class TorchSplitBackend(Backend):
     def parameters(self, module: TorchSplitHandle) -> dict[str, torch.nn.Parameter]:
         return dict(module.twin.named_parameters())
 
+    def torch_module(self, module: TorchSplitHandle) -> torch.nn.Module:
+        return module.twin
+
     def forward(self, module: TorchSplitHandle, x, m_splits, is_first_microbatch):
         # Stage inputs are leaves (a pipeline stage receives detached activations); an input
         # produced by this module itself (a chained, tied use) is part of the stage's graph.
@@ -789,7 +963,9 @@ class TorchSplitBackend(Backend):
     def _trainable(self, module: TorchSplitHandle) -> list[torch.nn.Parameter]:
         return [p for p in module.twin.parameters() if p.requires_grad]
 
-    def backward(self, module: TorchSplitHandle, outputs, grads, inputs=None) -> None:
+    def backward(
+        self, module: TorchSplitHandle, outputs, grads, inputs=None, create_graph=False
+    ) -> None:
         stage_inputs, module.inputs = module.inputs, []
         gemm = set(self.gemm_weight_names(module) + self.gemm_bias_names(module))
         if inputs is not None:
@@ -806,13 +982,16 @@ class TorchSplitBackend(Backend):
         )
         routes, module.routes = module.routes, []
         if not module.delay:
-            torch.autograd.backward(list(outputs), list(grads), inputs=inputs)
+            torch.autograd.backward(
+                list(outputs), list(grads), inputs=inputs, create_graph=create_graph
+            )
             self._send_back(routes)
             if asked_gemm:
                 self._run_hooks(module)
             return
         from torch.distributed.pipelining._backward import stage_backward_input
 
+        # stage_backward_input has no create_graph: its gradients never carry a graph.
         _, param_groups = stage_backward_input(
             list(outputs), list(grads), stage_inputs, iter(weights)
         )
@@ -827,9 +1006,9 @@ class TorchSplitBackend(Backend):
             if leaf.grad is not None:
                 torch.autograd.backward([view], [leaf.grad])
 
-    def grad(self, module: TorchSplitHandle, outputs, grads, inputs):
+    def grad(self, module: TorchSplitHandle, outputs, grads, inputs, create_graph=False):
         module.inputs, module.routes = [], []  # a partial backward consumes the stage inputs
-        return super().grad(module, outputs, grads, inputs)
+        return super().grad(module, outputs, grads, inputs, create_graph)
 
     def backward_dw(self, module: TorchSplitHandle) -> None:
         if not module.delay:
@@ -921,6 +1100,120 @@ def to_transformer_engine_recipe(recipe: Any, te_recipe: Any) -> Any:
     return te_cls(**kwargs)
 
 
+_TE_BACKWARD_DW = (
+    "TransformerEngine transformer_engine/pytorch/module/base.py, "
+    "TransformerEngineBaseModule.backward_dw"
+)
+_TE_LINEAR_BACKWARD = (
+    "TransformerEngine transformer_engine/pytorch/module/linear.py, _Linear.backward"
+)
+_TE_UNRUN = (
+    "; read from TE's source, not yet run against TE (no GPU lent), so only the cases that show "
+    "it are reported as a deviation"
+)
+
+
+def _transformer_engine_p18_deviations() -> list[Deviation]:
+    """P18 (autograd fidelity) as TransformerEngine's source reads. Sources, from the search
+    index: ``TransformerEngineBaseModule.backward_dw`` (2025 ``module/base.py``): ``(wgrad,
+    bgrad), _ = self.wgrad_store.pop()``, then without fusion ``weight_tensor =
+    noop_cat(self._get_weight_tensors()); weight_tensor.grad = wgrad.to(...)``; ``_Linear.backward``
+    (a 2025 copy of ``module/linear.py``; the NVIDIA revisions indexed predate
+    ``delay_wgrad_compute``): under delay the wgrad GEMM goes to ``ctx.wgrad_store.put(...)`` and
+    the weight's gradient returned is ``wgrad = None``, or ``get_dummy_wgrad(...)`` when fused and
+    the weight has ``grad_added_to_main_grad``; ``_Linear`` is an ``autograd.Function`` with
+    ``forward(ctx, ...)`` and no ``setup_context`` (every indexed revision, and the module calls
+    ``_Linear.forward(None, ...)`` without grad). None of these was run here (no GPU), so each is
+    non-strict."""
+    return [
+        Deviation(
+            "P18",
+            "under delay backward_dw() sets .grad on the module's own weight attribute as it is "
+            "when backward_dw() runs (weight_tensor = noop_cat(self._get_weight_tensors()); "
+            "weight_tensor.grad = wgrad), not on the tensor the forward used: a leaf substituted "
+            "by torch.func.functional_call gets nothing, the module's own parameter gets its "
+            "gradient (and .grad is overwritten, issue #3437)" + _TE_UNRUN,
+            _TE_BACKWARD_DW,
+            applies=_delayed("functional_call"),
+            matches="P18 functional_call (delay",
+            strict=False,
+        ),
+        Deviation(
+            "P18",
+            "under delay a parametrized weight is queued like a Parameter (_Linear.backward "
+            "returns None for it) and backward_dw() assigns .grad to the parametrization's output "
+            "recomputed at that moment, a non-leaf: original.grad stays None" + _TE_UNRUN,
+            _TE_BACKWARD_DW,
+            applies=_delayed("parametrize"),
+            matches="P18 parametrize (delay",
+            strict=False,
+        ),
+        Deviation(
+            "P18",
+            "under delay _Linear.backward returns None for the weight, so autograd's accumulator "
+            "calls the weight's tensor hooks with None in backward() (a hook that computes with "
+            "the gradient raises there), and backward_dw() writes .grad past the hooks: they "
+            "never see or replace the gradient, and a hook returning a wrong size raises "
+            "nothing" + _TE_UNRUN,
+            f"{_TE_LINEAR_BACKWARD}; {_TE_BACKWARD_DW}",
+            applies=lambda case: (
+                case.delay and case.variant in ("tensor_hook", "tensor_hook_wrong_size")
+            ),
+            matches="P18 tensor_hook",
+            strict=False,
+        ),
+        Deviation(
+            "P18",
+            "under delay a weight's post-accumulate hooks fire in backward() (autograd's "
+            "accumulator runs on the None gradient _Linear.backward returns), before the "
+            "deferred gradient exists, and not in backward_dw(), which sets .grad itself"
+            + _TE_UNRUN,
+            f"{_TE_LINEAR_BACKWARD}; {_TE_BACKWARD_DW}",
+            applies=_delayed("post_accumulate_hook"),
+            matches="P18 post_accumulate_hook (delay",
+            strict=False,
+        ),
+        Deviation(
+            "P18",
+            "with fuse_wgrad_accumulation and a weight carrying grad_added_to_main_grad, "
+            "_Linear.backward returns a placeholder from get_dummy_wgrad(): a tensor hook on the "
+            "weight sees that placeholder instead of being refused, and its post-accumulate "
+            "hooks fire on it in backward(), before a delayed main_grad write" + _TE_UNRUN,
+            _TE_LINEAR_BACKWARD,
+            applies=lambda case: (
+                case.config.fuse_wgrad_accumulation
+                and case.variant in ("tensor_hook", "post_accumulate_hook")
+            ),
+            matches="P18 ",
+            strict=False,
+        ),
+        Deviation(
+            "P18",
+            "torch.func transforms fail inside torch ('In order to use an autograd.Function with "
+            "functorch transforms ... it must override the setup_context staticmethod'), "
+            "without naming the module: TE's autograd Functions (_Linear, _LayerNormLinear, "
+            "_LayerNormMLP, _GroupedLinear) define forward(ctx, ...) and no setup_context"
+            + _TE_UNRUN,
+            _TE_LINEAR_BACKWARD,
+            applies=lambda case: case.variant.startswith("func."),
+            matches="P18 func.",
+            strict=False,
+        ),
+        Deviation(
+            "P18",
+            "a double backward (create_graph=True) differentiates nothing of TE's backward: it "
+            "runs TE's own GEMM and norm kernels, which autograd does not record, so the "
+            "second-order terms are missing or the second backward fails inside torch, without "
+            "naming the module (not confirmed: which of the two happens was not seen in the "
+            "source)" + _TE_UNRUN,
+            _TE_LINEAR_BACKWARD,
+            applies=lambda case: case.variant in ("grad_of_grad", "backward_create_graph"),
+            matches="P18 ",
+            strict=False,
+        ),
+    ]
+
+
 class TransformerEngineBackend(LibraryBackend):
     """``transformer_engine.pytorch`` (needs TE and a CUDA GPU). Its modules share the splitgrad
     API names; the pending count is read from TE's ``wgrad_store`` when it has no
@@ -961,6 +1254,7 @@ class TransformerEngineBackend(LibraryBackend):
             "SPEC.md §4",
             applies=lambda case: case.config.kind == "GroupedLinear",
         ),
+        *_transformer_engine_p18_deviations(),
     )
 
     def __init__(self) -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "WGRAD",
     "NORM_GRAD",
     "GROUPED_GEMM",
+    "SECOND_ORDER",
     "BUDGETS",
     "GRADCHECK_EPS",
     "GRADCHECK_ATOL",
@@ -185,7 +186,26 @@ GROUPED_GEMM = ErrorBudget(
     "Linear uses; both round their fp32 accumulation once to the output dtype",
 )
 
-BUDGETS = {b.kind: b for b in (OUTPUT, DGRAD, WGRAD, NORM_GRAD, GROUPED_GEMM)}
+# P18: gradients of gradients (create_graph=True, gradgradcheck's pattern). A second-order
+# result runs the backward's formulas once more on the first-order results: the dgrad and wgrad
+# GEMMs again, and for the norm modules the norm backward's own derivative, a difference of
+# terms larger than the result. An implementation that differentiates a torch.nn.functional
+# twin (impl) rounds at other points than the reference's hand-written formulas all along that
+# chain, twice as many as in a first-order result.
+SECOND_ORDER = ErrorBudget(
+    "second_order",
+    4.0,
+    2.0,
+    "a second derivative runs the backward's GEMMs and the norm backward's derivative on "
+    "first-order results that are themselves rounded: twice the rounding points of a "
+    "first-order gradient, each of which an implementation may place elsewhere (a fused "
+    "kernel, torch's own norm backward) than the reference's formulas",
+    fp32_multiplier=8.0,
+    fp32_floor_steps=2 * _FP32_FLOOR,
+    fp32_why=_FP32_NOISE.format(x=4) + "; a second derivative chains twice as many of them",
+)
+
+BUDGETS = {b.kind: b for b in (OUTPUT, DGRAD, WGRAD, NORM_GRAD, GROUPED_GEMM, SECOND_ORDER)}
 
 
 def chained(budget: ErrorBudget, uses: int) -> ErrorBudget:

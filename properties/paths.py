@@ -238,15 +238,30 @@ class ForcedPathBackend(Backend):
         with self._counting():
             return self.inner.forward(module, x, m_splits, is_first_microbatch)
 
-    def backward(self, module, outputs, grads, inputs: Sequence[torch.Tensor] | None = None):
+    def backward(
+        self,
+        module,
+        outputs,
+        grads,
+        inputs: Sequence[torch.Tensor] | None = None,
+        create_graph: bool = False,
+    ):
+        kw: dict[str, Any] = {"create_graph": True} if create_graph else {}
+        if inputs is not None:
+            kw["inputs"] = inputs
         with self._counting():
-            if inputs is None:
-                return self.inner.backward(module, outputs, grads)
-            return self.inner.backward(module, outputs, grads, inputs=inputs)
+            return self.inner.backward(module, outputs, grads, **kw)
 
-    def grad(self, module, outputs, grads, inputs):
+    def grad(self, module, outputs, grads, inputs, create_graph: bool = False):
+        kw = {"create_graph": True} if create_graph else {}
         with self._counting():
-            return self.inner.grad(module, outputs, grads, inputs)
+            return self.inner.grad(module, outputs, grads, inputs, **kw)
+
+    def torch_module(self, module: Any) -> torch.nn.Module:
+        return self.inner.torch_module(module)
+
+    def parametrize(self, module: Any, name: str, parametrization: torch.nn.Module) -> None:
+        self.inner.parametrize(module, name, parametrization)
 
     def backward_dw(self, module: Any) -> None:
         with self._counting():

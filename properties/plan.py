@@ -60,8 +60,9 @@ PATH_CHOICES = ("none", *IMPL_PATHS, "all")
 # Drawn on top of the explicit case per recipe (10): 15 examples per FP8 cell.
 FP8_SLICE_EXAMPLES = 5
 # Properties whose finite dimensions are enumerated in full by their explicit cases draw at
-# most this many more (P10: ~70 enumerated misuse x fused x delay x is_first_microbatch).
-ENUMERATED_DRAWN = {"P10": 10}
+# most this many more (P10: ~70 enumerated misuse x fused x delay x is_first_microbatch; P18:
+# 25 enumerated substitution kinds x delay x fused, several runs and truths each).
+ENUMERATED_DRAWN = {"P10": 10, "P18": 10}
 FP8_SLICE_PROPERTIES = ("P1", "P2", "P3", "P4", "P6", "P10", "P12", "P13", "P17")
 FP8_SLICE_DTYPES = ("bfloat16",)
 PATH_SLICE_EXAMPLES = 15

@@ -14,6 +14,8 @@ P11        the entry's tensors are freed after backward_dw()               memor
 P12        GroupedLinear == a list of Linears                              grouped.py
 P13        FP8 quantizers and amax histories                               fp8.py
 P17        a backward writes and queues only what it is asked for          input_only.py
+P18        autograd fidelity: functional_call, parametrize, parameter       fidelity.py
+           hooks, double backward, torch.func
 =========  ==============================================================  ================
 
 Shared: :mod:`.results` (what a check returns), :mod:`.runner` (one live module), :mod:`.truth`
@@ -32,6 +34,7 @@ from hypothesis import strategies as st
 
 from .accuracy import check_p1, check_p2, check_p3
 from .backends import Backend
+from .fidelity import check_p18, p18_cases, p18_explicit
 from .fp8 import P13_VALUES, check_p13, p13_cases
 from .grouped import check_p12
 from .input_only import check_p17, p17_cases
@@ -212,6 +215,14 @@ SPECS: dict[str, PropertySpec] = {
             check_p17,
             p17_cases,
         ),
+        _spec(
+            "P18",
+            "autograd fidelity: gradients reach the tensors the forward used (functional_call, "
+            "parametrize), parameter hooks see and replace them, post-accumulate hooks fire "
+            "after the write, double backward and torch.func right or a clear error",
+            check_p18,
+            p18_cases,
+        ),
     )
 }
 
@@ -280,8 +291,8 @@ def explicit_cases(
     :func:`case_strategy` and passed through the same restrictions: the boundary patterns of
     :func:`~.strategies.boundary_cases` (every recipe, every layout) completed with the
     property's own structure, enumerated where it is finite (P5's prefill, P7's variants, P13's
-    value patterns, P17's modes; P10: every misuse x fused x delay x ``is_first_microbatch``,
-    :func:`~.misuse.p10_explicit`)."""
+    value patterns, P17's modes, P18's substitution kinds; P10: every misuse x fused x delay x
+    ``is_first_microbatch``, :func:`~.misuse.p10_explicit`)."""
     spec = _spec_of(property_id)
     kinds, dtypes, devices, recipes = tuple(kinds), tuple(dtypes), tuple(devices), tuple(recipes)
     out = _EXPLICIT.get(property_id, _explicit_plain)(kinds, dtypes, devices, recipes)
@@ -396,6 +407,12 @@ def _explicit_p17(kinds, dtypes, devices, recipes) -> list[Case]:
     return out
 
 
+def _explicit_p18(kinds, dtypes, devices, recipes) -> list[Case]:
+    return p18_explicit(
+        boundary_cases(kinds, dtypes, devices, n_micro_batches=(1, 2), recipes=recipes)
+    )
+
+
 _EXPLICIT = {
     "P1": _explicit_accuracy,
     "P2": _explicit_accuracy,
@@ -409,6 +426,7 @@ _EXPLICIT = {
     "P12": _explicit_p12,
     "P13": _explicit_p13,
     "P17": _explicit_p17,
+    "P18": _explicit_p18,
 }
 
 

@@ -2,10 +2,10 @@
 
 Each ``check_pN`` (one file per property group: :mod:`.accuracy` P1-P3, :mod:`.split` P4-P8,
 :mod:`.misuse` P9-P10, :mod:`.memory` P11, :mod:`.grouped` P12, :mod:`.fp8` P13,
-:mod:`.input_only` P17; :mod:`.registry` lists them) runs one example and returns a
-:class:`CheckResult`, or raises :class:`PropertyViolation` / :class:`~.budgets.BudgetViolation`
-(both ``AssertionError``\\ s, so hypothesis shrinks on them). A :class:`Tracker` collects the
-worst error/budget ratio of the comparisons an example makes.
+:mod:`.input_only` P17, :mod:`.fidelity` P18; :mod:`.registry` lists them) runs one example and
+returns a :class:`CheckResult`, or raises :class:`PropertyViolation` /
+:class:`~.budgets.BudgetViolation` (both ``AssertionError``\\ s, so hypothesis shrinks on them).
+A :class:`Tracker` collects the worst error/budget ratio of the comparisons an example makes.
 """
 
 from __future__ import annotations

@@ -118,6 +118,16 @@ class ModuleRun:
         with self.backend.fp8_autocast(self.config), torch_autocast(self.config):
             return self.backend.forward(self.module, x, m_splits, is_first_microbatch)
 
+    def functional_forward(
+        self, tensors: dict[str, torch.Tensor], x: torch.Tensor, m_splits, is_first_microbatch
+    ) -> torch.Tensor:
+        """:meth:`forward` with the parameters named in ``tensors`` replaced by them for this
+        call (``torch.func.functional_call``, :meth:`~.backends.Backend.functional_forward`)."""
+        with self.backend.fp8_autocast(self.config), torch_autocast(self.config):
+            return self.backend.functional_forward(
+                self.module, tensors, x, m_splits, is_first_microbatch
+            )
+
     def fb(
         self, data: MicroBatchData, *, first: bool | None = ...
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -292,9 +292,9 @@ class MicroBatch:
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One example of one property: a module, its micro-batches, a seed for every value, and the
-    property-specific structure (``schedule`` for P6; ``variant`` for P5, P7, P10, P13, P17;
-    ``frozen`` for P4 and P7; ``asked``, the tensors a partial backward asks for, for P17:
-    ``"inp"`` and parameter names)."""
+    property-specific structure (``schedule`` for P6; ``variant`` for P5, P7, P10, P13, P17,
+    P18; ``frozen`` for P4 and P7; ``asked``, the tensors a partial backward asks for, for P17:
+    ``"inp"`` and parameter names; for P18 the parameters its substitution targets)."""
 
     config: ModuleConfig
     micro_batches: tuple[MicroBatch, ...]

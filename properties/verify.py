@@ -82,7 +82,7 @@ _PROFILES = ("dev", "ci", "nightly", "gpu")
 
 DESCRIPTION = """\
 Check a split-backward implementation against SPEC.md: a hypothesis campaign of the properties
-P1-P17, against the reference's float64 truth and against the implementation itself, printed as
+P1-P18, against the reference's float64 truth and against the implementation itself, printed as
 one table row per property x module x dtype (x FP8 recipe, x forced fast path)."""
 EPILOG = """\
 exit status: 0 every cell passed (or deviates as the backend declares); 1 a cell failed

@@ -1,4 +1,4 @@
-"""Every property (P1–P13, P17) on every in-process backend, over hypothesis-drawn cases, and
+"""Every property (P1–P13, P17, P18) on every in-process backend, over hypothesis-drawn cases, and
 on impl's fast paths that are the default only on a GPU, forced on the CPU.
 
 One test per (backend, property, module kind); dtypes are drawn (float32, bfloat16, float16,

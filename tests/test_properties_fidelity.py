@@ -1,0 +1,453 @@
+"""P18 (autograd fidelity) has teeth: every sub-check passes on reference and impl and fails,
+naming what went wrong, on a planted bug — the mutants of ``ci/mutants.py``, a few edits of a
+copy of impl made here, and an outside package that splits its backward the way
+TransformerEngine's source does (``tests/outside_fidelity.py``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import outside_fidelity
+import pytest
+import torch
+from splitgrad.properties import budgets as B
+from splitgrad.properties.backends import Backend, LibraryBackend, get_backend
+from splitgrad.properties.campaign import run_case
+from splitgrad.properties.fidelity import (
+    DIFFERENTIATING_VARIANTS,
+    EXPLICIT,
+    VARIANTS,
+    names_module,
+)
+from splitgrad.properties.registry import case_strategy, explicit_cases
+from splitgrad.properties.strategies import Case, MicroBatch, ModuleConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _mutants():
+    sys.path.insert(0, str(ROOT / "ci"))
+    try:
+        import mutants
+    finally:
+        sys.path.pop(0)
+    return mutants
+
+
+def _case(
+    variant: str,
+    kind: str = "LayerNormLinear",
+    *,
+    delay: bool = True,
+    fused: bool = False,
+    asked: tuple[str, ...] = (),
+    dtype: str = "float32",
+    bias: bool = True,
+) -> Case:
+    """Two micro-batches of 3 and 2 rows (GroupedLinear: both groups busy), seed 3."""
+    splits = (2, 1) if kind == "GroupedLinear" else None
+    config = ModuleConfig(
+        kind,
+        6,
+        5,
+        num_gemms=2 if kind == "GroupedLinear" else 1,
+        bias=bias,
+        fuse_wgrad_accumulation=fused,
+        dtype=dtype,
+    )
+    second = (1, 1) if kind == "GroupedLinear" else None
+    mbs = (MicroBatch((3,), splits), MicroBatch((2,), second))
+    return Case(config, mbs, seed=3, variant=variant, delay=delay, asked=asked)
+
+
+_TARGETS = {
+    "functional_call": ("weight", "bias", "layer_norm_weight"),
+    "parametrize": ("weight",),
+    "tensor_hook": ("weight", "layer_norm_bias"),
+    "tensor_hook_wrong_size": ("weight",),
+    "post_accumulate_hook": ("weight", "bias", "layer_norm_weight"),
+}
+
+
+def _variant_case(variant: str, kind: str = "LayerNormLinear", **kw) -> Case:
+    asked = _TARGETS.get(variant, ())
+    if kind == "Linear":
+        asked = tuple(n for n in asked if not n.startswith("layer_norm"))
+    return _case(variant, kind, asked=asked, **kw)
+
+
+def _fails(backend: Backend, case: Case, *fragments: str) -> str:
+    with pytest.raises(AssertionError) as info:
+        run_case(backend, "P18", case)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def _mutated(tmp_path: Path, name: str, bug: str, edits) -> Backend:
+    mutants = _mutants()
+    mutant = mutants.Mutant(name, bug, tuple(edits))
+    dest = tmp_path / name.replace("-", "_")
+    why = mutants.apply(mutant, dest)
+    assert why is None, why
+    return get_backend(f"path:{dest}")
+
+
+def _ci_mutant(tmp_path: Path, name: str) -> Backend:
+    mutant = next(m for m in _mutants().P18_MUTANTS if m.name == name)
+    return _mutated(tmp_path, mutant.name, mutant.bug, mutant.edits)
+
+
+# ---- reference and impl pass every kind ----------------------------------------------------
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "impl"])
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("delay", [True, False], ids=["delay", "no-delay"])
+def test_every_kind_passes_on_the_packages(backend_name: str, variant: str, delay: bool) -> None:
+    # Refused (delay under backward(create_graph=True)) or only raising (a wrong-size hook in
+    # backward()): nothing numeric is left to compare there.
+    judged = not (variant == "backward_create_graph" and delay) and not (
+        variant == "tensor_hook_wrong_size" and not delay
+    )
+    for dtype in ("float32", "bfloat16"):
+        case = _variant_case(variant, delay=delay, dtype=dtype)
+        result = run_case(get_backend(backend_name), "P18", case)
+        assert (result.comparisons > 0) == judged, result
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "impl"])
+def test_refusals_name_the_module_and_are_accepted(backend_name: str) -> None:
+    """Delay under backward(create_graph=True), a fused weight's tensor hook, a parametrized
+    fused weight: refused with a RuntimeError naming the module or weight, which P18 accepts."""
+    backend = get_backend(backend_name)
+    module = backend.build(_case("backward_create_graph").config, delay=True)
+    x = torch.randn(3, 6, requires_grad=True)
+    with pytest.raises(RuntimeError, match="LayerNormLinear"):
+        module(x).sum().backward(create_graph=True)
+    for case in (
+        _case("backward_create_graph", delay=True),
+        _case("tensor_hook", fused=True, asked=("weight",)),
+        _case("parametrize", fused=True, asked=("weight",)),
+    ):
+        assert run_case(backend, "P18", case).comparisons == 0
+
+
+# ---- an outside package split the way TransformerEngine's source reads ---------------------
+
+
+def _te_like() -> Backend:
+    return LibraryBackend("te-like", lib=outside_fidelity)
+
+
+_TE_LIKE_FAILURES = {
+    "functional_call": "the module's own substituted parameter changed",
+    "parametrize": "original.grad is None after backward()",
+    "tensor_hook": "the tensor hook saw None",
+    "tensor_hook_wrong_size": "tensor hook calls during backward(): got 2, expected 0",
+    "post_accumulate_hook": "the phases its post-accumulate hook fired in",
+}
+
+
+@pytest.mark.parametrize("variant", list(_TE_LIKE_FAILURES))
+def test_te_like_split_fails_each_hook_and_substitution_check(variant: str) -> None:
+    backend = _te_like()
+    case = _variant_case(variant, "Linear", delay=True)
+    _fails(backend, case, f"P18 {variant} (delay", _TE_LIKE_FAILURES[variant])
+    # Without delay it returns its gradients through autograd: the same case passes.
+    run_case(backend, "P18", _variant_case(variant, "Linear", delay=False))
+
+
+def test_te_like_queues_for_a_parametrized_weight() -> None:
+    """Nothing may be queued for a weight that is not a leaf (SPEC §3)."""
+    case = _case("parametrize", "Linear", asked=("weight",), bias=False)
+    _fails(_te_like(), case, "pending_wgrad_count after the backwards: got 2, expected 0")
+
+
+@pytest.mark.parametrize("variant", DIFFERENTIATING_VARIANTS)
+def test_errors_from_inside_torch_fail_the_differentiating_kinds(variant: str) -> None:
+    """A Function without setup_context (torch.func) or marked once_differentiable (double
+    backward) fails inside torch, without naming the module: not SPEC §2's clear refusal."""
+    for delay in (True, False):
+        _fails(_te_like(), _case(variant, "Linear", delay=delay), "does not name the module")
+
+
+# ---- the mutants of ci/mutants.py ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("delay", [True, False], ids=["delay", "no-delay"])
+def test_backward_reading_the_module_weight_is_caught(tmp_path: Path, delay: bool) -> None:
+    backend = _ci_mutant(tmp_path, "backward-reads-module-weight")
+    case = _case("functional_call", "Linear", delay=delay, asked=("weight", "bias"))
+    _fails(backend, case, "the module's own substituted parameter changed: weight.grad")
+    run_case(get_backend("impl"), "P18", case)
+
+
+@pytest.mark.parametrize("delay", [True, False], ids=["delay", "no-delay"])
+def test_skipped_tensor_hooks_are_caught(tmp_path: Path, delay: bool) -> None:
+    backend = _ci_mutant(tmp_path, "tensor-hook-skipped")
+    case = _case("tensor_hook", "Linear", delay=delay, asked=("weight",))
+    _fails(backend, case, "weight: the phases its tensor hook ran in: got []")
+    wrong = _case("tensor_hook_wrong_size", "Linear", delay=delay, asked=("bias",))
+    _fails(backend, wrong, "raised nothing")
+    for c in (case, wrong):
+        run_case(get_backend("impl"), "P18", c)
+
+
+def test_early_post_accumulate_hooks_are_caught(tmp_path: Path) -> None:
+    backend = _ci_mutant(tmp_path, "post-hook-early")
+    case = _case("post_accumulate_hook", "GroupedLinear", asked=("weight0", "bias1"))
+    _fails(
+        backend,
+        case,
+        "weight0: the phases its post-accumulate hook fired in: got ['backward 0', 'backward 1', "
+        "'backward_dw 0', 'backward_dw 1'], expected ['backward_dw 0', 'backward_dw 1']",
+    )
+    run_case(get_backend("impl"), "P18", case)
+
+
+# ---- planted edits for the remaining sub-checks --------------------------------------------
+
+
+def test_a_dropped_hook_replacement_is_caught(tmp_path: Path) -> None:
+    """The hook sees the gradient (so the truth check passes) but its return is dropped."""
+    backend = _mutated(
+        tmp_path,
+        "hook-return-dropped",
+        "a tensor hook's replacement is ignored",
+        [
+            (
+                "base.py",
+                'acc.apply_tensor_hooks(leaf, value, f"{kind}.{names[id(leaf)]}")',
+                '(acc.apply_tensor_hooks(leaf, value, f"{kind}.{names[id(leaf)]}"), value)[1]',
+            )
+        ],
+    )
+    case = _case("tensor_hook", "Linear", asked=("weight",))
+    _fails(
+        backend,
+        case,
+        "weight.grad vs its prefill plus what its hook returned",
+        "not bitwise identical",
+    )
+
+
+def test_a_hook_seeing_a_wrong_gradient_is_caught(tmp_path: Path) -> None:
+    """The hook is handed twice the gradient; what it returns lands in .grad as it should, so
+    only the judgment of what it saw against the float64 truth catches it."""
+    backend = _mutated(
+        tmp_path,
+        "hook-sees-twice",
+        "a tensor hook is handed twice the gradient",
+        [
+            (
+                "base.py",
+                'acc.apply_tensor_hooks(leaf, value, f"{kind}.{names[id(leaf)]}")',
+                "acc.apply_tensor_hooks(leaf, value * (2 if acc.has_hooks(leaf) else 1), "
+                'f"{kind}.{names[id(leaf)]}")',
+            )
+        ],
+    )
+    for delay in (True, False):
+        case = _case("tensor_hook", "Linear", delay=delay, asked=("weight",))
+        _fails(backend, case, "what the hooks saw (accumulated)", "weight.grad")
+
+
+def test_a_post_accumulate_hook_before_the_write_is_caught(tmp_path: Path) -> None:
+    """Fired in the right backward_dw(), but before the gradient is written."""
+    backend = _mutated(
+        tmp_path,
+        "post-hook-before-write",
+        "post-accumulate hooks run before the deferred write",
+        [
+            (
+                "base.py",
+                "            for leaf, value, later in hooked:\n",
+                "            if self.delay_wgrad_compute:\n"
+                "                for leaf, _, _ in hooked:\n"
+                "                    acc.run_post_accumulate_hooks(leaf)\n"
+                "            for leaf, value, later in hooked:\n",
+            ),
+            (
+                "base.py",
+                "        if self.delay_wgrad_compute:\n"
+                "            for leaf in {id(leaf): leaf for leaf, _, _ in hooked}.values():\n"
+                "                acc.run_post_accumulate_hooks(leaf)\n",
+                "",
+            ),
+        ],
+    )
+    case = _case("post_accumulate_hook", "Linear", asked=("weight",))
+    _fails(
+        backend,
+        case,
+        "weight.grad read by its post-accumulate hook in backward_dw 0 vs after it",
+        "not bitwise identical",
+    )
+
+
+def test_a_bypassed_parametrization_is_caught(tmp_path: Path) -> None:
+    backend = _mutated(
+        tmp_path,
+        "parametrization-bypassed",
+        "the forward reads a parametrized weight's original",
+        [
+            (
+                "base.py",
+                "getattr(self, name)",
+                "(self._parameters[name] if name in self._parameters "
+                "else self.parametrizations[name].original)",
+            )
+        ],
+    )
+    # The forward computes with half the weight (the input gradient shows it first); the
+    # original is a leaf, so under delay its gradient is deferred besides.
+    case = _case("parametrize", "LayerNormLinear", delay=False, asked=("weight",))
+    _fails(backend, case, "parametrizations.weight.original.grad / 2 and x: inp.grad")
+    case = _case("parametrize", "LayerNormLinear", delay=True, asked=("weight",))
+    _fails(backend, case, "original.grad is None after backward()")
+
+
+def test_a_delayed_write_that_is_only_close_is_caught_bitwise(tmp_path: Path) -> None:
+    """Deferred weight gradients summed in another row order: within the float64 truth's
+    budget, but not the non-delayed run's bits."""
+    backend = _mutated(
+        tmp_path,
+        "delayed-rows-reversed",
+        "a deferred weight gradient sums its rows in reverse",
+        [
+            (
+                "base.py",
+                "            gemm.wgrad_accumulate_(param.grad, dy, x)\n",
+                "            if self.delay_wgrad_compute:\n"
+                "                dy, x = dy.flip(0), x.flip(0)\n"
+                "            gemm.wgrad_accumulate_(param.grad, dy, x)\n",
+            )
+        ],
+    )
+    case = _case("functional_call", "Linear", asked=("weight",))
+    case = Case(
+        case.config,
+        (MicroBatch((64,)), MicroBatch((48,))),
+        5,
+        variant=case.variant,
+        delay=True,
+        asked=case.asked,
+    )
+    _fails(backend, case, "delayed vs not: weight.grad", "not bitwise identical")
+
+
+def test_a_wrong_second_order_value_is_caught(tmp_path: Path) -> None:
+    """First-order gradients right, second-order ones 5 % off through the input gradient."""
+    backend = _mutated(
+        tmp_path,
+        "second-order-scaled",
+        "the input gradient's own derivative scaled by 1.05",
+        [
+            (
+                "twin.py",
+                "    dx, *grads = vjp(dy)\n",
+                "    dx, *grads = vjp(dy)\n    dx = dx + (dx - dx.detach()) * 0.05\n",
+            )
+        ],
+    )
+    for variant in ("grad_of_grad", "backward_create_graph"):
+        case = _case(variant, "LayerNormLinear", delay=False)
+        message = _fails(backend, case, f"P18 {variant}", "second order")
+        assert "[second_order budget]" in message
+        run_case(get_backend("impl"), "P18", case)
+
+
+@pytest.mark.parametrize("variant", ["func.grad", "func.vjp", "func.jacrev", "func.vmap"])
+def test_a_wrong_value_under_torch_func_is_caught(tmp_path: Path, variant: str) -> None:
+    backend = _mutated(
+        tmp_path,
+        "twin-linear-scaled",
+        "impl's Linear under torch.func computes 1.01 * y",
+        [
+            (
+                "twin.py",
+                "        return _linear(x, *params, autocast)\n",
+                "        return _linear(x, *params, autocast) * 1.01\n",
+            )
+        ],
+    )
+    _fails(backend, _case(variant, "Linear", delay=False), f"P18 {variant}", "budget")
+
+
+# ---- the pieces -----------------------------------------------------------------------------
+
+
+def test_names_module_takes_whole_words() -> None:
+    assert names_module("splitgrad.impl.LayerNormMLP with delay_wgrad_compute=True", "LayerNormMLP")
+    assert names_module("Linear.weight has tensor hooks", "Linear")
+    assert not names_module("splitgrad.impl.LayerNormLinear cannot", "Linear")
+    assert not names_module("_TELikeLinearFunction must override setup_context", "Linear")
+    assert not names_module("expected scalar type BFloat16 but found Float", "Linear")
+
+
+def test_second_order_budget_says_why() -> None:
+    assert B.BUDGETS["second_order"] is B.SECOND_ORDER and len(B.SECOND_ORDER.why) > 40
+
+
+def test_explicit_cases_enumerate_every_kind() -> None:
+    assert {v for v, *_ in EXPLICIT} == set(VARIANTS)
+    for kind in ("Linear", "LayerNormMLP", "GroupedLinear"):
+        cases = explicit_cases("P18", (kind,), ("float32",))
+        assert [c.variant for c in cases] == [v for v, *_ in EXPLICIT]
+        for variant in VARIANTS[:7]:  # the kinds whose timing depends on delay
+            delays = {c.delay for c in cases if c.variant == variant}
+            assert delays == {True, False}, (kind, variant)
+        for c in cases:
+            assert set(c.asked) <= {s for s in _names(c)}
+            if c.variant in ("parametrize", "tensor_hook_wrong_size"):
+                assert len(c.asked) == 1
+            if c.variant == "tensor_hook_wrong_size":
+                assert not c.config.fuse_wgrad_accumulation
+
+
+def _names(case: Case) -> set[str]:
+    from splitgrad.properties.data import param_specs
+
+    return {s.name for s in param_specs(case.config)}
+
+
+def test_torch_split_declares_what_it_shows() -> None:
+    """torch's generic split under delay: each P18 failure is a declared deviation."""
+    backend = get_backend("torch-split")
+    for variant in (
+        "functional_call",
+        "parametrize",
+        "post_accumulate_hook",
+        "grad_of_grad",
+        "backward_create_graph",
+        "tensor_hook_wrong_size",
+    ):
+        case = _variant_case(variant, "Linear", delay=True)
+        message = _fails(backend, case, f"P18 {variant} (delay")
+        assert backend.deviation_for("P18", case, message) is not None, message
+        run_case(backend, "P18", _variant_case(variant, "Linear", delay=False))
+
+
+def test_strategy_draws_every_kind_with_valid_targets() -> None:
+    from hypothesis import given, settings
+
+    seen: set[str] = set()
+
+    @settings(max_examples=300, database=None, deadline=None)
+    @given(case_strategy("P18", kinds=("LayerNormMLP", "GroupedLinear")))
+    def draw(case: Case) -> None:
+        seen.add(case.variant)
+        assert case.variant in VARIANTS and set(case.asked) <= _names(case)
+        assert 1 <= len(case.micro_batches) <= 2
+        if case.variant in ("parametrize", "tensor_hook_wrong_size"):
+            assert len(case.asked) == 1
+        elif case.variant in ("functional_call", "tensor_hook", "post_accumulate_hook"):
+            assert case.asked
+        else:
+            assert case.asked == ()
+
+    draw()
+    assert seen == set(VARIANTS)
