@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Callable, Sequence
 
 import torch
 from splitgrad.reference import accumulate as acc
-from splitgrad.reference._torch_private import functorch_active
+from splitgrad.reference._torch_private import functorch_active, has_hooks
 from splitgrad.reference.contract import (
     ACCUMULATE,
     ModuleContract,
@@ -50,6 +51,7 @@ __all__ = [
     "differentiated",
     "edge_routes",
     "fp8_not_differentiable",
+    "param_getter",
     "functorch_active",
     "twin",
     "fast_apply",
@@ -91,6 +93,13 @@ def edge_routes(ctx, present: Sequence[bool]) -> tuple[list[str | None], list[to
         dests.append(dest)
         leaves.append(leaf)
     return dests, leaves
+
+
+def param_getter(names: Sequence[str]) -> Callable[[dict], tuple]:
+    """A function that takes a module's ``_parameters`` to the tuple of ``names`` (one C call;
+    ``KeyError`` for a parametrized one)."""
+    get = operator.itemgetter(*names)
+    return get if len(names) > 1 else lambda params: (get(params),)
 
 
 def fp8_not_differentiable(module) -> None:
@@ -166,13 +175,17 @@ class SplitBackwardModule(ModuleContract):
 
     # ---- the forward's parameters -----------------------------------------------------------
 
-    def _param(self, name: str) -> torch.Tensor | None:
-        """The tensor the forward uses for parameter ``name``: the registered one (or the one
-        ``torch.func.functional_call`` put in its place), or a parametrization's result."""
+    def _params_of(self, names: Sequence[str], get: Callable[[dict], tuple] | None = None) -> tuple:
+        """The tensors the forward uses for the parameters ``names`` (``get``: their
+        :func:`param_getter`, faster): the registered ones (or those
+        ``torch.func.functional_call`` put in their place), or a parametrization's result."""
         params = self._parameters
-        if name in params:
-            return params[name]
-        return getattr(self, name)
+        try:
+            if get is None or torch.compiler.is_compiling():  # Dynamo cannot trace itemgetter
+                return tuple([params[name] for name in names])
+            return get(params)
+        except KeyError:  # parametrized: the attribute computes it
+            return tuple(getattr(self, name) for name in names)
 
     def _twin_forward(self, x, names, params, autocast, recipe, m_splits=None) -> torch.Tensor:
         """The forward under a ``torch.func`` transform (:mod:`.twin`)."""
@@ -181,17 +194,21 @@ class SplitBackwardModule(ModuleContract):
 
     # ---- gradient routing (§3) ------------------------------------------------------------
 
-    def _begin_writes(self, named_leaves: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def _begin_writes(self, named_leaves: Sequence[tuple[str, torch.Tensor]]) -> bool:
         """At the start of a backward, for the leaves the module writes itself: under fused
         accumulation their weights need a usable ``main_grad`` and no tensor hook (raised
         before anything is written); hooked leaves get autograd's call without a gradient muted
-        (:func:`~splitgrad.reference.accumulate.mute_empty_calls`)."""
+        (:func:`~splitgrad.reference.accumulate.mute_empty_calls`). Returns whether any has
+        hooks."""
         if self.fuse_wgrad_accumulation:
             weights = self._gemm_weight_names
             self._check_main_grads([(n, leaf) for n, leaf in named_leaves if n in weights])
+        hooked = False
         for _, leaf in named_leaves:
-            if acc.has_hooks(leaf):
+            if has_hooks(leaf):
                 acc.mute_empty_calls(leaf, deferred=self.delay_wgrad_compute)
+                hooked = True
+        return hooked
 
     def _write_weight_grad(
         self, param: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, overwrite: bool
@@ -225,24 +242,36 @@ class SplitBackwardModule(ModuleContract):
         else:
             param.grad.add_(db)
 
-    def _execute(self, closure: Callable[..., None], saved: tuple, written: tuple) -> None:
+    def _execute(
+        self, closure: Callable[..., None], saved: tuple, written: tuple, hooked: bool | None = None
+    ) -> None:
         """Run a wgrad closure with grad mode off. When a leaf it writes has hooks, its writes
         follow autograd's accumulator (:mod:`splitgrad.reference.accumulate`): every gradient
         is computed and passed through its leaf's tensor hooks first (so a hook that raises
         leaves everything unwritten), then stored, then, for a deferred entry, each leaf's
         post-accumulate hooks run (without delay autograd's own call on the leaf, which follows
-        the backward, runs them). ``written``: the (name, leaf) pairs the closure writes."""
-        if not any(acc.has_hooks(leaf) for _, leaf in written):
-            with torch.no_grad():
-                closure(*saved)
-            return
-        self._collected = []
+        the backward, runs them). ``written``: the (name, leaf) pairs the closure writes;
+        ``hooked``: whether one has hooks, when the caller just looked."""
+        # Grad mode set directly, and only when on (a backward already runs without it): the
+        # context manager costs more than a small Linear's bias gradient.
+        enabled = torch.is_grad_enabled()
+        if enabled:
+            torch._C._set_grad_enabled(False)
         try:
-            with torch.no_grad():
+            if hooked is None:
+                hooked = any([has_hooks(leaf) for _, leaf in written])
+            if not hooked:
                 closure(*saved)
-            collected = self._collected
+                return
+            self._collected = []
+            try:
+                closure(*saved)
+                collected = self._collected
+            finally:
+                self._collected = None
         finally:
-            self._collected = None
+            if enabled:
+                torch._C._set_grad_enabled(True)
         names = {id(leaf): name for name, leaf in written}
         kind = type(self).__name__
         with torch.no_grad():
@@ -339,17 +368,18 @@ class SplitBackwardModule(ModuleContract):
         saved: tuple[torch.Tensor | None, ...],
         written: tuple[tuple[str, torch.Tensor], ...],
         own_copies: bool = False,
+        hooked: bool | None = None,
     ) -> None:
         """Called at the end of the autograd backward: queue ``closure(*saved)`` as an entry
         writing the ``written`` (name, leaf) pairs, or run it now (then the hooks).
         ``own_copies``: the entry keeps copies of ``saved`` (a compiled backward, see
-        :mod:`.compiled`)."""
+        :mod:`.compiled`); ``hooked``: what :meth:`_begin_writes` returned."""
         if self.delay_wgrad_compute:
             if own_copies:
                 saved = tuple(None if t is None else t.clone() for t in saved)
             self._wgrad_store.push(WgradEntry(closure, saved, written))
             return
-        self._execute(closure, saved, written)
+        self._execute(closure, saved, written, hooked)
         if self._wgrad_hooks:
             self._run_hooks()
 

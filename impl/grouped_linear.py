@@ -38,7 +38,6 @@ from .base import (
     SplitBackwardModule,
     autocast_cast,
     autocast_off,
-    differentiated,
     edge_routes,
     fast_apply,
     fp8_not_differentiable,
@@ -132,7 +131,7 @@ def _backward(
     need_b = [d == ACCUMULATE for d in to_b] or [False] * n
     written = _written(module, leaves, need_w, need_b)
     named_weights = written[: sum(need_w)]
-    module._begin_writes(written)
+    hooked = module._begin_writes(written)
     dx = None
     if need_x:
         if use_grouped:
@@ -153,7 +152,7 @@ def _backward(
                     module._write_bias_grad(bias_params[i], dy_g)
 
         saved = (dy, x.detach()) if any(need_w) else (dy,)
-        module._submit_wgrad(wgrad_closure, saved, written, compiled_graph)
+        module._submit_wgrad(wgrad_closure, saved, written, compiled_graph, hooked)
     return (dx, *_returned_grads(to_w, to_b, dy, x, m_splits))
 
 
@@ -201,7 +200,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             return ((out[0] if need_x else None), *(None,) * (_N_ARGS - 1 + n_params))
         module = ctx.module
         present = (True,) * (len(ctx.needs_input_grad) - _N_ARGS)
-        if differentiated():  # create_graph=True or a torch.func transform: see .twin
+        if torch.is_grad_enabled() or functorch_active():  # create_graph, torch.func: see .twin
             ctx.param_names = module._gemm_weight_names + module._gemm_bias_names
             ctx.param_present = present
             grads = twin.differentiable_backward(
@@ -286,7 +285,7 @@ class _GroupedLinearFP8Function(torch.autograd.Function):
         module, gemms = take_fp8(ctx)
         n, m_splits = module.num_gemms, ctx.m_splits
         need_x = ctx.needs_input_grad[0]
-        if differentiated():  # create_graph=True or a torch.func transform
+        if torch.is_grad_enabled() or functorch_active():  # create_graph, torch.func
             fp8_not_differentiable(module)
         dest, leaves = edge_routes(ctx, (True,) * (len(ctx.needs_input_grad) - _N_ARGS))
         to_w, to_b = dest[:n], dest[n:] or [None] * n
@@ -359,7 +358,7 @@ class GroupedLinear(GroupedLinearContract, SplitBackwardModule):
         splits = self._check_m_splits(m_splits, x.shape[0])
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
         names = self._gemm_weight_names + self._gemm_bias_names
-        params = [self._param(name) for name in names]
+        params = self._params_of(names)
         if self.fuse_wgrad_accumulation or recipe is not None:
             self._check_forward_params(recipe, tuple(zip(self._gemm_weight_names, params)))
         autocast = self.autocast_dtype()

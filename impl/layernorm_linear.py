@@ -11,11 +11,11 @@ from .base import (
     SplitBackwardModule,
     autocast_cast,
     autocast_off,
-    differentiated,
     edge_routes,
     fast_apply,
     fp8_not_differentiable,
     functorch_active,
+    param_getter,
     take_fp8,
     twin,
     without_autocast,
@@ -28,6 +28,7 @@ __all__ = ["LayerNormLinear"]
 
 
 _NAMES = ("layer_norm_weight", "layer_norm_bias", "weight", "bias")
+_GET = param_getter(_NAMES)
 
 
 def _backward(module, dy, saved, need_x, dests, leaves, overwrite, compiled_graph=False):
@@ -42,7 +43,7 @@ def _backward(module, dy, saved, need_x, dests, leaves, overwrite, compiled_grap
     need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
     written = (("weight", w),) * need_w + (("bias", b),) * need_b
     named_weights = written[:1] if need_w else ()
-    module._begin_writes(written)
+    hooked = module._begin_writes(written)
     dx = d_lnw = d_lnb = None
     if need_x or need_lnw or need_lnb:
         d_ln_out = torch.mm(dy, weight)
@@ -59,7 +60,7 @@ def _backward(module, dy, saved, need_x, dests, leaves, overwrite, compiled_grap
                 module._write_bias_grad(b, dy)
 
         saved = (dy, ln_out.detach()) if need_w else (dy,)
-        module._submit_wgrad(wgrad_closure, saved, written, compiled_graph)
+        module._submit_wgrad(wgrad_closure, saved, written, compiled_graph, hooked)
     # Asked for by torch.autograd.grad: returned now, nothing written or queued.
     dw = gemm.wgrad(dy, ln_out) if to_w == RETURN else None
     db = dy.sum(dim=0) if to_b == RETURN else None
@@ -102,7 +103,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
                 )
             )
             return (*(next(out) if n else None for n in needs), *(None,) * 5)
-        if differentiated():  # create_graph=True or a torch.func transform: see .twin
+        if torch.is_grad_enabled() or functorch_active():  # create_graph, torch.func: see .twin
             ctx.param_names, ctx.param_present = _NAMES, ctx.present
             grads = twin.differentiable_backward(
                 ctx, ctx.module, dy, saved[0], ctx.params, ctx.autocast
@@ -176,7 +177,7 @@ class _LayerNormLinearFP8Function(torch.autograd.Function):
         module, fp8 = take_fp8(ctx)
         x, ln_weight, ln_bias, *stats = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
-        if differentiated():  # create_graph=True or a torch.func transform
+        if torch.is_grad_enabled() or functorch_active():  # create_graph, torch.func
             fp8_not_differentiable(module)
         (to_lnw, to_lnb, to_w, to_b), (_, _, w, b) = edge_routes(ctx, ctx.present)
         need_lnw, need_lnb = to_lnw is not None, to_lnb is not None
@@ -212,7 +213,7 @@ class LayerNormLinear(LayerNormLinearContract, SplitBackwardModule):
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.in_features)
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
-        params = tuple(self._param(name) for name in _NAMES)
+        params = self._params_of(_NAMES, _GET)
         if self.fuse_wgrad_accumulation or recipe is not None:
             self._check_forward_params(recipe, (("weight", params[2]),))
         args = (x, *params, self)

@@ -23,11 +23,11 @@ from .base import (
     SplitBackwardModule,
     autocast_cast,
     autocast_off,
-    differentiated,
     edge_routes,
     fast_apply,
     fp8_not_differentiable,
     functorch_active,
+    param_getter,
     take_fp8,
     twin,
     without_autocast,
@@ -54,6 +54,7 @@ _NAMES = (
     "fc2_weight",
     "fc2_bias",
 )
+_GET = param_getter(_NAMES)
 
 
 def _written(leaves, need_w1: bool, need_b1: bool, need_w2: bool, need_b2: bool) -> tuple:
@@ -75,7 +76,7 @@ def _backward(module, dy, saved, need_x, dest, leaves, overwrite, compiled_graph
     _, _, w1, b1, w2, b2 = leaves
     written = _written(leaves, need_w1, need_b1, need_w2, need_b2)
     named_weights = [(n, leaf) for n, leaf in written if n.endswith("weight")]
-    module._begin_writes(written)
+    hooked = module._begin_writes(written)
 
     need_norm = need_x or need_lnw or need_lnb
     dx = d_lnw = d_lnb = d_fc1_out = None
@@ -116,7 +117,7 @@ def _backward(module, dy, saved, need_x, dest, leaves, overwrite, compiled_graph
             d_fc1_out if (need_w1 or need_b1) else None,
             ln_out.detach() if need_w1 else None,
         )
-        module._submit_wgrad(wgrad_closure, saved, written, compiled_graph)
+        module._submit_wgrad(wgrad_closure, saved, written, compiled_graph, hooked)
     # Asked for by torch.autograd.grad: returned now, nothing written or queued.
     returned = (
         gemm.wgrad(d_fc1_out, ln_out) if to_w1 == RETURN else None,
@@ -162,7 +163,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
                 )
             )
             return (*(next(out) if n else None for n in needs), *(None,) * 7)
-        if differentiated():  # create_graph=True or a torch.func transform: see .twin
+        if torch.is_grad_enabled() or functorch_active():  # create_graph, torch.func: see .twin
             ctx.param_names, ctx.param_present = _NAMES, ctx.present
             grads = twin.differentiable_backward(
                 ctx, ctx.module, dy, saved[0], ctx.params, ctx.autocast
@@ -240,7 +241,7 @@ class _LayerNormMLPFP8Function(torch.autograd.Function):
         module, (fc1, fc2) = take_fp8(ctx)
         x, ln_weight, ln_bias, fc1_out, *stats = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
-        if differentiated():  # create_graph=True or a torch.func transform
+        if torch.is_grad_enabled() or functorch_active():  # create_graph, torch.func
             fp8_not_differentiable(module)
         dest, leaves = edge_routes(ctx, ctx.present)
         to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2 = dest
@@ -298,7 +299,7 @@ class LayerNormMLP(LayerNormMLPContract, SplitBackwardModule):
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.hidden_size)
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
-        params = tuple(self._param(name) for name in _NAMES)
+        params = self._params_of(_NAMES, _GET)
         if self.fuse_wgrad_accumulation or recipe is not None:
             self._check_forward_params(
                 recipe, (("fc1_weight", params[2]), ("fc2_weight", params[4]))

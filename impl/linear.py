@@ -11,11 +11,11 @@ from .base import (
     SplitBackwardModule,
     autocast_cast,
     autocast_off,
-    differentiated,
     edge_routes,
     fast_apply,
     fp8_not_differentiable,
     functorch_active,
+    param_getter,
     take_fp8,
     twin,
     without_autocast,
@@ -27,6 +27,7 @@ __all__ = ["Linear"]
 
 
 _NAMES = ("weight", "bias")
+_GET = param_getter(_NAMES)
 
 
 def _backward(module, dy, x, weight, need_x, dests, leaves, overwrite, compiled_graph=False):
@@ -38,7 +39,7 @@ def _backward(module, dy, x, weight, need_x, dests, leaves, overwrite, compiled_
     need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
     written = (("weight", w),) * need_w + (("bias", b),) * need_b
     named_weights = written[:1] if need_w else ()
-    module._begin_writes(written)
+    hooked = module._begin_writes(written)
     dx = torch.mm(dy, weight) if need_x else None
     if written:
 
@@ -50,7 +51,7 @@ def _backward(module, dy, x, weight, need_x, dests, leaves, overwrite, compiled_
                 module._write_bias_grad(b, dy)
 
         saved = (dy, x.detach()) if need_w else (dy,)
-        module._submit_wgrad(wgrad_closure, saved, written, compiled_graph)
+        module._submit_wgrad(wgrad_closure, saved, written, compiled_graph, hooked)
     dw = gemm.wgrad(dy, x) if to_w == RETURN else None
     db = dy.sum(dim=0) if to_b == RETURN else None
     return dx, dw, db
@@ -77,7 +78,7 @@ class _LinearFunction(torch.autograd.Function):
                 ctx.module._handle, dy, x, weight, ctx.overwrite, need_x
             )
             return (out[0] if need_x else None), None, None, None, None, None
-        if differentiated():  # create_graph=True or a torch.func transform: see .twin
+        if torch.is_grad_enabled() or functorch_active():  # create_graph, torch.func: see .twin
             ctx.param_names, ctx.param_present = _NAMES, ctx.present
             grads = twin.differentiable_backward(ctx, ctx.module, dy, x, ctx.params, ctx.autocast)
             return (*grads, None, None, None)
@@ -135,7 +136,7 @@ class _LinearFP8Function(torch.autograd.Function):
     def backward(ctx, dy):
         module, fp8 = take_fp8(ctx)
         need_x = ctx.needs_input_grad[0]
-        if differentiated():  # create_graph=True or a torch.func transform
+        if torch.is_grad_enabled() or functorch_active():  # create_graph, torch.func
             fp8_not_differentiable(module)
         (to_w, to_b), (w, b) = edge_routes(ctx, ctx.present)
         need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
@@ -165,7 +166,7 @@ class Linear(LinearContract, SplitBackwardModule):
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.in_features)
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
-        weight, bias = self._param("weight"), self._param("bias")
+        weight, bias = self._params_of(_NAMES, _GET)
         if self.fuse_wgrad_accumulation or recipe is not None:
             self._check_forward_params(recipe, (("weight", weight),))
         autocast = self.autocast_dtype()

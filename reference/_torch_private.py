@@ -21,6 +21,7 @@ __all__ = [
     "will_engine_execute_node",
     "tensor_hook_dict",
     "post_accumulate_hook_dict",
+    "has_hooks",
     "functorch_active",
 ]
 
@@ -38,38 +39,54 @@ def _moved(what: str) -> TorchMoved:
     )
 
 
-_WILL_EXECUTE = getattr(torch._C, "_will_engine_execute_node", None)
-_FUNCTORCH_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)
+def _missing(what: str):
+    def raise_moved(*_args, **_kwargs):
+        raise _moved(what)
+
+    return raise_moved
 
 
-def will_engine_execute_node(node: torch.autograd.graph.Node) -> bool:
-    """Whether the running backward executes ``node``; raises ``RuntimeError`` (from the engine)
-    when asked about a leaf that ``torch.autograd.grad`` captures instead."""
-    if _WILL_EXECUTE is None:
-        raise _moved("torch._C._will_engine_execute_node")
-    return _WILL_EXECUTE(node)
+#: Whether the running backward executes an autograd node; raises ``RuntimeError`` (from the
+#: engine) when asked about a leaf that ``torch.autograd.grad`` captures instead.
+will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None) or _missing(
+    "torch._C._will_engine_execute_node"
+)
 
+#: Whether a ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``, ``vmap``) is running.
+functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None) or _missing(
+    "torch._C._are_functorch_transforms_active"
+)
 
-def _hook_dict(tensor: torch.Tensor, attribute: str) -> dict | None:
-    try:
-        return getattr(tensor, attribute)
-    except AttributeError:
-        raise _moved(f"Tensor.{attribute}") from None
+_HOOK_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+_probe = torch.zeros(())
+if not all(hasattr(_probe, name) for name in _HOOK_DICTS):
+    _hooks_moved = _moved("Tensor._backward_hooks / Tensor._post_accumulate_grad_hooks")
+else:
+    _hooks_moved = None
+del _probe
 
 
 def tensor_hook_dict(tensor: torch.Tensor) -> dict | None:
     """The dictionary ``tensor.register_hook`` adds to (``None`` before the first one). Autograd
     holds this very object and reads it each time it calls the hooks."""
-    return _hook_dict(tensor, "_backward_hooks")
+    if _hooks_moved is not None:
+        raise _hooks_moved
+    return tensor._backward_hooks
 
 
 def post_accumulate_hook_dict(tensor: torch.Tensor) -> dict | None:
     """The dictionary ``tensor.register_post_accumulate_grad_hook`` adds to (or ``None``)."""
-    return _hook_dict(tensor, "_post_accumulate_grad_hooks")
+    if _hooks_moved is not None:
+        raise _hooks_moved
+    return tensor._post_accumulate_grad_hooks
 
 
-def functorch_active() -> bool:
-    """Whether a ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``, ``vmap``) is running."""
-    if _FUNCTORCH_ACTIVE is None:
-        raise _moved("torch._C._are_functorch_transforms_active")
-    return _FUNCTORCH_ACTIVE()
+if _hooks_moved is None:
+
+    def has_hooks(tensor: torch.Tensor) -> object:
+        """Truthy when ``tensor`` has tensor or post-accumulate hooks (cheap: a module asks it
+        for every gradient it writes)."""
+        return tensor._backward_hooks or tensor._post_accumulate_grad_hooks
+
+else:
+    has_hooks = _missing("Tensor._backward_hooks / Tensor._post_accumulate_grad_hooks")

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from ._torch_private import post_accumulate_hook_dict, tensor_hook_dict
+from ._torch_private import has_hooks, post_accumulate_hook_dict, tensor_hook_dict
 
 __all__ = [
     "has_hooks",
@@ -109,11 +109,6 @@ def _user_post_hooks(leaf: torch.Tensor) -> list:
     if not hooks:
         return []
     return [h.hook if isinstance(h, _AfterGradient) else h for h in list(hooks.values())]
-
-
-def has_hooks(leaf: torch.Tensor) -> bool:
-    """Whether ``leaf`` has tensor or post-accumulate hooks."""
-    return bool(tensor_hook_dict(leaf)) or bool(post_accumulate_hook_dict(leaf))
 
 
 def _hook_name(hook) -> str:
