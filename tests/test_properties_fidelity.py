@@ -174,6 +174,21 @@ def test_errors_from_inside_torch_fail_the_differentiating_kinds(variant: str) -
         _fails(_te_like(), _case(variant, "Linear", delay=delay), "does not name the module")
 
 
+def test_te_like_failures_are_what_the_transformer_engine_backend_declares() -> None:
+    """The TransformerEngine adapter's P18 deviations (read from TE's source, non-strict: never
+    run here) explain each failure of a package split the way that source reads."""
+    from splitgrad.properties.backends import TransformerEngineBackend
+
+    te = TransformerEngineBackend()
+    declared = [d for d in te.deviations if d.property_id == "P18"]
+    assert declared and all(not d.strict and d.reference for d in declared)
+    cases = [_variant_case(v, "Linear", delay=True) for v in _TE_LIKE_FAILURES]
+    cases += [_case(v, "Linear", delay=False) for v in DIFFERENTIATING_VARIANTS]
+    for case in cases:
+        message = _fails(_te_like(), case, f"P18 {case.variant}")
+        assert te.deviation_for("P18", case, message) is not None, message
+
+
 # ---- the mutants of ci/mutants.py ---------------------------------------------------------
 
 
