@@ -341,17 +341,25 @@ class ModuleContract(torch.nn.Module):
 
     # ---- validation (§5) ----------------------------------------------------------------
 
+    def _first_parameter(self) -> torch.Tensor:
+        """The first registered parameter; a parametrized one's original when the module's own
+        are all parametrized (``torch.nn.utils.parametrize`` moves them to a submodule)."""
+        for p in self._parameters.values():
+            if p is not None:
+                return p
+        return next(self.parameters())
+
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype the module computes in and expects inputs in: its parameters' current
         dtype (SPEC §2: ``params_dtype`` only sets how they are created; ``module.to(dtype)``,
         ``.bfloat16()``, ``.double()`` move it)."""
-        return next(iter(self._parameters.values())).dtype
+        return self._first_parameter().dtype
 
     @property
     def fp8_device(self) -> torch.device:
         """The module's device: where its parameters are (the first one registered)."""
-        return next(iter(self._parameters.values())).device
+        return self._first_parameter().device
 
     #: Where the module's first operation reads its input under ``torch.autocast``: a GEMM
     #: (the autocast dtype) or a norm (``"norm"``: float32, the module's own compute dtype).

@@ -353,6 +353,23 @@ def test_parametrized_weight_gets_its_gradient_through_autograd(lib, kind, delay
 
 
 @pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("kind", ["Linear", "GroupedLinear"])
+def test_module_whose_every_parameter_is_parametrized(lib, kind) -> None:
+    """Without a bias (and one group), the module keeps no parameter of its own: its dtype and
+    device come from the parametrization's original."""
+    if kind == "GroupedLinear":
+        m = lib.GroupedLinear(1, 8, 6, bias=False, params_dtype=F64)
+    else:
+        m = lib.Linear(8, 6, bias=False, params_dtype=F64)
+    name = gemm_weight_names(m)[0]
+    parametrize.register_parametrization(m, name, _Scale())
+    x = _x(m)
+    y = m(x, [x.shape[0]]) if kind == "GroupedLinear" else m(x)
+    y.sum().backward()
+    assert m.parametrizations[name].original.grad is not None
+
+
+@pytest.mark.parametrize("lib", LIBS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_parametrized_weight_under_fused_accumulation_is_refused(lib, kind) -> None:
     m = _module(lib, kind, fused=True)
