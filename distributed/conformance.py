@@ -234,7 +234,9 @@ class Block(torch.nn.Module):
     every forward, ``x + proj(tanh(proj(tanh(gate(mlp(x))))))``, so each backward queues two of
     its entries (SPEC §4: a weight used twice in one graph); its first use passes
     ``is_first_microbatch=False`` (its entry runs second and must add to what the second use's
-    overwrite left)."""
+    overwrite left). ``tied``: a further delayed ``Linear`` ``out`` shares ``proj``'s weight
+    (neither has a bias), ``x + out(tanh(proj(...)))``: one weight written by two modules'
+    entries (drained ``out`` first, so ``out`` overwrites and every ``proj`` entry adds)."""
 
     def __init__(
         self,
@@ -250,12 +252,17 @@ class Block(torch.nn.Module):
         prefill_seed: int = 0,
         delay: bool = True,
         proj_twice: bool = False,
+        tied: bool = False,
     ) -> None:
         super().__init__()
         kw = dict(params_dtype=dtype, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fused)
         self.mlp = lib.LayerNormMLP(hidden, ffn, **kw)
         self.gate = torch.nn.Linear(hidden, hidden, dtype=dtype)
-        self.proj = lib.Linear(hidden, hidden, **kw)
+        # tied: no bias on proj either, so the reducer can launch the shared weight alone
+        self.proj = lib.Linear(hidden, hidden, bias=not tied, **kw)
+        if tied:
+            self.out = lib.Linear(hidden, hidden, bias=False, **kw)
+            self.out.weight = self.proj.weight
         gen = torch.Generator().manual_seed(1000 + seed)
         with torch.no_grad():
             for _, p in sorted(self.named_parameters(), key=lambda item: item[0]):
@@ -264,7 +271,7 @@ class Block(torch.nn.Module):
                 value = (torch.randn(p.shape, generator=gen) * 0.3).to(value_dtype or dtype)
                 p.copy_(value.to(dtype))
         self.microbatches_per_step = microbatches_per_step
-        self.proj_twice = proj_twice
+        self.proj_twice, self.tied = proj_twice, tied
         self._forwards = 0
         if fused:
             noise = torch.Generator().manual_seed(2000 + prefill_seed)
@@ -282,9 +289,13 @@ class Block(torch.nn.Module):
         if self.microbatches_per_step and not in_shape_inference():
             first = self._forwards % self.microbatches_per_step == 0
             self._forwards += 1
+        later = None if first is None else False  # an entry that runs after the overwrite
         h = torch.tanh(self.gate(self.mlp(x, is_first_microbatch=first)))
         if self.proj_twice:
-            h = torch.tanh(self.proj(h, is_first_microbatch=None if first is None else False))
+            h = torch.tanh(self.proj(h, is_first_microbatch=later))
+        if self.tied:
+            h = torch.tanh(self.proj(h, is_first_microbatch=later))
+            return x + self.out(h, is_first_microbatch=first)
         return x + self.proj(h, is_first_microbatch=first)
 
 
@@ -305,10 +316,19 @@ def _clone(grads: dict) -> dict:
     return {k: None if v is None else v.detach().clone() for k, v in grads.items()}
 
 
-def _drain(module: torch.nn.Module) -> None:
-    for sm in reversed(split_modules(module)):
-        while sm.module.pending_wgrad_count:
-            sm.module.backward_dw()
+def _drain(module: torch.nn.Module, passes: int = 1) -> None:
+    """Every entry of ``module``'s split modules, last module first. With ``passes`` > 1, one
+    pass's entries of each module in turn, as the non-delayed backwards wrote them (a weight
+    tied between two modules then accumulates in the non-delayed order, bitwise)."""
+    modules = [sm.module for sm in reversed(split_modules(module))]
+    per_pass = [m.pending_wgrad_count // passes for m in modules]
+    for _ in range(passes):
+        for m, k in zip(modules, per_pass):
+            for _ in range(k):
+                m.backward_dw()
+    for m in modules:
+        while m.pending_wgrad_count:
+            m.backward_dw()
 
 
 def _scale(module: torch.nn.Module, factor: int) -> None:
@@ -646,6 +666,7 @@ def _dp_step(
     dtype,
     proj_twice: bool,
     reducer_cls,
+    tied: bool = False,
     skip_dw=False,
 ):
     """One step of 2 Blocks on one replica, micro-batches marked by ``mode`` ("no_sync" or
@@ -667,14 +688,16 @@ def _dp_step(
                 microbatches_per_step=n_mb if fused else None,
                 prefill_seed=rank + 1,
                 proj_twice=proj_twice,
+                tied=tied,
             )
             for i in range(2)
         )
     )
+    # about one GEMM weight per bucket; tied, the shared (hidden, hidden) weight in one alone,
+    # the first delayed bucket to launch: final too early, it would launch too early
+    cap = hidden * (hidden if tied else ffn) * 4
     reducer = reducer_cls(
-        blocks,
-        num_microbatches=n_mb if mode == "count" else None,
-        bucket_cap_mb=hidden * ffn * 4 / 2**20,  # about one GEMM weight per bucket
+        blocks, num_microbatches=n_mb if mode == "count" else None, bucket_cap_mb=cap / 2**20
     )
     x, target = _data(100 + rank, n_mb * rows, hidden, dtype)
     dw_times = []
@@ -688,7 +711,7 @@ def _dp_step(
     for b in reversed(list(blocks)):
         if skip_dw:
             break
-        _drain(b)
+        _drain(b, passes=n_mb if tied else 1)
         dw_times.append(time.perf_counter())
     error = None
     try:
@@ -729,7 +752,7 @@ def _dp_truth(rank: int, _: int, lib_name: str, configs: list[dict], world: int)
     ref = load_package("splitgrad.reference")
     hidden, ffn, rows = _sizes(None)
 
-    def run(package, dtype, seeds, value_dtype, fused, proj_twice):
+    def run(package, dtype, seeds, value_dtype, fused, proj_twice, tied):
         blocks = torch.nn.Sequential(
             *(
                 Block(
@@ -745,6 +768,7 @@ def _dp_truth(rank: int, _: int, lib_name: str, configs: list[dict], world: int)
                     prefill_seed=99,
                     delay=False,
                     proj_twice=proj_twice,
+                    tied=tied,
                 )
                 for i in range(2)
             )
@@ -758,15 +782,15 @@ def _dp_truth(rank: int, _: int, lib_name: str, configs: list[dict], world: int)
     out = []
     for cfg in configs:
         n_mb, fused, dtype = cfg["n_mb"], cfg["fused"], cfg["dtype"]
-        twice = cfg.get("proj_twice", False)
-        replicas = [run(lib, dtype, (100 + r,), dtype, fused, twice) for r in range(world)]
+        twice, tied = cfg.get("proj_twice", False), cfg.get("tied", False)
+        replicas = [run(lib, dtype, (100 + r,), dtype, fused, twice, tied) for r in range(world)]
         emulated = {name: _mean([rep[name] for rep in replicas], world) for name in replicas[0]}
         emulated = {n: None if g is None else g.div_(n_mb) for n, g in emulated.items()}
         seeds = tuple(100 + r for r in range(world))
         divisor = world * n_mb
-        naive = run(ref, dtype, seeds, dtype, fused, twice)
+        naive = run(ref, dtype, seeds, dtype, fused, twice, tied)
         naive = {n: g.div(divisor) for n, g in naive.items()}
-        truth = run(ref, torch.float64, seeds, dtype, False, twice)
+        truth = run(ref, torch.float64, seeds, dtype, False, twice, tied)
         truth = {n: g.div(divisor) for n, g in truth.items()}
         out.append({"emulated": emulated, "naive": naive, "truth": truth})
     return out
@@ -781,14 +805,16 @@ def check_data_parallel(
     reducer: str = _REDUCER,
 ) -> DistributedReport:
     """P16 alone, on 2 gloo replicas: fused and plain, no_sync() and num_microbatches; a
-    delayed module applied twice per micro-batch; fused ``main_grad`` prefilled with random
+    delayed module applied twice per micro-batch and a weight tied between two delayed modules
+    (both queue two entries in the step's last pass); fused ``main_grad`` prefilled with random
     values that the first micro-batch (``is_first_microbatch=True``) overwrites. ``reducer``
     names the reducer class (``"module:Class"``, built as ``GradientReducer`` is)."""
     configs = [
-        {"fused": f, "mode": m, "n_mb": n_microbatches, "dtype": d, "proj_twice": True}
+        {"fused": f, "mode": m, "n_mb": n_microbatches, "dtype": d, "proj_twice": True, "tied": t}
         for f in (False, True)
         for m in ("no_sync", "count")
         for d in dtypes
+        for t in (False, True)
     ]
     world = 2
     report = DistributedReport(f"P16 {lib_name} on {world} replicas")
@@ -810,6 +836,7 @@ def check_data_parallel(
     (truth,) = truths
     for k, cfg in enumerate(configs):
         label = f"{'fused' if cfg['fused'] else 'plain'} {cfg['mode']} {cfg['dtype']}"
+        label += " tied" if cfg["tied"] else ""
         for rank, per_rank in enumerate(results):
             got = per_rank[k]
             where = f"{label} rank {rank}"

@@ -94,6 +94,10 @@ class _Param:
     passes: int = 0  # producing backward passes seen this step (non-delayed parameters)
     last_task: int = -1
     ready: bool = False
+    # every delayed module holding it (a weight tied between two of them has two); it is
+    # final once each has run the last entry of its step's last pass
+    owners: tuple = ()
+    owners_final: int = 0
 
     @property
     def delayed(self) -> bool:
@@ -201,9 +205,11 @@ class GradientReducer:
             raise ValueError(f"ignore names parameters {unknown} that module does not have")
 
         owner: dict[int, tuple[SplitModule, str]] = {}
+        holders: dict[int, list[SplitModule]] = collections.defaultdict(list)
         for sm in split_modules(module):
             for local, p in sm.gemm_params:
                 owner[id(p)] = (sm, local)
+                holders[id(p)].append(sm)
         self._params: list[_Param] = []
         # FSDP2 reduces these itself (non-delayed parameters under fully_shard)
         self._fsdp_own: list[tuple[str, object]] = []
@@ -236,8 +242,21 @@ class GradientReducer:
                     self._fsdp_own.append((name, fp))
                     continue
                 p = fp.sharded_param
+            held_by = tuple(holders[id(names[name])]) if deferred else ()
+            if len(held_by) > 1 and (self._fsdp is not None or any(not h.delayed for h in held_by)):
+                raise ValueError(
+                    f"{name} is shared by {len(held_by)} split-backward modules, "
+                    + (
+                        "which GradientReducer does not follow under fully_shard"
+                        if self._fsdp is not None
+                        else "some of them without delay_wgrad_compute: tie it between "
+                        "modules that all defer it, or none"
+                    )
+                )
             self._params.append(
-                _Param(name, p, main_grad, sm if deferred else None, local or "", fp)
+                _Param(
+                    name, p, main_grad, sm if deferred else None, local or "", fp, owners=held_by
+                )
             )
         if unmanaged:
             raise ValueError(
@@ -279,10 +298,10 @@ class GradientReducer:
                 st.param.register_post_accumulate_grad_hook(self._on_accumulate)
         self._owners: list[_Owner] = []
         for st in self._params:
-            if st.delayed:
-                owner = next((o for o in self._owners if o.sm.module is st.owner.module), None)
+            for sm in st.owners:
+                owner = next((o for o in self._owners if o.sm.module is sm.module), None)
                 if owner is None:
-                    owner = _Owner(st.owner, [])
+                    owner = _Owner(sm, [])
                     self._owners.append(owner)
                 owner.params.append(st)
         for owner in self._owners:
@@ -463,7 +482,9 @@ class GradientReducer:
                 "last one had run"
             )
         for st in owner.params:
-            self._mark_ready(st)
+            st.owners_final += 1
+            if st.owners_final == len(st.owners):
+                self._mark_ready(st)
 
     def _mark_ready(self, st: _Param) -> None:
         st.ready = True
@@ -699,7 +720,7 @@ class GradientReducer:
         self._next_bucket = 0
         self._errors = []
         for st in self._params:
-            st.passes, st.last_task, st.ready = 0, -1, False
+            st.passes, st.last_task, st.ready, st.owners_final = 0, -1, False, 0
         for owner in self._owners:
             owner.reset()
         self._fsdp_passes.clear()

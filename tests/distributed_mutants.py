@@ -128,3 +128,19 @@ class FirstEntryFinalReducer(GradientReducer):
         super()._end_of_pass(owner, task)
         if owner.queue and owner.queue[-1].final:
             owner.queue[-1].entries = 1
+
+
+class OneOwnerReducer(GradientReducer):
+    """The reducer following a weight tied between two delayed modules through one of them
+    only (the last that holds it): it launches the reduction when that module's last entry has
+    run, whatever the other module still has to write."""
+
+    def __init__(self, module, *args, **kwargs) -> None:
+        super().__init__(module, *args, **kwargs)
+        for st in self._params:
+            if len(st.owners) > 1:
+                kept = st.owners[-1]
+                for owner in self._owners:
+                    if owner.sm is not kept and st in owner.params:
+                        owner.params.remove(st)
+                st.owners = (kept,)

@@ -56,6 +56,21 @@ def test_p16_catches_a_reducer_final_after_the_first_entry_of_the_last_pass():
     assert any("1.proj.bias vs the float64 truth: max error" in f for f in report.failures)
 
 
+def test_p16_catches_a_reducer_that_follows_a_tied_weight_through_one_module():
+    """A weight tied between two delayed modules (``out`` shares ``proj``'s) is final only
+    after both have run their last entry: a reducer following one of them launches after the
+    first module's and sees the other write into the gradient in flight; untied cells stay
+    right."""
+    report = conformance.check_data_parallel(
+        "splitgrad.impl", reducer="distributed_mutants:OneOwnerReducer"
+    )
+    assert not report.ok
+    assert all(" tied " in f and "proj.weight" in f for f in report.failures), report.failures[:3]
+    assert any(
+        "proj.weight: changed while its reduction was in flight" in f for f in report.failures
+    )
+
+
 def test_cli_fails_on_a_planted_bug(capsys):
     from splitgrad.distributed.cli import main
 
