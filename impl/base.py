@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 from collections.abc import Callable, Sequence
 
 import torch
@@ -51,7 +50,6 @@ __all__ = [
     "differentiated",
     "edge_routes",
     "fp8_not_differentiable",
-    "param_getter",
     "functorch_active",
     "twin",
     "fast_apply",
@@ -93,13 +91,6 @@ def edge_routes(ctx, present: Sequence[bool]) -> tuple[list[str | None], list[to
         dests.append(dest)
         leaves.append(leaf)
     return dests, leaves
-
-
-def param_getter(names: Sequence[str]) -> Callable[[dict], tuple]:
-    """A function that takes a module's ``_parameters`` to the tuple of ``names`` (one C call;
-    ``KeyError`` for a parametrized one)."""
-    get = operator.itemgetter(*names)
-    return get if len(names) > 1 else lambda params: (get(params),)
 
 
 def fp8_not_differentiable(module) -> None:
@@ -175,17 +166,12 @@ class SplitBackwardModule(ModuleContract):
 
     # ---- the forward's parameters -----------------------------------------------------------
 
-    def _params_of(self, names: Sequence[str], get: Callable[[dict], tuple] | None = None) -> tuple:
-        """The tensors the forward uses for the parameters ``names`` (``get``: their
-        :func:`param_getter`, faster): the registered ones (or those
-        ``torch.func.functional_call`` put in their place), or a parametrization's result."""
+    def _params_of(self, names: Sequence[str]) -> tuple:
+        """The tensors the forward uses for the parameters ``names``: the registered ones (or
+        those ``torch.func.functional_call`` put in their place), or a parametrization's
+        result. (The modules inline the first case: a dict lookup per parameter.)"""
         params = self._parameters
-        try:
-            if get is None or torch.compiler.is_compiling():  # Dynamo cannot trace itemgetter
-                return tuple([params[name] for name in names])
-            return get(params)
-        except KeyError:  # parametrized: the attribute computes it
-            return tuple(getattr(self, name) for name in names)
+        return tuple(params[n] if n in params else getattr(self, n) for n in names)
 
     def _twin_forward(self, x, names, params, autocast, recipe, m_splits=None) -> torch.Tensor:
         """The forward under a ``torch.func`` transform (:mod:`.twin`)."""
@@ -259,7 +245,10 @@ class SplitBackwardModule(ModuleContract):
             torch._C._set_grad_enabled(False)
         try:
             if hooked is None:
-                hooked = any([has_hooks(leaf) for _, leaf in written])
+                for _, leaf in written:
+                    if has_hooks(leaf):
+                        hooked = True
+                        break
             if not hooked:
                 closure(*saved)
                 return

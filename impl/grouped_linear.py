@@ -376,7 +376,7 @@ class GroupedLinear(GroupedLinearContract, SplitBackwardModule):
             self._check_fp8_shapes(recipe, splits)
             with autocast_off(x.device.type):
                 y = _fp8_forward(x, splits, self, overwrite, recipe, autocast, *params)
-        return y if inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.out_features)
+        return y if x is inp or inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.out_features)
 
 
 @torch.compiler.disable

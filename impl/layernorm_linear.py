@@ -15,7 +15,6 @@ from .base import (
     fast_apply,
     fp8_not_differentiable,
     functorch_active,
-    param_getter,
     take_fp8,
     twin,
     without_autocast,
@@ -28,7 +27,6 @@ __all__ = ["LayerNormLinear"]
 
 
 _NAMES = ("layer_norm_weight", "layer_norm_bias", "weight", "bias")
-_GET = param_getter(_NAMES)
 
 
 def _backward(module, dy, saved, need_x, dests, leaves, overwrite, compiled_graph=False):
@@ -213,7 +211,11 @@ class LayerNormLinear(LayerNormLinearContract, SplitBackwardModule):
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.in_features)
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
-        params = self._params_of(_NAMES, _GET)
+        p = self._parameters
+        try:
+            params = (p["layer_norm_weight"], p["layer_norm_bias"], p["weight"], p["bias"])
+        except KeyError:  # parametrized
+            params = self._params_of(_NAMES)
         if self.fuse_wgrad_accumulation or recipe is not None:
             self._check_forward_params(recipe, (("weight", params[2]),))
         args = (x, *params, self)
@@ -230,7 +232,7 @@ class LayerNormLinear(LayerNormLinearContract, SplitBackwardModule):
             self._check_fp8_shapes(recipe, x.shape[0])
             with autocast_off(x.device.type):
                 y = _fp8_forward(*args, overwrite, recipe, autocast)
-        return y if inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.out_features)
+        return y if x is inp or inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.out_features)
 
 
 @torch.compiler.disable

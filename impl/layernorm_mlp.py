@@ -27,7 +27,6 @@ from .base import (
     fast_apply,
     fp8_not_differentiable,
     functorch_active,
-    param_getter,
     take_fp8,
     twin,
     without_autocast,
@@ -54,7 +53,6 @@ _NAMES = (
     "fc2_weight",
     "fc2_bias",
 )
-_GET = param_getter(_NAMES)
 
 
 def _written(leaves, need_w1: bool, need_b1: bool, need_w2: bool, need_b2: bool) -> tuple:
@@ -299,7 +297,18 @@ class LayerNormMLP(LayerNormMLPContract, SplitBackwardModule):
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.hidden_size)
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
-        params = self._params_of(_NAMES, _GET)
+        p = self._parameters
+        try:
+            params = (
+                p["layer_norm_weight"],
+                p["layer_norm_bias"],
+                p["fc1_weight"],
+                p["fc1_bias"],
+                p["fc2_weight"],
+                p["fc2_bias"],
+            )
+        except KeyError:  # parametrized
+            params = self._params_of(_NAMES)
         if self.fuse_wgrad_accumulation or recipe is not None:
             self._check_forward_params(
                 recipe, (("fc1_weight", params[2]), ("fc2_weight", params[4]))
@@ -318,7 +327,7 @@ class LayerNormMLP(LayerNormMLPContract, SplitBackwardModule):
             self._check_fp8_shapes(recipe, x.shape[0])
             with autocast_off(x.device.type):
                 y = _fp8_forward(*args, recipe, autocast)
-        return y if inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.hidden_size)
+        return y if x is inp or inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.hidden_size)
 
 
 @torch.compiler.disable

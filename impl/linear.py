@@ -15,7 +15,6 @@ from .base import (
     fast_apply,
     fp8_not_differentiable,
     functorch_active,
-    param_getter,
     take_fp8,
     twin,
     without_autocast,
@@ -27,7 +26,6 @@ __all__ = ["Linear"]
 
 
 _NAMES = ("weight", "bias")
-_GET = param_getter(_NAMES)
 
 
 def _backward(module, dy, x, weight, need_x, dests, leaves, overwrite, compiled_graph=False):
@@ -166,7 +164,11 @@ class Linear(LinearContract, SplitBackwardModule):
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.in_features)
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
-        weight, bias = self._params_of(_NAMES, _GET)
+        p = self._parameters
+        try:
+            weight, bias = p["weight"], p["bias"]
+        except KeyError:  # parametrized
+            weight, bias = self._params_of(_NAMES)
         if self.fuse_wgrad_accumulation or recipe is not None:
             self._check_forward_params(recipe, (("weight", weight),))
         autocast = self.autocast_dtype()
@@ -182,7 +184,7 @@ class Linear(LinearContract, SplitBackwardModule):
             self._check_fp8_shapes(recipe, x.shape[0])
             with autocast_off(x.device.type):
                 y = _fp8_forward(x, weight, bias, self, overwrite, recipe, autocast)
-        return y if inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.out_features)
+        return y if x is inp or inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.out_features)
 
 
 @torch.compiler.disable

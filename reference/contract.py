@@ -354,12 +354,14 @@ class ModuleContract(torch.nn.Module):
         """The dtype the module computes in and expects inputs in: its parameters' current
         dtype (SPEC §2: ``params_dtype`` only sets how they are created; ``module.to(dtype)``,
         ``.bfloat16()``, ``.double()`` move it)."""
-        return self._first_parameter().dtype
+        p = next(iter(self._parameters.values()), None)
+        return (p if p is not None else self._first_parameter()).dtype
 
     @property
     def fp8_device(self) -> torch.device:
         """The module's device: where its parameters are (the first one registered)."""
-        return self._first_parameter().device
+        p = next(iter(self._parameters.values()), None)
+        return (p if p is not None else self._first_parameter()).device
 
     #: Where the module's first operation reads its input under ``torch.autocast``: a GEMM
     #: (the autocast dtype) or a norm (``"norm"``: float32, the module's own compute dtype).
