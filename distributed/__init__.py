@@ -10,6 +10,8 @@ only the public module API of SPEC §2-§4 (reference, impl, or any conforming p
   gradients are final, from the module hooks for deferred ones, see :mod:`.data_parallel`;
 * :class:`ExpertParallelMoE` and :func:`all_to_all` — expert parallelism whose experts'
   ``backward_dw()`` hides the dispatch all-to-all, see :mod:`.expert_parallel`;
+* :func:`use_weight_grad_store` — hand deferred entries to DualPipe's ``WeightGradStore`` (or
+  any store with ``enabled`` and ``put``), see :mod:`.weight_grad_store`;
 * :func:`run_ranks` — spawn local ranks that fail instead of hanging, see :mod:`.launch`.
 
 torch's ``DistributedDataParallel`` cannot see gradients written by ``backward_dw()`` or into
@@ -21,6 +23,7 @@ from .expert_parallel import ExpertParallelMoE, all_to_all
 from .launch import RankFailure, run_ranks
 from .modules import SplitModule, is_split_module, split_modules
 from .pipeline import DWBuilder, WStepRunner, dw_builder, in_shape_inference
+from .weight_grad_store import StoreEntry, WeightGradStoreHandle, use_weight_grad_store
 
 __all__ = [
     "dw_builder",
@@ -36,4 +39,7 @@ __all__ = [
     "SplitModule",
     "split_modules",
     "is_split_module",
+    "use_weight_grad_store",
+    "WeightGradStoreHandle",
+    "StoreEntry",
 ]
