@@ -311,9 +311,8 @@ def test_a_bypassed_parametrization_is_caught(tmp_path: Path) -> None:
         [
             (
                 "base.py",
-                "getattr(self, name)",
-                "(self._parameters[name] if name in self._parameters "
-                "else self.parametrizations[name].original)",
+                "params[n] if n in params else getattr(self, n)",
+                "params[n] if n in params else self.parametrizations[n].original",
             )
         ],
     )
