@@ -286,3 +286,31 @@ def test_a_failing_rank_fails_the_dualpipe_run_instead_of_hanging():
     with pytest.raises(RankFailure, match="rank 1 fails on purpose"):
         run_ranks(dualpipe_ranks.dualpipe_with_a_failing_rank, 2, timeout_s=120)
     assert time.monotonic() - start < 120
+
+
+def test_a_callable_whose_backward_dw_raises_keeps_its_entry():
+    delayed, plain = _pair()
+    store = FifoStore()
+    handle = use_weight_grad_store(delayed, store)
+    group = _one_group(delayed, store)
+    real = delayed.c.backward_dw
+    delayed.c.backward_dw = lambda: (_ for _ in ()).throw(RuntimeError("wgrad failed"))
+    with pytest.raises(RuntimeError, match="wgrad failed"):
+        group[0]()
+    assert not group[0].done and handle.outstanding["c (LayerNormMLP)"] == 1
+    delayed.c.backward_dw = real
+    for fn in group:  # called again, it runs its entry
+        fn()
+    _backward(plain, 0)
+    assert_same(snapshot(delayed), snapshot(plain))
+
+
+def test_order_of_entries_when_a_reached_call_queued_nothing():
+    """A module whose new entries do not match the forward calls the pass reached gets them all
+    where the pass first reached it."""
+    from splitgrad.distributed.weight_grad_store import _order
+
+    a, b = object(), object()
+    assert _order([a, b, a], {a: 2, b: 1}) == [a, b, a]
+    assert _order([a, b, a], {a: 1, b: 1}) == [a, b]
+    assert _order([a, b, a], {b: 1}) == [b]
