@@ -360,7 +360,9 @@ SHARED_PATH_MUTANTS = (
                 "layernorm_mlp.py",
                 "            if need_w2:\n"
                 "                module._write_weight_grad(w2, dy, act_out",
-                "            if need_w2 and (need_b1 or b1 is None or b1.requires_grad):\n"
+                "            b1_mod = module.fc1_bias\n"
+                "            frozen_b1 = b1_mod is not None and not b1_mod.requires_grad\n"
+                "            if need_w2 and not frozen_b1:\n"
                 "                module._write_weight_grad(w2, dy, act_out",
             ),
         ),

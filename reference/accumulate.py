@@ -8,8 +8,7 @@ When autograd accumulates a gradient into a leaf it
 1. runs the leaf's tensor hooks (``register_hook``) in registration order: each sees the
    gradient and may replace it by a tensor of the same shape, dtype and device;
 2. stores it in ``.grad``: set when ``.grad`` is ``None`` (in the leaf's memory layout; a copy
-   when a hook also holds it), added in place otherwise, out of place keeping the graph under
-   ``create_graph=True``;
+   when a hook also holds it), added in place otherwise;
 3. runs the leaf's post-accumulate hooks (``register_post_accumulate_grad_hook``) with the leaf.
 
 :func:`apply_tensor_hooks`, :func:`accumulate` and :func:`run_post_accumulate_hooks` are those
@@ -149,18 +148,17 @@ def _in_layout_of(leaf: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 
 def accumulate(leaf: torch.Tensor, grad: torch.Tensor, *, own: bool = True) -> None:
-    """Store ``grad`` in ``leaf.grad`` as autograd's accumulator does. ``own``: nothing else
-    holds ``grad`` (no hook saw it), so a first gradient may be stored without a copy."""
-    if grad.dtype != leaf.dtype:  # e.g. a GEMM under torch.autocast: the leaf's dtype wins
-        grad, own = grad.to(leaf.dtype), True
-    if leaf.grad is None:
-        if not own or torch.is_grad_enabled():
-            grad = grad.clone()
-        leaf.grad = _in_layout_of(leaf, grad)
-    elif torch.is_grad_enabled():  # create_graph=True: keep the graph
-        leaf.grad = leaf.grad + grad
-    else:
-        leaf.grad += grad
+    """Store ``grad`` in ``leaf.grad`` as autograd's accumulator does outside ``create_graph``
+    (a differentiated backward returns its gradients to autograd instead: :mod:`.routing`):
+    set when ``None``, else added in place, whatever the caller's grad mode. ``own``: nothing
+    else holds ``grad`` (no hook saw it), so a first gradient may be stored without a copy."""
+    with torch.no_grad():
+        if grad.dtype != leaf.dtype:  # e.g. a GEMM under torch.autocast: the leaf's dtype wins
+            grad, own = grad.to(leaf.dtype), True
+        if leaf.grad is None:
+            leaf.grad = _in_layout_of(leaf, grad if own else grad.clone())
+        else:
+            leaf.grad += grad
 
 
 def run_post_accumulate_hooks(leaf: torch.Tensor) -> None:

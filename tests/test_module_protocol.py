@@ -504,6 +504,23 @@ def test_weight_tied_to_a_torch_op_gets_both_contributions(lib) -> None:
     torch.testing.assert_close(grads[True], grads[False], rtol=1e-14, atol=1e-14)
 
 
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("delay", [False, True], ids=["plain", "delay"])
+def test_an_existing_grad_is_accumulated_in_place(lib, kind, delay) -> None:
+    """As autograd's accumulator: a second micro-batch adds into the very ``.grad`` tensor (an
+    optimizer or a bucket view holding it sees the sum), whatever the caller's grad mode."""
+    m = _module(lib, kind, delay=delay)
+    for seed in (1, 2):
+        y = m(*_args(m, _x(m, seed=seed)))
+        y.backward(_dy(y))
+        _drain(m)
+        if seed == 1:
+            first = {n: p.grad for n, p in m.named_parameters()}
+    for n, p in m.named_parameters():
+        assert p.grad is first[n], n
+
+
 # ---- the rest of test_modules.py's checks ------------------------------------------------
 
 
