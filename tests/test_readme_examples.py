@@ -17,9 +17,14 @@ EXAMPLES = dict(_BLOCK.findall(README.read_text()))
 
 
 def test_the_readme_has_its_examples():
-    assert {"distributed-pipeline", "distributed-data-parallel", "distributed-experts"} <= set(
-        EXAMPLES
-    ), sorted(EXAMPLES)
+    wanted = {
+        "distributed-pipeline",
+        "distributed-data-parallel",
+        "distributed-experts",
+        "dualpipe-steps",
+        "autograd-tools",
+    }
+    assert wanted <= set(EXAMPLES), sorted(EXAMPLES)
 
 
 @pytest.mark.distributed
