@@ -7,8 +7,10 @@ imports these functions, so the two packages cannot drift apart on names, option
 The numerics — formulas, rounding points, quantizers, the queue's implementation — are never
 shared. The harness checks this contract on its own (P9, P10), so sharing it hides nothing.
 
-Options (SPEC §2), keyword-only, every module: ``bias=True``, ``params_dtype=torch.float32`` (a
-floating-point dtype), ``device="cpu"``, ``fuse_wgrad_accumulation=False``,
+Options (SPEC §2), keyword-only, every module: ``bias=True``, ``params_dtype=None`` (a
+floating-point dtype; ``None``: ``torch.get_default_dtype()``), ``device=None`` (``None``:
+torch's current default device, so ``with torch.device("meta"):`` and
+``torch.set_default_device`` decide), ``fuse_wgrad_accumulation=False``,
 ``delay_wgrad_compute=False``; ``Linear``, ``LayerNormLinear``, ``LayerNormMLP`` also take
 ``ub_bulk_wgrad=False``, and ``ub_bulk_wgrad=True`` with ``delay_wgrad_compute=True`` raises
 ``ValueError`` ("ub_bulk_wgrad is not supported when enabling delay_wgrad_compute"; an exception,
@@ -25,6 +27,10 @@ Parameters, in registration order (so ``named_parameters()`` and state dicts mat
   ``GroupedLinear``) after all weights, its zero bias (``None`` with ``bias=False``).
   ``LayerNormMLP``'s ``fc1_weight`` is ``(2 * ffn, hidden)`` for the gated activations.
 * Under ``delay_wgrad_compute`` every GEMM parameter carries ``skip_backward_post_hook = True``.
+* The constructor creates them on the module's device, then calls ``reset_parameters()``, which
+  gives these values (GEMM weights drawn in registration order), so a module built under
+  ``with torch.device("meta"):``, materialized with ``to_empty(device=...)`` and reset under
+  the same seed is bitwise one built eagerly.
 
 Bad input (§5) raises before anything is written or queued:
 
@@ -256,13 +262,15 @@ class ModuleContract(torch.nn.Module):
         self,
         *,
         bias: bool,
-        params_dtype: torch.dtype,
-        device: torch.device | str,
+        params_dtype: torch.dtype | None,
+        device: torch.device | str | None,
         fuse_wgrad_accumulation: bool,
         delay_wgrad_compute: bool,
         ub_bulk_wgrad: bool = False,
     ) -> None:
         super().__init__()
+        if params_dtype is None:  # as torch.nn layers: torch.set_default_dtype decides
+            params_dtype = torch.get_default_dtype()
         if not isinstance(params_dtype, torch.dtype) or not params_dtype.is_floating_point:
             raise ValueError(
                 f"params_dtype must be a floating-point torch.dtype, got {params_dtype!r}"
@@ -275,7 +283,9 @@ class ModuleContract(torch.nn.Module):
                 f"delay_wgrad_compute={delay_wgrad_compute!r})"
             )
         self.use_bias = bool(bias)
-        self._device = torch.device(device)
+        # None: torch's current default device (``with torch.device("meta"):``,
+        # torch.set_default_device), which a factory call given device=None follows.
+        self._device = None if device is None else torch.device(device)
         self.params_dtype = params_dtype
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
@@ -303,16 +313,16 @@ class ModuleContract(torch.nn.Module):
         return torch.empty(*shape, dtype=self.params_dtype, device=self._device)
 
     def _add_gemm_weight(self, name: str, value: torch.Tensor) -> None:
-        """Register ``value`` (out, in) as a GEMM weight, initialised N(0, 0.02^2) in place."""
-        self._add_gemm_parameter(name, torch.nn.init.normal_(value, std=0.02))
+        """Register ``value`` (out, in, uninitialised) as a GEMM weight."""
+        self._add_gemm_parameter(name, value)
         self._gemm_weight_names.append(name)
 
     def _add_gemm_bias(self, name: str, out_features: int) -> None:
-        """Register a zero GEMM bias (out,), or ``None`` when built with ``bias=False``."""
+        """Register a GEMM bias (out,), or ``None`` when built with ``bias=False``."""
         if not self.use_bias:
             self.register_parameter(name, None)
             return
-        self._add_gemm_parameter(name, self._new_tensor(out_features).zero_())
+        self._add_gemm_parameter(name, self._new_tensor(out_features))
         self._gemm_bias_names.append(name)
 
     def _add_gemm_parameter(self, name: str, value: torch.Tensor) -> None:
@@ -325,19 +335,70 @@ class ModuleContract(torch.nn.Module):
     def _add_norm_parameters(self, features: int) -> None:
         """``layer_norm_weight`` (gamma, or ``gamma - 1`` when zero-centred) and, for LayerNorm,
         ``layer_norm_bias``."""
-        gamma = self._new_tensor(features)
-        gamma.fill_(0.0 if self.zero_centered_gamma else 1.0)
-        self.layer_norm_weight = torch.nn.Parameter(gamma)
+        self.layer_norm_weight = torch.nn.Parameter(self._new_tensor(features))
         if self.normalization == "LayerNorm":
-            self.layer_norm_bias = torch.nn.Parameter(self._new_tensor(features).zero_())
+            self.layer_norm_bias = torch.nn.Parameter(self._new_tensor(features))
         else:
             self.register_parameter("layer_norm_bias", None)
 
-    def _name_of(self, param: torch.nn.Parameter) -> str:
-        for name, p in self.named_parameters():
-            if p is param:
-                return name
-        return "<parameter>"
+    def _own_parameter(self, name: str) -> torch.Tensor | None:
+        """Parameter ``name`` itself, or its original when it is parametrized."""
+        if name in self._parameters:
+            return self._parameters[name]
+        return self.parametrizations[name].original
+
+    def reset_parameters(self) -> None:
+        """Give every parameter its initial value, as the constructor does (it calls this): the
+        GEMM weights drawn from N(0, 0.02²) in registration order, GEMM biases and
+        ``layer_norm_bias`` zero, ``layer_norm_weight`` one (zero when ``zero_centered_gamma``
+        stores ``gamma - 1``); FP8 scaling state starts afresh. Under the same seed, a module
+        built on the meta device, materialized with ``to_empty(device=...)`` and reset is
+        bitwise one built eagerly (SPEC §2). Refused (``RuntimeError``) while weight-gradient
+        entries are queued: they would write into re-initialised weights."""
+        pending = getattr(self, "pending_wgrad_count", 0)
+        if pending:
+            raise RuntimeError(
+                f"{type(self).__name__}.reset_parameters() with {pending} weight-gradient "
+                "entries queued: they would write gradients of the old weights into the new "
+                "ones; run backward_dw() for each (or discard the module) first"
+            )
+        with torch.no_grad():
+            for name in self._gemm_weight_names:
+                torch.nn.init.normal_(self._own_parameter(name), std=0.02)
+            for name in self._gemm_bias_names:
+                self._own_parameter(name).zero_()
+            if hasattr(self, "normalization"):
+                gamma = self._own_parameter("layer_norm_weight")
+                gamma.fill_(0.0 if self.zero_centered_gamma else 1.0)
+                if self.normalization == "LayerNorm":
+                    self._own_parameter("layer_norm_bias").zero_()
+        self.fp8_states.clear()
+
+    def extra_repr(self) -> str:
+        """Sizes, ``bias``, and every option that differs from its default, in ``torch.nn``'s
+        style: ``in_features=16, out_features=24, bias=True, delay_wgrad_compute=True``."""
+        parts = [f"{name}={getattr(self, name)}" for name in self._size_names]
+        parts.append(f"bias={self.use_bias}")
+        if self.params_dtype != torch.get_default_dtype():
+            parts.append(f"params_dtype={self.params_dtype}")
+        for name, default in self._option_defaults:
+            value = getattr(self, name, default)
+            if value != default:
+                parts.append(f"{name}={value!r}" if isinstance(value, str) else f"{name}={value}")
+        return ", ".join(parts)
+
+    #: The positional sizes, by attribute name (each module class sets its own).
+    _size_names: tuple[str, ...] = ()
+    #: Keyword options shown by :meth:`extra_repr` when they differ from these defaults.
+    _option_defaults: tuple[tuple[str, object], ...] = (
+        ("eps", 1e-5),
+        ("normalization", "LayerNorm"),
+        ("zero_centered_gamma", False),
+        ("activation", "gelu"),
+        ("fuse_wgrad_accumulation", False),
+        ("delay_wgrad_compute", False),
+        ("ub_bulk_wgrad", False),
+    )
 
     # ---- validation (§5) ----------------------------------------------------------------
 
@@ -501,8 +562,8 @@ class ModuleContract(torch.nn.Module):
 
 
 class LinearContract(ModuleContract):
-    """``Linear(in_features, out_features, *, bias=True, params_dtype=torch.float32,
-    device="cpu", fuse_wgrad_accumulation=False, delay_wgrad_compute=False,
+    """``Linear(in_features, out_features, *, bias=True, params_dtype=None,
+    device=None, fuse_wgrad_accumulation=False, delay_wgrad_compute=False,
     ub_bulk_wgrad=False)``: parameters ``weight`` (out_features, in_features) and ``bias``
     (out_features)."""
 
@@ -512,8 +573,8 @@ class LinearContract(ModuleContract):
         out_features: int,
         *,
         bias: bool = True,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
         ub_bulk_wgrad: bool = False,
@@ -531,6 +592,9 @@ class LinearContract(ModuleContract):
         self.in_features, self.out_features = in_features, out_features
         self._add_gemm_weight("weight", self._new_tensor(out_features, in_features))
         self._add_gemm_bias("bias", out_features)
+        self.reset_parameters()
+
+    _size_names = ("in_features", "out_features")
 
     def _check_fp8_shapes(self, recipe: Recipe, rows: int) -> None:
         check_fp8_gemm_shape(recipe, "", rows, self.in_features, self.out_features)
@@ -551,7 +615,7 @@ class _NormContract(ModuleContract):
 
 class LayerNormLinearContract(_NormContract):
     """``LayerNormLinear(in_features, out_features, *, eps=1e-5, normalization="LayerNorm",
-    zero_centered_gamma=False, bias=True, params_dtype=torch.float32, device="cpu",
+    zero_centered_gamma=False, bias=True, params_dtype=None, device=None,
     fuse_wgrad_accumulation=False, delay_wgrad_compute=False, ub_bulk_wgrad=False)``:
     parameters ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm only), ``weight``
     (out_features, in_features), ``bias`` (out_features)."""
@@ -565,8 +629,8 @@ class LayerNormLinearContract(_NormContract):
         normalization: str = "LayerNorm",
         zero_centered_gamma: bool = False,
         bias: bool = True,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
         ub_bulk_wgrad: bool = False,
@@ -586,6 +650,9 @@ class LayerNormLinearContract(_NormContract):
         self._set_norm_options(in_features, eps, normalization, zero_centered_gamma)
         self._add_gemm_weight("weight", self._new_tensor(out_features, in_features))
         self._add_gemm_bias("bias", out_features)
+        self.reset_parameters()
+
+    _size_names = ("in_features", "out_features")
 
     def _check_fp8_shapes(self, recipe: Recipe, rows: int) -> None:
         check_fp8_gemm_shape(recipe, "", rows, self.in_features, self.out_features)
@@ -593,8 +660,8 @@ class LayerNormLinearContract(_NormContract):
 
 class LayerNormMLPContract(_NormContract):
     """``LayerNormMLP(hidden_size, ffn_hidden_size, *, eps=1e-5, normalization="LayerNorm",
-    zero_centered_gamma=False, activation="gelu", bias=True, params_dtype=torch.float32,
-    device="cpu", fuse_wgrad_accumulation=False, delay_wgrad_compute=False,
+    zero_centered_gamma=False, activation="gelu", bias=True, params_dtype=None,
+    device=None, fuse_wgrad_accumulation=False, delay_wgrad_compute=False,
     ub_bulk_wgrad=False)``: parameters ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm
     only), ``fc1_weight`` (ffn, hidden) — (2 * ffn, hidden) for the gated activations —
     ``fc1_bias``, ``fc2_weight`` (hidden, ffn), ``fc2_bias`` (hidden)."""
@@ -609,8 +676,8 @@ class LayerNormMLPContract(_NormContract):
         zero_centered_gamma: bool = False,
         activation: str = "gelu",
         bias: bool = True,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
         ub_bulk_wgrad: bool = False,
@@ -635,6 +702,9 @@ class LayerNormMLPContract(_NormContract):
         self._add_gemm_bias("fc1_bias", fc1_out)
         self._add_gemm_weight("fc2_weight", self._new_tensor(hidden_size, ffn_hidden_size))
         self._add_gemm_bias("fc2_bias", hidden_size)
+        self.reset_parameters()
+
+    _size_names = ("hidden_size", "ffn_hidden_size")
 
     def _check_fp8_shapes(self, recipe: Recipe, rows: int) -> None:
         fc1_out = self.fc1_weight.shape[0]
@@ -644,7 +714,7 @@ class LayerNormMLPContract(_NormContract):
 
 class GroupedLinearContract(ModuleContract):
     """``GroupedLinear(num_gemms, in_features, out_features, *, bias=True,
-    params_dtype=torch.float32, device="cpu", fuse_wgrad_accumulation=False,
+    params_dtype=None, device=None, fuse_wgrad_accumulation=False,
     delay_wgrad_compute=False)``: parameters ``weight0`` … ``weight{n-1}`` (out_features,
     in_features), then ``bias0`` … ``bias{n-1}`` (out_features). Forward takes ``m_splits``:
     ``num_gemms`` non-negative ints summing to the row count (:meth:`_check_m_splits`)."""
@@ -656,8 +726,8 @@ class GroupedLinearContract(ModuleContract):
         out_features: int,
         *,
         bias: bool = True,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
     ) -> None:
@@ -676,6 +746,9 @@ class GroupedLinearContract(ModuleContract):
             self._add_gemm_weight(f"weight{i}", w)
         for i in range(num_gemms):
             self._add_gemm_bias(f"bias{i}", out_features)
+        self.reset_parameters()
+
+    _size_names = ("num_gemms", "in_features", "out_features")
 
     def _group_weight_tensors(self, n: int, out_features: int, in_features: int):
         """The ``n`` uninitialised (out, in) weight tensors; where they live in memory is an

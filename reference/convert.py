@@ -23,8 +23,10 @@ What it refuses (nothing is changed when it raises; every check runs before the 
 * a layer whose ``weight`` or ``bias`` is not a plain ``torch.nn.Parameter`` (parametrized,
   lazy, a ``DTensor`` after ``fully_shard``, a quantized tensor subclass): convert first, then
   shard or quantize -> ``TypeError`` naming the fqn and the type;
-* a layer on a device the package does not run on (it runs on ``cpu`` and ``cuda``; ``meta``
-  is refused), or whose bias differs from its weight in dtype or device -> ``ValueError``;
+* a layer on a device the package does not run on (it runs on ``cpu`` and ``cuda``; a model
+  still on ``meta`` is converted: build on meta, convert, shard, then ``to_empty`` and load or
+  ``reset_parameters()``, torchao's and torchtitan's order), or whose bias differs from its
+  weight in dtype or device -> ``ValueError``;
 * a layer with forward or backward hooks registered on it, which would be lost -> ``ValueError``;
 * an option the package's ``Linear`` does not take, or one that the existing layer decides
   (``bias``, ``params_dtype``, ``device``) -> ``TypeError`` naming the option; an invalid
@@ -51,8 +53,8 @@ import torch
 
 __all__ = ["make_convert_linears"]
 
-#: Devices the packages' modules run on.
-SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
+#: Devices the packages' modules run on, and ``meta``: a model not yet materialized.
+SUPPORTED_DEVICE_TYPES = ("cpu", "cuda", "meta")
 #: Constructor options that come from the layer being replaced, never from the caller.
 _FROM_THE_LAYER = ("bias", "params_dtype", "device")
 
@@ -115,8 +117,8 @@ def _check_layer(fqn: str, layer: torch.nn.Linear) -> None:
     weight, bias = layer.weight, layer.bias
     if weight.device.type not in SUPPORTED_DEVICE_TYPES:
         raise ValueError(
-            f"{where}: its weight is on device {weight.device}; the package runs on "
-            f"{' and '.join(SUPPORTED_DEVICE_TYPES)} (materialize the model first)"
+            f"{where}: its weight is on device {weight.device}; the package runs on cpu and "
+            "cuda (and converts a model still on meta)"
         )
     if bias is not None and (bias.dtype, bias.device) != (weight.dtype, weight.device):
         raise ValueError(

@@ -233,7 +233,6 @@ def _mixed_bias() -> torch.nn.Module:
     [
         (lambda: _OwnForward(4, 4), TypeError, r"1\.0 \(.*_OwnForward\) defines its own forward"),
         (_instance_forward, TypeError, r"1\.0 \(torch.nn.modules.linear.Linear\) defines its own"),
-        (lambda: torch.nn.Linear(4, 4, device="meta"), ValueError, r"1\.0 .*device meta"),
         (_parametrized, TypeError, r"1\.0 .*weight is a .*not a plain torch.nn.Parameter"),
         (lambda: torch.nn.LazyLinear(4), TypeError, r"1\.0 .*UninitializedParameter"),
         (_hooked, ValueError, r"1\.0 .*hooks registered \(forward_hooks\)"),
@@ -248,7 +247,6 @@ def _mixed_bias() -> torch.nn.Module:
     ids=[
         "own-forward",
         "instance-forward",
-        "meta",
         "parametrized",
         "lazy",
         "hooks",
@@ -370,3 +368,37 @@ def test_reference_with_biases_delayed_equals_not_delayed(kind):
     assert _drain(delayed) > 0 and _drain(plain) == 0
     for (name, p), q in zip(delayed.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "reset_parameters"])
+def test_a_meta_model_converts_then_materializes_as_the_eager_one(lib, how):
+    """Trainers build on the meta device, convert, (shard,) then ``to_empty`` and load a
+    checkpoint or re-initialise: the result trains as the model converted eagerly, bitwise."""
+
+    def build():
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+
+    torch.manual_seed(0)
+    eager = lib.convert_linears(build(), delay_wgrad_compute=True)
+    with torch.device("meta"):
+        lazy = lib.convert_linears(build(), delay_wgrad_compute=True)
+    assert all(p.is_meta for p in lazy.parameters())
+    assert all(type(m) is lib.Linear for m in (lazy[0], lazy[2]))
+    lazy.to_empty(device="cpu")
+    if how == "load_state_dict":
+        lazy.load_state_dict(eager.state_dict())
+    else:  # torch.nn.Linear's reset_parameters draws otherwise: the package's own values
+        torch.manual_seed(0)
+        for m in (eager[0], eager[2]):
+            m.reset_parameters()
+        torch.manual_seed(0)
+        for m in (lazy[0], lazy[2]):
+            m.reset_parameters()
+    x = torch.randn(5, 8)
+    for model in (eager, lazy):
+        model(x).square().sum().backward()
+        for m in (model[0], model[2]):
+            m.backward_dw()
+    for (name, p), q in zip(eager.named_parameters(), lazy.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)

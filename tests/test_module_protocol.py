@@ -618,3 +618,109 @@ def test_module_forward_and_full_backward_hooks(lib, kind) -> None:
     torch.testing.assert_close(seen["gout"], dy, rtol=0, atol=0)
     torch.testing.assert_close(seen["gin"], x.grad, rtol=0, atol=0)
     assert m.pending_wgrad_count == 1
+
+
+# ---- where parameters are created; reset_parameters; repr (SPEC §2) ------------------------------
+
+_SIZES = {"Linear": (16, 24), "LayerNormLinear": (16, 24), "LayerNormMLP": (16, 32)}
+_SIZES["GroupedLinear"] = (3, 16, 24)
+
+
+def _new(lib, kind, **options):
+    return getattr(lib, kind)(*_SIZES[kind], **options)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_meta_device_context_then_to_empty_and_reset_is_the_eager_module(lib, kind) -> None:
+    torch.manual_seed(0)
+    eager = _new(lib, kind, delay_wgrad_compute=True)
+    with torch.device("meta"):
+        m = _new(lib, kind, delay_wgrad_compute=True)
+    assert all(p.is_meta for p in m.parameters())
+    m.to_empty(device="cpu")
+    torch.manual_seed(0)
+    m.reset_parameters()
+    for (name, p), q in zip(eager.named_parameters(), m.parameters()):
+        assert q.device.type == "cpu"
+        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_default_device_and_dtype_decide_unless_given(lib, kind) -> None:
+    previous = torch.get_default_dtype()
+    torch.set_default_device("meta")
+    try:
+        torch.set_default_dtype(torch.float64)
+        m = _new(lib, kind)
+        assert all(p.is_meta and p.dtype == torch.float64 for p in m.parameters())
+        given = _new(lib, kind, device="cpu", params_dtype=torch.bfloat16)
+        assert all(p.device.type == "cpu" and p.dtype == torch.bfloat16 for p in given.parameters())
+    finally:
+        torch.set_default_device(None)
+        torch.set_default_dtype(previous)
+    assert all(p.device.type == "cpu" and p.dtype == previous for p in _new(lib, kind).parameters())
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_reset_parameters_restores_fp8_scaling_state(lib) -> None:
+    """A module that ran under FP8 and is reset computes as a freshly built one: its delayed
+    scaling histories start afresh, bitwise."""
+    recipe = lib.DelayedScaling(amax_history_len=4)
+    x = torch.randn(16, 16)
+    torch.manual_seed(0)
+    fresh = lib.Linear(16, 16)
+    torch.manual_seed(0)
+    used = lib.Linear(16, 16)
+    with lib.fp8_autocast(enabled=True, fp8_recipe=recipe):
+        used(x * 100).sum().backward()
+    torch.manual_seed(0)
+    used.reset_parameters()
+    used.weight.grad = used.bias.grad = None
+    outs = []
+    for m in (fresh, used):
+        with lib.fp8_autocast(enabled=True, fp8_recipe=recipe):
+            outs.append(m(x))
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_reset_parameters_with_queued_entries_is_refused(lib, kind) -> None:
+    m = _module(lib, kind, delay=True)
+    y = m(*_args(m, _x(m)))
+    y.backward(_dy(y))
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    with pytest.raises(RuntimeError, match=rf"{kind}\.reset_parameters\(\) with 1 weight-gradient"):
+        m.reset_parameters()
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(p, before[n], rtol=0, atol=0, msg=n)
+    assert m.pending_wgrad_count == 1
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_repr_shows_sizes_and_the_options_that_differ(lib) -> None:
+    assert repr(lib.Linear(16, 24)) == "Linear(in_features=16, out_features=24, bias=True)"
+    assert (
+        repr(lib.Linear(16, 24, delay_wgrad_compute=True))
+        == "Linear(in_features=16, out_features=24, bias=True, delay_wgrad_compute=True)"
+    )
+    assert repr(
+        lib.LayerNormMLP(
+            8,
+            16,
+            bias=False,
+            params_dtype=torch.bfloat16,
+            activation="swiglu",
+            normalization="RMSNorm",
+            eps=1e-6,
+            fuse_wgrad_accumulation=True,
+        )
+    ) == (
+        "LayerNormMLP(hidden_size=8, ffn_hidden_size=16, bias=False, params_dtype=torch.bfloat16, "
+        "eps=1e-06, normalization='RMSNorm', activation='swiglu', fuse_wgrad_accumulation=True)"
+    )
+    assert repr(lib.GroupedLinear(4, 8, 8)) == (
+        "GroupedLinear(num_gemms=4, in_features=8, out_features=8, bias=True)"
+    )
