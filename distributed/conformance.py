@@ -28,8 +28,10 @@ listing every mismatch.
   ``fully_shard``, 2 gloo ranks, 2 micro-batches (``no_sync()`` and ``num_microbatches``): the
   reducer reduce-scatters each delayed module's gradients into the sharded gradients, the first
   before the last ``backward_dw()`` starts; every full (all-gathered) gradient bitwise equal to
-  FSDP2 alone without delay and to ``(replica0 + replica1) / 2`` computed in one process, and
-  within the data-parallel budget of the float64 global batch.
+  FSDP2 alone without delay and within the data-parallel budget of the float64 global batch,
+  in fp32 and under FSDP2 mixed precision (:data:`FSDP_PRECISIONS`: bf16 and fp16
+  ``reduce_dtype``, bf16 parameters reduced in fp32 or fp16, forced sum reduction); in fp32
+  compute also bitwise ``(replica0 + replica1) / 2`` computed in one process.
   ``check_pipeline_data_parallel(fully_shard=True)`` does the same under a zero-bubble pipeline
   of 2 stages, each stage fully_shard-ed over 2 replicas.
 * :func:`check_expert_parallel` (P14): :class:`~splitgrad.distributed.ExpertParallelMoE` (or
@@ -66,6 +68,7 @@ __all__ = [
     "check_data_parallel",
     "check_expert_parallel",
     "check_fully_sharded",
+    "FSDP_PRECISIONS",
     "merge_reports",
 ]
 
@@ -169,11 +172,14 @@ def _mean(grads: list, divisor: float):
     return total.div_(divisor)
 
 
-def _judge_truth(report, where: str, got: dict, naive: dict, truth: dict) -> None:
+def _judge_truth(
+    report, where: str, got: dict, naive: dict, truth: dict, dtype: torch.dtype | None = None
+) -> None:
     """Every gradient in ``got`` within the data-parallel budget of the float64 truth, the
     budget scaled by the naive same-dtype run's own error (both from ``splitgrad.reference``,
     not the package under test, so a bug the package's delayed and non-delayed paths share is
-    still measured)."""
+    still measured). ``dtype``: the dtype the gradients were computed in, for the budget's
+    floor, when it is not theirs (FSDP2 mixed precision computes in bf16, returns fp32)."""
     from splitgrad.properties.budgets import data_parallel_tolerance
 
     for name, g in got.items():
@@ -183,7 +189,7 @@ def _judge_truth(report, where: str, got: dict, naive: dict, truth: dict) -> Non
             continue
         naive_err = float((yard.double() - want.double()).abs().max()) if want.numel() else 0.0
         scale = float(want.abs().max()) if want.numel() else 0.0
-        tol = data_parallel_tolerance(g.dtype, naive_err, scale)
+        tol = data_parallel_tolerance(dtype or g.dtype, naive_err, scale)
         report.within(f"{where} {name} vs the float64 truth", g, want, tol)
 
 
@@ -782,15 +788,17 @@ def _dp_truth(rank: int, _: int, lib_name: str, configs: list[dict], world: int)
     out = []
     for cfg in configs:
         n_mb, fused, dtype = cfg["n_mb"], cfg["fused"], cfg["dtype"]
+        # the values' dtype: FSDP2 mixed precision computes in dtype from fp32 values
+        values = cfg.get("value_dtype", dtype)
         twice, tied = cfg.get("proj_twice", False), cfg.get("tied", False)
-        replicas = [run(lib, dtype, (100 + r,), dtype, fused, twice, tied) for r in range(world)]
+        replicas = [run(lib, dtype, (100 + r,), values, fused, twice, tied) for r in range(world)]
         emulated = {name: _mean([rep[name] for rep in replicas], world) for name in replicas[0]}
         emulated = {n: None if g is None else g.div_(n_mb) for n, g in emulated.items()}
         seeds = tuple(100 + r for r in range(world))
         divisor = world * n_mb
-        naive = run(ref, dtype, seeds, dtype, fused, twice, tied)
+        naive = run(ref, dtype, seeds, values, fused, twice, tied)
         naive = {n: g.div(divisor) for n, g in naive.items()}
-        truth = run(ref, torch.float64, seeds, dtype, False, twice, tied)
+        truth = run(ref, torch.float64, seeds, values, False, twice, tied)
         truth = {n: g.div(divisor) for n, g in truth.items()}
         out.append({"emulated": emulated, "naive": naive, "truth": truth})
     return out
@@ -881,28 +889,61 @@ def _check_launches(report: DistributedReport, where: str, got: dict) -> None:
 # ---- P16 under fully_shard (FSDP2) -----------------------------------------------------------
 
 
-def _fsdp_step(lib, rank: int, *, mode: str, n_mb: int, delay: bool) -> dict:
+#: FSDP2 mixed precision the fully_shard cells run, by name: ``MixedPrecisionPolicy``'s
+#: ``param_dtype`` and ``reduce_dtype`` and ``set_force_sum_reduction_for_comms``. They reach
+#: every branch of FSDP2's averaging: AVG inside the collective (fp32, bf16), a pre-divide
+#: before a SUM (an fp16 ``reduce_dtype``: ``sqrt``-ish split of the world size against
+#: overflow) and a post-divide after it (forced sum); bf16 parameters with an fp32
+#: ``reduce_dtype`` also accumulate the micro-batches' gradients in fp32 between passes.
+FSDP_PRECISIONS: dict[str, tuple[torch.dtype | None, torch.dtype | None, bool]] = {
+    "fp32": (None, None, False),
+    "bf16": (torch.bfloat16, None, False),
+    "bf16/fp32": (torch.bfloat16, torch.float32, False),
+    "fp16": (torch.float16, None, False),
+    "bf16/fp16": (torch.bfloat16, torch.float16, False),
+    "fp32 sum": (None, None, True),
+    "bf16/fp32 sum": (torch.bfloat16, torch.float32, True),
+}
+
+
+def _fsdp_step(
+    lib,
+    rank: int,
+    *,
+    mode: str,
+    n_mb: int,
+    delay: bool,
+    precision: str = "fp32",
+    reducer_cls=GradientReducer,
+) -> dict:
     """One step of 2 Blocks, each and the root wrapped with ``fully_shard``, on one rank.
     Delayed: a GradientReducer, micro-batches marked by ``mode`` ("no_sync": the reducer's
     context, which turns FSDP2's gradient sync off too; "count": ``num_microbatches`` and
     ``set_requires_gradient_sync`` set by hand), every ``backward_dw()`` deferred until after
-    the last backward and run block by block. Not delayed: FSDP2 alone. Returns the full
-    (all-gathered) gradients divided by the micro-batch count, and the launch log."""
+    the last backward and run block by block. Not delayed: FSDP2 alone. ``precision`` names an
+    entry of :data:`FSDP_PRECISIONS`; ``reducer_cls`` is built as ``GradientReducer`` is.
+    Returns the full (all-gathered) gradients divided by the micro-batch count, and the launch
+    log."""
     import contextlib
     import time
 
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    param_dtype, reduce_dtype, force_sum = FSDP_PRECISIONS[precision]
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     hidden, ffn, rows = _sizes(None)
     blocks = torch.nn.Sequential(
         *(Block(lib, hidden, ffn, i, fused=False, dtype=torch.float32, delay=delay) for i in (0, 1))
     )
     for b in blocks:
-        fully_shard(b)
-    fully_shard(blocks)
+        fully_shard(b, mp_policy=policy)
+    fully_shard(blocks, mp_policy=policy)
+    if force_sum:
+        for m in (*blocks, blocks):
+            m.set_force_sum_reduction_for_comms(True)
     reducer = None
     if delay:
-        reducer = GradientReducer(blocks, num_microbatches=n_mb if mode == "count" else None)
+        reducer = reducer_cls(blocks, num_microbatches=n_mb if mode == "count" else None)
     x, target = _data(100 + rank, n_mb * rows, hidden, torch.float32)
     pass_times = []
     for j, (xb, tb) in enumerate(zip(x.split(rows), target.split(rows))):
@@ -945,17 +986,30 @@ def _fsdp_step(lib, rank: int, *, mode: str, n_mb: int, delay: bool) -> dict:
     }
 
 
-def _fsdp_rank(rank: int, world: int, lib_name: str, configs: list[dict]) -> dict:
+def _fsdp_rank(
+    rank: int, world: int, lib_name: str, configs: list[dict], reducer_name: str = _REDUCER
+) -> dict:
     """Every config, delayed with the reducer and (the baseline) FSDP2 alone without delay; on
-    rank 0 also the single-process baselines of :func:`_dp_truth` (same thread count)."""
+    rank 0 also the single-process baselines of :func:`_dp_truth` (same thread count): the
+    global batch in FSDP2's compute dtype (the naive yardstick) from the fp32 values FSDP2
+    casts, and the float64 truth of those fp32 values."""
     lib = load_package(lib_name)
+    reducer_cls = load_package(reducer_name)
     out = {"runs": [], "baseline": [], "truth": None}
     for cfg in configs:
-        out["runs"].append(_fsdp_step(lib, rank, delay=True, **cfg))
+        out["runs"].append(_fsdp_step(lib, rank, delay=True, reducer_cls=reducer_cls, **cfg))
         out["baseline"].append(_fsdp_step(lib, rank, delay=False, **cfg))
     if rank == 0:
-        plain = [{"n_mb": c["n_mb"], "fused": False, "dtype": torch.float32} for c in configs]
-        out["truth"] = _dp_truth(0, 1, lib_name, plain, world)
+        truth_configs = [
+            {
+                "n_mb": c["n_mb"],
+                "fused": False,
+                "dtype": FSDP_PRECISIONS[c.get("precision", "fp32")][0] or torch.float32,
+                "value_dtype": torch.float32,
+            }
+            for c in configs
+        ]
+        out["truth"] = _dp_truth(0, 1, lib_name, truth_configs, world)
     return out
 
 
@@ -963,23 +1017,38 @@ def check_fully_sharded(
     lib_name: str = "splitgrad.impl",
     *,
     n_microbatches: int = 2,
+    precisions: tuple[str, ...] = tuple(FSDP_PRECISIONS),
     timeout_s: float = 600.0,
+    reducer: str = _REDUCER,
 ) -> DistributedReport:
     """P16 under ``fully_shard`` (FSDP2) on 2 gloo ranks: the reducer's reduce-scatters of the
     delayed modules launched from the module hooks, before the last ``backward_dw()``;
-    gradients bitwise equal to FSDP2 alone without delay, and to ``(replica0 + replica1) / 2``
-    computed in one process, and within the data-parallel budget of the float64 global batch."""
-    configs = [{"mode": m, "n_mb": n_microbatches} for m in ("no_sync", "count")]
+    gradients bitwise equal to FSDP2 alone without delay, and within the data-parallel budget
+    of the float64 global batch (the yardstick: the reference in FSDP2's compute dtype). Each
+    of ``precisions`` (:data:`FSDP_PRECISIONS`) runs ``no_sync()`` and ``num_microbatches``.
+    In float32 compute (plain and forced sum) also bitwise ``(replica0 + replica1) / 2``
+    computed in one process: a sum of two, halved, is exact in either order, whichever side
+    divides; in bf16 or fp16 FSDP2's casts and accumulation dtype have no one-process twin.
+    ``reducer`` names the reducer class (``"module:Class"``, built as ``GradientReducer`` is)."""
+    unknown = sorted(set(precisions) - set(FSDP_PRECISIONS))
+    if unknown:
+        raise ValueError(f"unknown precisions {unknown}; expected some of {list(FSDP_PRECISIONS)}")
+    configs = [
+        {"mode": m, "n_mb": n_microbatches, "precision": p}
+        for p in precisions
+        for m in ("no_sync", "count")
+    ]
     world = 2
     report = DistributedReport(f"P16 fully_shard {lib_name} on {world} ranks")
     results = _ranks(
-        report, "FSDP2 ranks", _fsdp_rank, world, lib_name, configs, timeout_s=timeout_s
+        report, "FSDP2 ranks", _fsdp_rank, world, lib_name, configs, reducer, timeout_s=timeout_s
     )
     if results is None:
         return report
     truth = results[0]["truth"]
     for k, cfg in enumerate(configs):
-        label = f"fully_shard {cfg['mode']}"
+        label = f"fully_shard {cfg['precision']} {cfg['mode']}"
+        compute = FSDP_PRECISIONS[cfg["precision"]][0] or torch.float32
         for rank, per_rank in enumerate(results):
             got, base = per_rank["runs"][k], per_rank["baseline"][k]
             where = f"{label} rank {rank}"
@@ -988,17 +1057,19 @@ def check_fully_sharded(
             _check_fsdp_launches(report, where, got)
             for name, g in got["grads"].items():
                 report.bitwise(f"{where} {name} vs FSDP2 without delay", g, base["grads"][name])
-                report.bitwise(
-                    f"{where} {name} vs (replica0 + replica1) / 2 without delay",
-                    g,
-                    truth[k]["emulated"][name],
-                )
+                if compute == torch.float32:
+                    report.bitwise(
+                        f"{where} {name} vs (replica0 + replica1) / 2 without delay",
+                        g,
+                        truth[k]["emulated"][name],
+                    )
             _judge_truth(
                 report,
                 f"{where} (global batch)",
                 got["grads"],
                 truth[k]["naive"],
                 truth[k]["truth"],
+                dtype=compute,
             )
     report.notes.append(
         "launch log (rank 0, no_sync): " + fsdp_launch_summary(results[0]["runs"][0])

@@ -98,6 +98,9 @@ class _Param:
     # final once each has run the last entry of its step's last pass
     owners: tuple = ()
     owners_final: int = 0
+    # under fully_shard with a reduce_dtype other than the gradient's: the step's earlier
+    # passes' gradients, summed in reduce_dtype as FSDP2 sums its own
+    accumulated: torch.Tensor | None = None
 
     @property
     def delayed(self) -> bool:
@@ -447,6 +450,8 @@ class GradientReducer:
             owner.queue.append(_Pass(queued - ran_inside, final))
         elif final:
             self._owner_final(owner)
+        else:
+            self._between_passes(owner)
 
     def _on_entry_done(self, owner: _Owner) -> None:
         """A ``backward_dw()`` of ``owner``'s module wrote its oldest entry's gradients (SPEC
@@ -465,6 +470,8 @@ class GradientReducer:
                 owner.queue.popleft()
                 if head.final:
                     self._owner_final(owner)
+                else:
+                    self._between_passes(owner)
             return
         task = _autograd.current_backward_pass()
         if task in owner.running:
@@ -474,6 +481,14 @@ class GradientReducer:
             f"{owner.label}: backward_dw() ran an entry that no backward pass of this step "
             f"was seen to queue (parameters {[st.name for st in owner.params]})"
         )
+
+    def _between_passes(self, owner: _Owner) -> None:
+        """Every entry of a non-final backward pass of ``owner``'s module has run: under
+        fully_shard, what FSDP2 does to its own gradients after such a pass."""
+        if self._fsdp is None:
+            return
+        for st in owner.params:
+            st.accumulated = fsdp.accumulate_between_passes(st.fsdp, st.accumulated)
 
     def _owner_final(self, owner: _Owner) -> None:
         if owner.queue:
@@ -530,7 +545,7 @@ class GradientReducer:
         for _, fp in self._fsdp_own:
             self._fsdp_own_by_group[id(self._fsdp.group_of[id(fp.sharded_param)])].append(fp)
         for st in self._params:
-            setattr(st.param, fsdp.REDUCED_FROM_MODULE_HOOKS, True)
+            fsdp.mark_reduced_from_module_hooks(st.fsdp)
             delayed_by_group[id(self._fsdp.group_of[id(st.param)])].append(st.fsdp)
         for group in self._fsdp.groups:
             fsdp.wrap_post_backward(
@@ -595,7 +610,8 @@ class GradientReducer:
     def _launch_reduce_scatter(self, bucket: _Bucket) -> None:
         fps, grads = [], []
         for st in bucket.params:
-            g = fsdp.take_unsharded_grad(st.fsdp)
+            g = fsdp.take_final_grad(st.fsdp, st.accumulated)
+            st.accumulated = None
             if g is None:
                 self._errors.append(f"{st.name}: final but no gradient was written")
                 continue
@@ -721,6 +737,7 @@ class GradientReducer:
         self._errors = []
         for st in self._params:
             st.passes, st.last_task, st.ready, st.owners_final = 0, -1, False, 0
+            st.accumulated = None
         for owner in self._owners:
             owner.reset()
         self._fsdp_passes.clear()

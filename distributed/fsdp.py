@@ -15,7 +15,11 @@ public hook for either side, so this module reaches into its private objects:
   gradients are kept out of FSDP2's own reduce-scatter;
 * :class:`ReduceScatter` reduce-scatters unsharded gradients into the sharded ``param.grad``
   DTensors the way ``foreach_reduce`` does (same copy-in layout, same reduce op and divide
-  factors, same accumulation into an existing sharded gradient), but asynchronously.
+  factors, same accumulation into an existing sharded gradient), but asynchronously;
+* :func:`accumulate_between_passes` and :func:`take_final_grad` sum a step's micro-batches as
+  FSDP2's post-backward sums its own under mixed precision (in ``reduce_dtype``);
+* :func:`mark_reduced_from_module_hooks` marks a sharded parameter for the modules' guard, and
+  again after FSDP2 resets it (``to_empty`` and every other ``_apply``).
 
 Checked on torch 2.13. When one of these internals is missing, :func:`check_available` raises
 naming the torch version, never a silent fallback.
@@ -39,8 +43,11 @@ __all__ = [
     "FsdpLayout",
     "ReduceScatter",
     "wrap_post_backward",
+    "mark_reduced_from_module_hooks",
     "unsharded_grad",
     "take_unsharded_grad",
+    "accumulate_between_passes",
+    "take_final_grad",
 ]
 
 CHECKED_ON = "2.13"
@@ -48,7 +55,13 @@ CHECKED_ON = "2.13"
 #: splitgrad's modules refuse to run delayed under fully_shard without it.
 REDUCED_FROM_MODULE_HOOKS = "wgrad_reduce_from_module_hooks"
 
-_PARAM_ATTRS = ("sharded_param", "_module_info", "sharded_size", "contiguous_sharded_stride")
+_PARAM_ATTRS = (
+    "sharded_param",
+    "_module_info",
+    "sharded_size",
+    "contiguous_sharded_stride",
+    "reset_sharded_param",
+)
 _GROUP_ATTRS = ("fsdp_params", "post_backward", "reduce_grads", "mesh_info")
 
 
@@ -171,6 +184,28 @@ def describe(model: torch.nn.Module) -> FsdpLayout:
     return FsdpLayout(params, group_of, groups, states, process_group, state_of)
 
 
+def mark_reduced_from_module_hooks(fsdp_param) -> None:
+    """Set :data:`REDUCED_FROM_MODULE_HOOKS` on ``fsdp_param``'s sharded parameter, and again
+    whenever FSDP2 resets it (``FSDPParam.reset_sharded_param``, which FSDP2 calls after every
+    ``_apply``: ``to_empty``, ``.to()``, ``.cpu()``, and after ``load_state_dict``). Those swap
+    the parameter's contents with ``torch.utils.swap_tensors``, which swaps its ``__dict__`` too:
+    a reducer built on the meta device (build, convert, shard, reducer, then ``to_empty``) would
+    lose the mark and the modules would refuse to run."""
+    sharded = fsdp_param.sharded_param
+    setattr(sharded, REDUCED_FROM_MODULE_HOOKS, True)
+    if getattr(fsdp_param, "_splitgrad_marks_after_reset", False):
+        return
+    original = fsdp_param.reset_sharded_param
+
+    def reset_sharded_param(*args, **kwargs):
+        out = original(*args, **kwargs)
+        setattr(fsdp_param.sharded_param, REDUCED_FROM_MODULE_HOOKS, True)
+        return out
+
+    fsdp_param.reset_sharded_param = reset_sharded_param
+    fsdp_param._splitgrad_marks_after_reset = True
+
+
 def unsharded_grad(fsdp_param) -> torch.Tensor | None:
     """The gradient written to the unsharded parameter (``None`` before the first unshard)."""
     unsharded = getattr(fsdp_param, "_unsharded_param", None)
@@ -183,6 +218,47 @@ def take_unsharded_grad(fsdp_param) -> torch.Tensor | None:
     if g is not None:
         fsdp_param._unsharded_param.grad = None
     return g
+
+
+def _reduce_dtype(fsdp_param) -> torch.dtype | None:
+    if not hasattr(fsdp_param, "reduce_dtype"):
+        raise _moved("FSDPParam.reduce_dtype")
+    return fsdp_param.reduce_dtype
+
+
+def accumulate_between_passes(fsdp_param, accumulated: torch.Tensor | None) -> torch.Tensor | None:
+    """FSDP2's post-backward of a pass without gradient sync (``accumulate_unsharded_grad_if_
+    needed``, then ``to_accumulated_grad_if_needed``), for a delayed gradient FSDP2 never sees,
+    once every entry of that pass has run: with a ``reduce_dtype`` other than the gradient's
+    (bf16 parameters, fp32 ``reduce_dtype``), the passes' gradients are summed in
+    ``reduce_dtype``, each computed in the parameter dtype, not accumulated on ``.grad`` in it.
+    ``accumulated``: the earlier passes' sum, or ``None``; returns the new one (``None``: the
+    gradient stays on the unsharded parameter, where the next pass adds to it, as FSDP2
+    leaves it without a ``reduce_dtype``)."""
+    grad = unsharded_grad(fsdp_param)
+    if grad is None:
+        return accumulated
+    if accumulated is not None:
+        accumulated += grad
+        fsdp_param._unsharded_param.grad = None
+        return accumulated
+    reduce_dtype = _reduce_dtype(fsdp_param)
+    if reduce_dtype is None or grad.dtype == reduce_dtype:
+        return None
+    fsdp_param._unsharded_param.grad = None
+    return grad.to(reduce_dtype)
+
+
+def take_final_grad(fsdp_param, accumulated: torch.Tensor | None) -> torch.Tensor | None:
+    """The gradient FSDP2's post-backward reduces in the step's last pass: the earlier passes'
+    sum in ``reduce_dtype`` plus this pass's gradient (taken off the unsharded parameter), or
+    the gradient alone."""
+    grad = take_unsharded_grad(fsdp_param)
+    if accumulated is None:
+        return grad
+    if grad is not None:
+        accumulated += grad
+    return accumulated
 
 
 def unreduced_grad(fsdp_param) -> bool:

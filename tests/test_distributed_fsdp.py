@@ -21,13 +21,65 @@ pytestmark = pytest.mark.distributed
 
 @pytest.mark.parametrize("lib_name", ["splitgrad.impl", "splitgrad.reference"])
 def test_p16_fully_sharded(lib_name):
-    """no_sync() and num_microbatches, 2 micro-batches: every gradient bitwise FSDP2 without
-    delay and (replica0 + replica1) / 2, within the data-parallel budget of the float64 global
-    batch; one reduce-scatter per delayed module, the first before the last backward_dw()."""
+    """no_sync() and num_microbatches, 2 micro-batches, in fp32 and each FSDP2 mixed precision
+    of FSDP_PRECISIONS (bf16 and fp16 reduce_dtype, bf16 parameters reduced in fp32 or fp16,
+    forced sum reduction): every gradient bitwise FSDP2 without delay, within the
+    data-parallel budget of the float64 global batch, in fp32 compute also bitwise (replica0 +
+    replica1) / 2; one reduce-scatter per delayed module, the first before the last
+    backward_dw()."""
     report = conformance.check_fully_sharded(lib_name, timeout_s=120)
     report.raise_if_failed()
-    assert report.compared > 100
+    # 14 cells x 2 ranks x 18 gradients, each bitwise FSDP2 and within budget of the truth
+    assert report.compared > 1000
     assert "reduce_scatter" in report.notes[-1]
+
+
+_PLANTED = [
+    # (reducer, precisions run, the cells that must fail, what the first failure says)
+    (
+        "NoPostDivideReducer",
+        ("fp32", "fp32 sum"),
+        {"fp32 sum"},
+        r"fp32 sum no_sync rank 0 0\.mlp\.fc1_weight vs FSDP2 without delay: not bitwise",
+    ),
+    (
+        "NoPreDivideReducer",
+        ("fp32", "fp16"),
+        {"fp16"},
+        r"fp16 no_sync rank 0 0\.mlp\.fc1_weight vs FSDP2 without delay: not bitwise",
+    ),
+    (
+        "PassesInParamDtypeReducer",
+        ("bf16", "bf16/fp32"),
+        {"bf16/fp32"},
+        r"bf16/fp32 no_sync rank 0 0\.mlp\.fc1_weight vs FSDP2 without delay: not bitwise",
+    ),
+]
+
+
+@pytest.mark.parametrize("reducer, precisions, failing, first", _PLANTED)
+def test_mixed_precision_cells_catch_a_planted_bug(reducer, precisions, failing, first):
+    """A reducer that drops FSDP2's post-divide (forced sum), its pre-divide (fp16), or sums a
+    step's micro-batches in bf16 where FSDP2 sums in its fp32 reduce_dtype: the cell that takes
+    that branch fails, in both micro-batch modes and on both ranks, naming the gradient; the
+    cell next to it that does not take the branch stays right."""
+    report = conformance.check_fully_sharded(
+        "splitgrad.impl",
+        precisions=precisions,
+        reducer=f"fsdp_mutants:{reducer}",
+        timeout_s=120,
+    )
+    assert not report.ok
+    cells = {f.split(" rank ")[0] for f in report.failures}
+    assert cells == {f"fully_shard {p} {m}" for p in failing for m in ("no_sync", "count")}
+    assert re.search(first, report.failures[0]), report.failures[0]
+    with pytest.raises(AssertionError, match=r"P16 fully_shard splitgrad\.impl on 2 ranks"):
+        report.raise_if_failed()
+
+
+def test_check_fully_sharded_refuses_an_unknown_precision():
+    with pytest.raises(ValueError, match=r"unknown precisions \['fp8'\]; expected some of"):
+        conformance.check_fully_sharded("splitgrad.impl", precisions=("fp32", "fp8"))
 
 
 def test_launch_check_flags_a_late_reduce_scatter():
