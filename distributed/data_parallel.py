@@ -41,10 +41,14 @@ that reason). :class:`GradientReducer` takes DDP's place:
   unsharded parameters, are kept out of FSDP2's post-backward, and once a module's last entry
   of the step has run they are reduce-scattered asynchronously (one collective per module, in
   the fixed bucket order, averaged as FSDP2 averages) into the sharded ``param.grad`` DTensors,
-  which :meth:`finish` writes (or adds to). ``backward_dw()`` runs with the unsharded
-  ``Parameter`` objects registered, as the backward saw them (FSDP2 has resharded by then; no
-  data is gathered: a wgrad entry needs no weight values). :meth:`no_sync` also turns FSDP2's
-  gradient sync off (its ``set_requires_gradient_sync``) for its passes; with
+  which :meth:`finish` writes (or adds to). Under a ``MixedPrecisionPolicy`` whose
+  ``reduce_dtype`` differs from the gradients' dtype, a step's micro-batches are summed in
+  ``reduce_dtype`` once each pass's entries have run, as FSDP2 sums its own between passes.
+  ``backward_dw()`` runs with the unsharded ``Parameter`` objects registered, as the backward
+  saw them (FSDP2 has resharded by then; no data is gathered: a wgrad entry needs no weight
+  values). The reducer may be built on a model still on meta: its parameters are marked again
+  after ``to_empty()`` (see :func:`.fsdp.mark_reduced_from_module_hooks`). :meth:`no_sync` also
+  turns FSDP2's gradient sync off (its ``set_requires_gradient_sync``) for its passes; with
   ``num_microbatches`` the caller sets it. Either way a disagreement is reported by
   :meth:`finish`: FSDP2 syncing in a pass the reducer counts as non-final, or not syncing in the
   last one, unless told the reduction is deferred (``set_is_last_backward(False)``, as
