@@ -914,13 +914,15 @@ def _fsdp_step(
     n_mb: int,
     delay: bool,
     precision: str = "fp32",
+    drain: str = "late",
     reducer_cls=GradientReducer,
 ) -> dict:
     """One step of 2 Blocks, each and the root wrapped with ``fully_shard``, on one rank.
     Delayed: a GradientReducer, micro-batches marked by ``mode`` ("no_sync": the reducer's
     context, which turns FSDP2's gradient sync off too; "count": ``num_microbatches`` and
     ``set_requires_gradient_sync`` set by hand), every ``backward_dw()`` deferred until after
-    the last backward and run block by block. Not delayed: FSDP2 alone. ``precision`` names an
+    the last backward and run block by block (``drain="late"``) or each micro-batch's run
+    right after its backward (``"each"``). Not delayed: FSDP2 alone. ``precision`` names an
     entry of :data:`FSDP_PRECISIONS`; ``reducer_cls`` is built as ``GradientReducer`` is.
     Returns the full (all-gathered) gradients divided by the micro-batch count, and the launch
     log."""
@@ -956,6 +958,9 @@ def _fsdp_step(
         with ctx:
             _loss(blocks(xb), tb).backward()
         pass_times.append(time.perf_counter())
+        if drain == "each" and not last:
+            for b in reversed(list(blocks)):
+                _drain(b)
     dw_starts, dw_ends = [], []
     for b in reversed(list(blocks)):
         dw_starts.append(time.perf_counter())
@@ -1025,7 +1030,9 @@ def check_fully_sharded(
     delayed modules launched from the module hooks, before the last ``backward_dw()``;
     gradients bitwise equal to FSDP2 alone without delay, and within the data-parallel budget
     of the float64 global batch (the yardstick: the reference in FSDP2's compute dtype). Each
-    of ``precisions`` (:data:`FSDP_PRECISIONS`) runs ``no_sync()`` and ``num_microbatches``.
+    of ``precisions`` (:data:`FSDP_PRECISIONS`) runs ``no_sync()`` and ``num_microbatches``
+    with every ``backward_dw()`` after the last backward, and ``no_sync()`` with each
+    micro-batch's right after its backward (label suffix "each").
     In float32 compute (plain and forced sum) also bitwise ``(replica0 + replica1) / 2``
     computed in one process: a sum of two, halved, is exact in either order, whichever side
     divides; in bf16 or fp16 FSDP2's casts and accumulation dtype have no one-process twin.
@@ -1033,10 +1040,11 @@ def check_fully_sharded(
     unknown = sorted(set(precisions) - set(FSDP_PRECISIONS))
     if unknown:
         raise ValueError(f"unknown precisions {unknown}; expected some of {list(FSDP_PRECISIONS)}")
+    # the entries run after the last backward, and (no_sync) each micro-batch's after its own
     configs = [
-        {"mode": m, "n_mb": n_microbatches, "precision": p}
+        {"mode": m, "n_mb": n_microbatches, "precision": p, "drain": d}
         for p in precisions
-        for m in ("no_sync", "count")
+        for m, d in (("no_sync", "late"), ("count", "late"), ("no_sync", "each"))
     ]
     world = 2
     report = DistributedReport(f"P16 fully_shard {lib_name} on {world} ranks")
@@ -1048,6 +1056,7 @@ def check_fully_sharded(
     truth = results[0]["truth"]
     for k, cfg in enumerate(configs):
         label = f"fully_shard {cfg['precision']} {cfg['mode']}"
+        label += " each" if cfg["drain"] == "each" else ""
         compute = FSDP_PRECISIONS[cfg["precision"]][0] or torch.float32
         for rank, per_rank in enumerate(results):
             got, base = per_rank["runs"][k], per_rank["baseline"][k]
