@@ -20,9 +20,11 @@ Two ways to run a GEMM; ``module.fp8_gemm`` picks one:
 * ``"scaled_mm"``: ``torch._scaled_mm`` (per-tensor scales) or ``torch.nn.functional.scaled_mm``
   (``BlockWise1x32`` for MXFP8, ``BlockWise1x128``/``BlockWise128x128`` for Float8BlockScaling),
   in the operand layouts cuBLAS wants (A row-major, B column-major: the column-wise copies are
-  then stored transposed, made once when quantized). Used only where a probe on a small problem
-  ran and matched the dequantize path (once per device and scaling kind); a refusal
-  ("Invalid scaling configuration" for the block kinds on CPU) or a mismatch falls back.
+  then stored transposed, made once when quantized), with the scale layouts torch checks
+  (:func:`_blockwise_scaled_mm`). Used only where a probe on a small problem ran and matched
+  the dequantize path (once per device and scaling kind); a refusal ("Invalid scaling
+  configuration" for the block kinds on CPU) or a mismatch falls back, loudly on a GPU whose
+  capability says the path runs (:mod:`.gemm_paths`).
 * ``"dequantize"``: the portable path. Per-tensor: the FP8 values converted exactly to fp32 (or
   float64 for float64 parameters), one GEMM, ``scale_inv_a * scale_inv_b`` applied in the GEMM's
   ``alpha`` (CPU) — the same mathematics as ``_scaled_mm``. Block recipes: each operand
@@ -54,6 +56,7 @@ import functools
 
 import torch
 
+from . import gemm_paths
 from .fp8 import (
     PER_TENSOR,
     Float8Tensor,
@@ -153,24 +156,62 @@ def _scale_for(q: Float8Tensor, transposed: bool) -> torch.Tensor:
     return s.contiguous()
 
 
+def _mx_blocked(scale: torch.Tensor) -> torch.Tensor:
+    """(rows, K/32) E8M0 scales in cuBLAS's block-scaling-factor layout (torch's
+    ``SwizzleType.SWIZZLE_32_4_4``), flat: padded to whole 128x4 tiles, tiles in row-major
+    order, each tile stored as 32 lines of 16 values where row ``r`` of the tile sits in line
+    ``r % 32`` at column ``4 * (r // 32) + c``. Rearranged in fp32 (exact: powers of two),
+    padded with 1, cast to E8M0 last."""
+    rows, cols = scale.shape
+    padded_rows, padded_cols = -(-rows // 128) * 128, -(-cols // 4) * 4
+    if (padded_rows, padded_cols) != (rows, cols):
+        scale = torch.nn.functional.pad(
+            scale, (0, padded_cols - cols, 0, padded_rows - rows), value=1.0
+        )
+    tiles = scale.reshape(padded_rows // 128, 4, 32, padded_cols // 4, 4)
+    return tiles.permute(0, 3, 2, 1, 4).reshape(-1).to(torch.float8_e8m0fnu)
+
+
 def _blockwise_scaled_mm(a, a_t, b, b_t, A, B, kind, out_dtype, bias):
-    """Block-scaled FP8 GEMM. Not run in this repository's CI (no GPU; the CPU build refuses
-    these scalings): the layouts follow torch's blockwise tests — A's scales (M, K/blk) stored
-    M-major, B's given as the transpose of B^T's contiguous (N, K/blk) scales — and any mistake
-    here makes the probe (:func:`scaled_mm_works`) fail and the module keep the dequantize path."""
+    """Block-scaled FP8 GEMM through ``torch.nn.functional.scaled_mm`` (``A @ B``, A (M, K)
+    row-major, B (K, N) column-major), the scales laid out as torch checks them (its meta
+    functions and ``aten/src/ATen/native/cuda/ScaledBlas.cpp``; traced on fake CUDA tensors
+    by ``tests/test_cuda_trace.py``):
+
+    * MXFP8 (``BlockWise1x32``): A's (M, K/32) and B^T's (N, K/32) E8M0 scales, each in the
+      ``SWIZZLE_32_4_4`` tile layout (:func:`_mx_blocked`);
+    * ``BlockWise1x128`` A: (M, K/128), M-major (strides (1, M));
+    * ``BlockWise1x128`` B: B^T's (N, K/128), N-major (strides (1, N));
+    * ``BlockWise128x128`` B (a weight): (K/128, N/128), K-major (strides (1, K/128)), K/128
+      a multiple of 4 (the 512 alignment).
+
+    A mistake here makes the probe (:func:`scaled_mm_works`) fail on the GPU and the module keep
+    the dequantize path, with a :class:`~.gemm_paths.FastPathMissed` warning."""
     F = torch.nn.functional
     st = F.ScalingType
     sa = _scale_for(a, a_t)
     sb_t = _scale_for(b, not b_t)
     if kind == "mx":
-        sa = sa.to(torch.float8_e8m0fnu)
-        sb = sb_t.to(torch.float8_e8m0fnu).t()
-        recipe_a = recipe_b = st.BlockWise1x32
+        swizzle = F.SwizzleType.SWIZZLE_32_4_4
+        return F.scaled_mm(
+            A,
+            B,
+            _mx_blocked(sa),
+            st.BlockWise1x32,
+            _mx_blocked(sb_t),
+            st.BlockWise1x32,
+            swizzle_a=swizzle,
+            swizzle_b=swizzle,
+            bias=bias,
+            output_dtype=out_dtype,
+        )
+    # Activations and gradients carry 1x128 tiles; only a weight keeps 128x128 blocks (as B).
+    recipe_a = st.BlockWise128x128 if a.block == (128, 128) else st.BlockWise1x128
+    sa = sa.t().contiguous().t()
+    if b.block == (128, 128):
+        recipe_b, sb = st.BlockWise128x128, sb_t.t()
     else:
-        # Weights keep 128x128 blocks (one scale per block); activations/gradients 1x128 tiles.
-        recipe_a = st.BlockWise128x128 if a.block == (128, 128) else st.BlockWise1x128
-        recipe_b = st.BlockWise128x128 if b.block == (128, 128) else st.BlockWise1x128
-        sa, sb = sa.t().contiguous().t(), sb_t.t()
+        recipe_b, sb = st.BlockWise1x128, sb_t.t().contiguous().t()
     return F.scaled_mm(A, B, sa, recipe_a, sb, recipe_b, bias=bias, output_dtype=out_dtype)
 
 
@@ -179,7 +220,16 @@ def scaled_mm_works(device: torch.device, kind: str) -> bool:
     """Whether torch's FP8 GEMM serves ``kind`` (``"tensor"``, ``"mx"``, ``"block"``) on
     ``device``: probed once on a small problem in all three GEMM orientations (both FP8 formats
     for per-tensor), compared with the dequantize path. Any error or a difference beyond 2^-10
-    of ``|A| @ |B|`` (far above fp32 accumulation order, far below a misread scale) -> False."""
+    of ``|A| @ |B|`` (far above fp32 accumulation order, far below a misread scale) -> False.
+    On CUDA under :func:`.gemm_paths.capability_probes`: the capability's answer, no kernel."""
+    if device.type == "cuda" and gemm_paths.probe_mode() == "capability":
+        runs, why = gemm_paths.expected("scaled_mm", device, kind)
+        return gemm_paths.probe_verdict("scaled_mm", device, kind, runs, why)
+    runs, why = _probe_scaled_mm(device, kind)
+    return gemm_paths.probe_verdict("scaled_mm", device, kind, runs, why)
+
+
+def _probe_scaled_mm(device: torch.device, kind: str) -> tuple[bool, str]:
     from splitgrad.reference.fp8 import (
         Float8BlockScaling,
         Float8CurrentScaling,
@@ -204,21 +254,106 @@ def scaled_mm_works(device: torch.device, kind: str) -> bool:
         (quantize(dy, recipe, "grad_output", 1), False, quantize(w, recipe, "weight", 0), False),
         (quantize(dy, recipe, "grad_output", 0), True, quantize(x, recipe, "input", 0), False),
     ]
-    try:
-        for a, a_t, b, b_t in cases:
+    for a, a_t, b, b_t in cases:
+        gemm = f"{gemm_paths.gemm_role(a_t, b_t)} {size}x{size}x{size}"
+        try:
             got = _scaled_mm(a, a_t, b, b_t, torch.float32, None)
-            want = _dequantized_mm(a, a_t, b, b_t, torch.float32, None)
-            A, _ = _operand(a, a_t, torch.float32)
-            B, _ = _operand(b, b_t, torch.float32)
-            bound = (A.abs() @ B.abs()) * (2.0**-10)
-            fa, fb = _operand(a, a_t, torch.float32)[1], _operand(b, b_t, torch.float32)[1]
-            if fa is not None:
-                bound = bound * (fa * fb)
-            if got.shape != want.shape or not bool(((got - want).abs() <= bound).all()):
-                return False
-    except (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError):
-        return False
-    return True
+        except (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError) as exc:
+            return False, f"{gemm} probe raised {type(exc).__name__}: {str(exc)[:300]}"
+        want = _dequantized_mm(a, a_t, b, b_t, torch.float32, None)
+        A, fa = _operand(a, a_t, torch.float32)
+        B, fb = _operand(b, b_t, torch.float32)
+        bound = (A.abs() @ B.abs()) * (2.0**-10)
+        if fa is not None:
+            bound = bound * (fa * fb)
+        if got.shape != want.shape or not bool(((got - want).abs() <= bound).all()):
+            return False, f"{gemm} probe ran but differs from the dequantize path"
+    return True, f"{size}x{size} probe ran in all three orientations"
+
+
+def _scaled_mm_choice(
+    path: str, a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype
+) -> tuple[bool, str]:
+    """``(scaled, why)``: whether ``torch``'s FP8 GEMM runs this call (see the module
+    docstring), with the reason."""
+    device = a.data.device
+    if path == "dequantize":
+        return False, "fp8_gemm='dequantize'"
+    if out_dtype not in _SCALED_OUT:
+        return False, f"output dtype {out_dtype}: the scaled GEMM writes fp32/bf16/fp16"
+    kind = _kind(a)
+    if path == "auto" and device.type != "cuda":
+        return False, f"auto on {device.type}: _scaled_mm is a naive kernel there"
+    if device.type == "cuda":
+        align = _BLOCK_ALIGN if kind == "block" else _ALIGN
+        bad = [d for d in (*a.shape, *b.shape) if d % align]
+        if bad:
+            return False, f"{sorted(set(bad))} not a multiple of {align}"
+    if not scaled_mm_works(device, kind):
+        return False, gemm_paths.verdict("scaled_mm", device, kind) or "probe failed"
+    return True, f"{kind} scaling, aligned"
+
+
+def _problem(a: Float8Tensor, a_t: bool, b: Float8Tensor, b_t: bool) -> tuple[int, int, int]:
+    """``(M, N, K)`` of ``op(a) @ op(b)``."""
+    m, k = a.shape[::-1] if a_t else a.shape
+    n = b.shape[0] if b_t else b.shape[1]
+    return m, n, k
+
+
+_SCALED_CALL = {
+    "tensor": "torch._scaled_mm TensorWise",
+    "mx": "F.scaled_mm BlockWise1x32",
+    "block": "F.scaled_mm BlockWise1x128",
+}
+
+
+def _describe(a: Float8Tensor, a_t: bool, b: Float8Tensor, b_t: bool) -> str:
+    """The GEMM named for a warning: role, formats, layouts, shape."""
+    m, n, k = _problem(a, a_t, b, b_t)
+    return (
+        f"FP8 {gemm_paths.gemm_role(a_t, b_t)} GEMM {a.fmt} A ({m}, {k}) row-major @ "
+        f"{b.fmt} B ({k}, {n}) column-major, {_kind(a)} scaling {a.block}/{b.block}"
+    )
+
+
+def _after_choice(
+    scaled: bool,
+    path: str,
+    a: Float8Tensor,
+    a_t: bool,
+    b: Float8Tensor,
+    b_t: bool,
+    out_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+) -> None:
+    """Record the decision (when recording) and, on CUDA, warn where the probe refused a call
+    that could have taken the scaled path (:func:`.gemm_paths.fast_path_missed`)."""
+    device = a.data.device
+    if compute_dtype != torch.float32:
+        why = "float64 parameters compute in float64"
+    elif scaled:
+        why = _scaled_mm_choice(path, a, b, out_dtype)[1]
+    else:
+        why = _scaled_mm_choice(path, a, b, out_dtype)[1]
+        kind = _kind(a)
+        if device.type == "cuda" and why == gemm_paths.verdict("scaled_mm", device, kind):
+            gemm_paths.fast_path_missed("scaled_mm", device, kind, _describe(a, a_t, b, b_t))
+    if gemm_paths.RECORDERS:
+        kind = _kind(a)
+        call = _SCALED_CALL[kind] if scaled else "dequantize + mm"
+        if scaled and kind == "block" and b.block == (128, 128):
+            call = "F.scaled_mm BlockWise1x128 x BlockWise128x128"
+        gemm_paths.note(
+            gemm_paths.gemm_role(a_t, b_t),
+            call,
+            gemm_paths.path_label(scaled, device, forced=path == "dequantize"),
+            why,
+            device,
+            a.data.dtype,
+            _problem(a, a_t, b, b_t),
+            f"{a.fmt} A row-major, {b.fmt} B column-major" if scaled else "",
+        )
 
 
 def _use_scaled_mm(path: str, a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> bool:
@@ -273,7 +408,10 @@ def fp8_mm(
     if empty is not None:
         y = torch.zeros(empty, dtype=compute_dtype, device=a.data.device)
         return (y if bias is None else y + bias.to(compute_dtype)).to(out_dtype)
-    if compute_dtype == torch.float32 and _use_scaled_mm(path, a, b, out_dtype):
+    scaled = compute_dtype == torch.float32 and _use_scaled_mm(path, a, b, out_dtype)
+    if gemm_paths.RECORDERS or (not scaled and a.data.is_cuda):
+        _after_choice(scaled, path, a, a_t, b, b_t, out_dtype, compute_dtype)
+    if scaled:
         return _scaled_mm(a, a_t, b, b_t, out_dtype, bias)
     return _dequantized_mm(a, a_t, b, b_t, compute_dtype, bias).to(out_dtype)
 
@@ -295,7 +433,10 @@ def fp8_mm_accumulate_(
         if overwrite:
             out.zero_()
         return
-    if compute_dtype == torch.float32 and _use_scaled_mm(path, a, b, out.dtype):
+    scaled = compute_dtype == torch.float32 and _use_scaled_mm(path, a, b, out.dtype)
+    if gemm_paths.RECORDERS or (not scaled and a.data.is_cuda):
+        _after_choice(scaled, path, a, a_t, b, b_t, out.dtype, compute_dtype)
+    if scaled:
         product = _scaled_mm(a, a_t, b, b_t, out.dtype, None)
         out.copy_(product) if overwrite else out.add_(product)
         return

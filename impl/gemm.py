@@ -2,8 +2,10 @@
 
 Every function here has one portable implementation (plain ``torch.mm``/``addmm`` calls that run
 on CPU and everywhere) and, where a device offers something better, a fast path chosen at run
-time. Fast paths are probed once per (device, dtype) with a tiny GEMM and silently fall back to
-the portable path when the running torch/GPU does not support them.
+time. Fast paths are probed once per (device, dtype) with a tiny GEMM and fall back to the
+portable path when the running torch/GPU does not run them; :mod:`.gemm_paths` says which path
+should run on which device, records every decision (``splitgrad bench`` prints them) and warns
+loudly when a GPU falls back where its capability says the fast path runs.
 
 Choices (measured on CPU, torch 2.13, see ``splitgrad bench``):
 
@@ -35,6 +37,9 @@ import functools
 
 import torch
 
+from . import gemm_paths
+from .gemm_paths import RECORDERS
+
 __all__ = [
     "linear_forward",
     "wgrad",
@@ -43,11 +48,14 @@ __all__ = [
     "cuda_out_dtype_supported",
     "grouped_mm_runs",
     "grouped_mm_supported",
+    "grouped_mm_choice",
+    "grouped_mm_aligned",
     "grouped_mm_forward",
     "grouped_mm_dgrad",
 ]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+_ELEMENT_SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float64: 8}
 
 
 def linear_forward(
@@ -73,16 +81,22 @@ def wgrad_accumulate_(grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> 
 @functools.cache
 def cuda_out_dtype_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch.addmm(..., out_dtype=torch.float32, out=c)`` with ``dtype`` operands runs
-    on ``device`` and accumulates into ``c`` (probed once with a 16x16 GEMM)."""
+    on ``device`` and accumulates into ``c`` (probed once with a 16x16 GEMM; from the
+    capability alone under :func:`.gemm_paths.capability_probes`)."""
     if device.type != "cuda" or dtype not in _LOW_PRECISION:
         return False
+    if gemm_paths.probe_mode() == "capability":
+        runs, why = gemm_paths.expected("out_dtype", device, dtype)
+        return gemm_paths.probe_verdict("out_dtype", device, dtype, runs, why)
     try:
         a = torch.ones(16, 16, dtype=dtype, device=device)
         c = torch.full((16, 16), 0.5, dtype=torch.float32, device=device)
         torch.addmm(c, a.t(), a, out_dtype=torch.float32, out=c)
-        return bool(torch.all(c == 16.5).item())
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
+        runs = bool(torch.all(c == 16.5).item())
+        why = "16x16 probe ran" if runs else "16x16 probe ran but did not accumulate into out"
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        runs, why = False, f"16x16 probe raised {type(exc).__name__}: {str(exc)[:200]}"
+    return gemm_paths.probe_verdict("out_dtype", device, dtype, runs, why)
 
 
 def wgrad_into_main_grad_(
@@ -94,6 +108,8 @@ def wgrad_into_main_grad_(
     """
     acc = main_grad.dtype
     if dy.dtype == acc:
+        if RECORDERS:
+            _note_main_grad("mm/addmm_ in main_grad's dtype", "only", "fp32 operands", dy, x)
         if overwrite:
             torch.mm(dy.t(), x, out=main_grad)
         else:
@@ -101,23 +117,72 @@ def wgrad_into_main_grad_(
         return
     if dy.dtype in _LOW_PRECISION and cuda_out_dtype_supported(main_grad.device, dy.dtype):
         # CUDA: bf16/fp16 operands, fp32 accumulation straight into main_grad.
+        if RECORDERS:
+            _note_main_grad(
+                "addmm(out_dtype=float32, out=main_grad)",
+                "fast",
+                "fp32 accumulate in the GEMM",
+                dy,
+                x,
+            )
         torch.addmm(main_grad, dy.t(), x, out_dtype=acc, beta=0 if overwrite else 1, out=main_grad)
         return
     wide = torch.promote_types(dy.dtype, acc)
     if wide != acc:
         # float64 operands with an fp32 main_grad: GEMM in fp64, rounded once into main_grad.
+        if RECORDERS:
+            _note_main_grad("mm in float64, then add", "only", "operands wider than fp32", dy, x)
         dw = torch.mm(dy.t(), x)
         if overwrite:
             main_grad.copy_(dw)
         else:
             main_grad.add_(dw)
         return
+    if main_grad.is_cuda:
+        gemm_paths.fast_path_missed("out_dtype", main_grad.device, dy.dtype, _main_grad_call(dy, x))
+    if RECORDERS:
+        why = gemm_paths.verdict("out_dtype", main_grad.device, dy.dtype) or (
+            f"{main_grad.device.type}: no GEMM with an output wider than its inputs"
+        )
+        label = gemm_paths.path_label(False, main_grad.device)
+        _note_main_grad("upcast to fp32, then addmm_", label, why, dy, x)
     # Portable path: upcast the activation-sized operands, fp32 GEMM into main_grad.
     a, b = dy.t().to(acc), x.to(acc)
     if overwrite:
         torch.mm(a, b, out=main_grad)
     else:
         main_grad.addmm_(a, b)
+
+
+def _main_grad_call(dy: torch.Tensor, x: torch.Tensor) -> str:
+    """The fused wgrad named for a report: GEMM, layout, shape."""
+    return (
+        f"wgrad->main_grad dy^T @ x, A = dy^T {_layout(dy.t())}, B = x {_layout(x)}, "
+        f"(M, N, K) = ({dy.shape[1]}, {x.shape[1]}, {dy.shape[0]}), {dy.dtype}"
+    )
+
+
+def _layout(t: torch.Tensor) -> str:
+    """``row-major``, ``column-major`` or the strides, for a 2-D operand."""
+    rows, cols = t.stride()
+    if cols == 1 and rows >= max(1, t.shape[1]):
+        return "row-major"
+    if rows == 1 and cols >= max(1, t.shape[0]):
+        return "column-major"
+    return f"strides {tuple(t.stride())}"
+
+
+def _note_main_grad(call: str, path: str, reason: str, dy: torch.Tensor, x: torch.Tensor) -> None:
+    gemm_paths.note(
+        "wgrad->main_grad",
+        call,
+        path,
+        reason,
+        dy.device,
+        dy.dtype,
+        (dy.shape[1], x.shape[1], dy.shape[0]),
+        f"A=dy^T {_layout(dy.t())}, B=x {_layout(x)}",
+    )
 
 
 # ---- grouped GEMM ---------------------------------------------------------------------------
@@ -128,26 +193,37 @@ def grouped_mm_runs(dtype: torch.dtype, k: int, m: int, device: torch.device | s
     torch must have it for that device and dtype (torch 2.8 ships it for CUDA only; 2.11 and
     later run it on the CPU too: probed once, :func:`_grouped_mm_available`), and it needs every
     row stride to be a multiple of 16 bytes (checked on CPU too), i.e. ``k`` and ``m`` aligned."""
-    size = torch.empty((), dtype=dtype).element_size()
-    if (k * size) % 16 or (m * size) % 16:
+    if not grouped_mm_aligned(dtype, k, m):
         return False
     return _grouped_mm_available(torch.device(device), dtype)
+
+
+def grouped_mm_aligned(dtype: torch.dtype, k: int, m: int) -> bool:
+    """Whether rows of ``k`` and of ``m`` elements of ``dtype`` are multiples of 16 bytes."""
+    size = _ELEMENT_SIZE.get(dtype) or torch.empty((), dtype=dtype).element_size()
+    return not ((k * size) % 16 or (m * size) % 16)
 
 
 @functools.cache
 def _grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     """One tiny ``torch._grouped_mm`` call on ``device``: False where the op is missing, or has
-    no kernel for this backend or dtype (``NotImplementedError``/``RuntimeError``)."""
+    no kernel for this backend or dtype (``NotImplementedError``/``RuntimeError``). On CUDA
+    under :func:`.gemm_paths.capability_probes`: the capability's answer, no kernel."""
+    if device.type == "cuda" and gemm_paths.probe_mode() == "capability":
+        runs, why = gemm_paths.expected("grouped_mm", device, dtype)
+        return gemm_paths.probe_verdict("grouped_mm", device, dtype, runs, why)
     if not hasattr(torch, "_grouped_mm"):
-        return False
+        why = f"torch {torch.__version__} has no _grouped_mm"
+        return gemm_paths.probe_verdict("grouped_mm", device, dtype, False, why)
     try:
         x = torch.zeros(16, 16, dtype=dtype, device=device)
         w = torch.zeros(2, 16, 16, dtype=dtype, device=device)
         offs = torch.tensor([8, 16], dtype=torch.int32, device=device)
         torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
+    except (RuntimeError, NotImplementedError) as exc:
+        why = f"16x16 probe raised {type(exc).__name__}: {str(exc)[:200]}"
+        return gemm_paths.probe_verdict("grouped_mm", device, dtype, False, why)
+    return gemm_paths.probe_verdict("grouped_mm", device, dtype, True, "16x16 probe ran")
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype, k: int, m: int) -> bool:
@@ -158,11 +234,26 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, k: int, m: in
     ``splitgrad bench``), so the loop is the default there; the grouped path can still be forced
     per module (``GroupedLinear.grouped_gemm = "grouped"``) and is tested on CPU that way.
     """
-    if device.type != "cuda" or dtype != torch.bfloat16:
-        return False
-    if torch.cuda.get_device_capability(device) < (9, 0):
-        return False
-    return grouped_mm_runs(dtype, k, m, device)
+    return grouped_mm_choice(device, dtype, k, m)[0]
+
+
+@functools.cache
+def grouped_mm_choice(device: torch.device, dtype: torch.dtype, k: int, m: int) -> tuple[bool, str]:
+    """``(grouped, why)``: :func:`grouped_mm_supported` with its reason (cached per shape)."""
+    if device.type != "cuda":
+        return False, f"auto on {device.type}: the loop measured as fast (splitgrad bench)"
+    if dtype != torch.bfloat16:
+        return False, f"auto: {str(dtype).replace('torch.', '')}, the grouped GEMM serves bf16"
+    cap = gemm_paths.capability_of(device)
+    if cap < (9, 0):
+        return False, f"sm{cap[0]}{cap[1]}: the grouped GEMM needs sm90+"
+    size = _ELEMENT_SIZE.get(dtype) or torch.empty((), dtype=dtype).element_size()
+    unaligned = [f"{n}={v}" for n, v in (("in_features", k), ("out_features", m)) if v * size % 16]
+    if unaligned:
+        return False, f"{', '.join(unaligned)}: rows not a multiple of 16 bytes"
+    if not _grouped_mm_available(device, dtype):
+        return False, gemm_paths.verdict("grouped_mm", device, dtype) or "probe failed"
+    return True, "sm90+ bf16, aligned"
 
 
 def _offsets(m_splits: list[int], device: torch.device) -> torch.Tensor:

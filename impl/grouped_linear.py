@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 from splitgrad.reference.contract import ACCUMULATE, RETURN, GroupedLinearContract
 
-from . import compiled, gemm
+from . import compiled, gemm, gemm_paths
 from .base import (
     FP8WgradPart,
     SplitBackwardModule,
@@ -74,12 +74,13 @@ def _stacked(weights: list[torch.Tensor]) -> torch.Tensor:
     w0 = weights[0]
     m, k = w0.shape
     slot = _slot_elements(m, k, w0.dtype)
-    step = slot * w0.element_size()
-    base = w0.untyped_storage().data_ptr()
+    # Storage identity and element offsets rather than data pointers: the same test holds for
+    # fake tensors (the CUDA trace tier), whose storages have no address.
+    storage, start = w0.untyped_storage()._cdata, w0.storage_offset()
     if all(
         w.is_contiguous()
-        and w.untyped_storage().data_ptr() == base
-        and w.data_ptr() == w0.data_ptr() + i * step
+        and w.untyped_storage()._cdata == storage
+        and w.storage_offset() == start + i * slot
         for i, w in enumerate(weights)
     ):
         return w0.detach().as_strided((len(weights), m, k), (slot, k, 1))
@@ -344,11 +345,54 @@ class GroupedLinear(GroupedLinearContract, SplitBackwardModule):
     def _use_grouped(self, x: torch.Tensor) -> bool:
         if self.grouped_gemm not in _PATHS:
             raise ValueError(f"grouped_gemm must be one of {_PATHS}, got {self.grouped_gemm!r}")
+        k, m = self.in_features, self.out_features
         if self.grouped_gemm == "auto":
-            return gemm.grouped_mm_supported(x.device, x.dtype, self.in_features, self.out_features)
-        # A forced "grouped" still falls back where _grouped_mm rejects the shapes.
-        return self.grouped_gemm == "grouped" and gemm.grouped_mm_runs(
-            x.dtype, self.in_features, self.out_features, x.device
+            grouped = gemm.grouped_mm_supported(x.device, x.dtype, k, m)
+        else:
+            # A forced "grouped" still falls back where _grouped_mm rejects the shapes.
+            grouped = self.grouped_gemm == "grouped" and gemm.grouped_mm_runs(
+                x.dtype, k, m, x.device
+            )
+        if gemm_paths.RECORDERS:
+            self._note_grouped(x, grouped)
+        if not grouped and x.is_cuda and self.grouped_gemm != "loop":
+            self._check_grouped_missed(x)
+        return grouped
+
+    def _check_grouped_missed(self, x: torch.Tensor) -> None:
+        """On CUDA: warn (:func:`.gemm_paths.fast_path_missed`) when aligned sizes fell back
+        because the probe refused ``_grouped_mm`` (alignment fallbacks are expected)."""
+        k, m = self.in_features, self.out_features
+        if gemm.grouped_mm_aligned(x.dtype, k, m) and not gemm._grouped_mm_available(
+            x.device, x.dtype
+        ):
+            call = (
+                f"GroupedLinear forward+dgrad: x {tuple(x.shape)} row-major @ "
+                f"{self.num_gemms} x ({m}, {k}) weights as (G, K, N) column-major, {x.dtype}"
+            )
+            gemm_paths.fast_path_missed("grouped_mm", x.device, x.dtype, call)
+
+    def _note_grouped(self, x: torch.Tensor, grouped: bool) -> None:
+        """Record the path of this forward (and its dgrad) and why (:mod:`.gemm_paths`)."""
+        k, m = self.in_features, self.out_features
+        if self.grouped_gemm == "loop":
+            path, why = gemm_paths.path_label(False, x.device, forced=True), "grouped_gemm='loop'"
+        elif self.grouped_gemm == "auto":
+            why = gemm.grouped_mm_choice(x.device, x.dtype, k, m)[1]
+            path = gemm_paths.path_label(grouped, x.device)
+        else:
+            path = gemm_paths.path_label(grouped, x.device)
+            why = "grouped_gemm='grouped'" if grouped else "_grouped_mm refuses these sizes"
+        call = "torch._grouped_mm" if grouped else f"loop of {self.num_gemms} mm"
+        gemm_paths.note(
+            "grouped forward+dgrad",
+            call,
+            path,
+            why,
+            x.device,
+            x.dtype,
+            (x.shape[0], m, k),
+            "A row-major, B (G, K, N) column-major" if grouped else "",
         )
 
     def forward(
