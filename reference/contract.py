@@ -72,6 +72,7 @@ __all__ = [
     "gradient_destinations",
     "node_destination",
     "check_positive",
+    "check_flag",
     "qualified_name",
     "check_not_under_ddp",
     "check_fp8_gemm_shape",
@@ -96,13 +97,19 @@ GATED_ACTIVATIONS = frozenset({"swiglu", "geglu"})
 AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def _autocast_on(device_type: str) -> bool:
+    """Whether ``torch.autocast`` is enabled for ``device_type`` (the meta device, where a model
+    is built before it is materialized, has no autocast)."""
+    return device_type != "meta" and torch.is_autocast_enabled(device_type)
+
+
 def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     """A context where ``torch.autocast`` for ``device_type`` is off (nothing when it already
     is). A module casts its operands itself (:meth:`ModuleContract.autocast_dtype`) and runs its
     forward, backward and ``backward_dw()`` inside this, so an fp32 accumulation stays fp32 and
     the result does not depend on whether the caller's ``backward()`` or ``backward_dw()`` runs
     under autocast (delayed ≡ non-delayed)."""
-    if torch.is_autocast_enabled(device_type):
+    if _autocast_on(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 
@@ -175,6 +182,14 @@ def qualified_name(module: torch.nn.Module) -> str:
 
 
 # ---- validation -----------------------------------------------------------------------------
+
+
+def check_flag(name: str, value: object) -> bool:
+    """``value`` as a bool, or ``TypeError`` naming the option: ``None``, a string or a number
+    passed for an on/off option would otherwise silently mean something."""
+    if type(value).__name__ not in ("bool", "bool_"):  # Python's or numpy's
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
 
 
 def check_positive(name: str, value: object) -> None:
@@ -282,16 +297,18 @@ class ModuleContract(torch.nn.Module):
                 f"(got ub_bulk_wgrad={ub_bulk_wgrad!r}, "
                 f"delay_wgrad_compute={delay_wgrad_compute!r})"
             )
-        self.use_bias = bool(bias)
+        self.use_bias = check_flag("bias", bias)
         # None: torch's current default device (``with torch.device("meta"):``,
         # torch.set_default_device), which a factory call given device=None follows.
         self._device = None if device is None else torch.device(device)
         self.params_dtype = params_dtype
-        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
-        self.delay_wgrad_compute = bool(delay_wgrad_compute)
+        self.fuse_wgrad_accumulation = check_flag(
+            "fuse_wgrad_accumulation", fuse_wgrad_accumulation
+        )
+        self.delay_wgrad_compute = check_flag("delay_wgrad_compute", delay_wgrad_compute)
         # Userbuffers bulk overlap is a multi-GPU communication optimisation; in one process it
         # changes no value, so it is accepted and otherwise ignored.
-        self.ub_bulk_wgrad = bool(ub_bulk_wgrad)
+        self.ub_bulk_wgrad = check_flag("ub_bulk_wgrad", ub_bulk_wgrad)
         self._gemm_weight_names: list[str] = []
         self._gemm_bias_names: list[str] = []
         # FP8 delayed-scaling state (amax histories and scales) of this module, by tensor role
@@ -340,6 +357,15 @@ class ModuleContract(torch.nn.Module):
             self.layer_norm_bias = torch.nn.Parameter(self._new_tensor(features))
         else:
             self.register_parameter("layer_norm_bias", None)
+
+    def _apply(self, fn, recurse=True):
+        # A conversion that creates new Parameter objects (to_empty from meta, a device move
+        # torch cannot do in place) drops their attributes: mark the deferred ones again.
+        out = super()._apply(fn, recurse)
+        if self.delay_wgrad_compute:
+            for name in self._gemm_weight_names + self._gemm_bias_names:
+                self._own_parameter(name).skip_backward_post_hook = True
+        return out
 
     def _own_parameter(self, name: str) -> torch.Tensor | None:
         """Parameter ``name`` itself, or its original when it is parametrized."""
@@ -434,7 +460,7 @@ class ModuleContract(torch.nn.Module):
         leaves alone as it does float64 tensors). Raises ``TypeError`` naming an autocast dtype
         other than :data:`AUTOCAST_DTYPES`."""
         device_type = self.fp8_device.type
-        if not torch.is_autocast_enabled(device_type) or self.compute_dtype == torch.float64:
+        if not _autocast_on(device_type) or self.compute_dtype == torch.float64:
             return None
         dtype = torch.get_autocast_dtype(device_type)
         if dtype not in AUTOCAST_DTYPES:
@@ -609,7 +635,7 @@ class _NormContract(ModuleContract):
         self, features: int, eps: float, normalization: str, zero_centered_gamma: bool
     ) -> None:
         self.eps, self.normalization = float(eps), normalization
-        self.zero_centered_gamma = bool(zero_centered_gamma)
+        self.zero_centered_gamma = check_flag("zero_centered_gamma", zero_centered_gamma)
         self._add_norm_parameters(features)
 
 

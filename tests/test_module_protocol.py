@@ -724,3 +724,26 @@ def test_repr_shows_sizes_and_the_options_that_differ(lib) -> None:
     assert repr(lib.GroupedLinear(4, 8, 8)) == (
         "GroupedLinear(num_gemms=4, in_features=8, out_features=8, bias=True)"
     )
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_to_empty_keeps_the_deferred_marks_and_a_meta_forward_runs(lib, kind) -> None:
+    """``to_empty`` from meta creates new Parameter objects: the deferred ones keep
+    ``skip_backward_post_hook`` (a reducer reads it). A forward on meta (shape tracing) runs."""
+    with torch.device("meta"):
+        m = _new(lib, kind, delay_wgrad_compute=True)
+        x = torch.randn(5, m.hidden_size if kind == "LayerNormMLP" else m.in_features)
+        y = m(x, [2, 0, 3]) if kind == "GroupedLinear" else m(x)
+    assert y.is_meta and y.shape[0] == 5
+    m.to_empty(device="cpu")
+    marked = {n for n, p in m.named_parameters() if getattr(p, "skip_backward_post_hook", False)}
+    assert marked == set(gemm_param_names(m))
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("option", ["bias", "delay_wgrad_compute", "fuse_wgrad_accumulation"])
+@pytest.mark.parametrize("value", [None, "yes", 1])
+def test_an_on_off_option_that_is_not_a_bool_is_refused(lib, option, value) -> None:
+    with pytest.raises(TypeError, match=rf"{option} must be True or False, got {value!r}"):
+        lib.Linear(4, 4, **{option: value})
