@@ -535,8 +535,72 @@ P18_MUTANTS = (
     ),
 )
 
+# SPEC §2 "Every module is a well-behaved torch.nn.Module" (P18's module-protocol kinds). impl
+# takes parameter creation and reset_parameters() from the reference's contract, so these bugs
+# are impl overrides of it.
+_PARAMS_SECTION = "    def _params_of(self, names: Sequence[str]) -> tuple:\n"
+
+PROTOCOL_MUTANTS = (
+    Mutant(
+        "meta-device-ignored",
+        "parameters are created on the CPU when no device= is given, whatever torch's default "
+        'device (with torch.device("meta"), torch.set_default_device)',
+        (
+            (
+                "base.py",
+                _PARAMS_SECTION,
+                "    def _new_tensor(self, *shape: int) -> torch.Tensor:\n"
+                '        device = self._device if self._device is not None else "cpu"\n'
+                "        return torch.empty(*shape, dtype=self.params_dtype, device=device)\n\n"
+                + _PARAMS_SECTION,
+            ),
+        ),
+    ),
+    Mutant(
+        "reset-weights-reversed",
+        "reset_parameters() called after construction draws the GEMM weights last to first "
+        "(the constructor's call draws them first to last): a module built on meta, "
+        "to_empty() and reset under the same seed differs from the eager one",
+        (
+            (
+                "base.py",
+                _PARAMS_SECTION,
+                "    def reset_parameters(self) -> None:\n"
+                '        if not getattr(self, "_reset_once", False):\n'
+                "            self._reset_once = True\n"
+                "            return super().reset_parameters()\n"
+                "        names = self._gemm_weight_names\n"
+                "        self._gemm_weight_names = names[::-1]\n"
+                "        try:\n"
+                "            super().reset_parameters()\n"
+                "        finally:\n"
+                "            self._gemm_weight_names = names\n\n" + _PARAMS_SECTION,
+            ),
+        ),
+    ),
+    Mutant(
+        "output-view",
+        "Linear returns a view of its result for a 2-D input (y.view(y.shape))",
+        (
+            (
+                "linear.py",
+                "        return y if x is inp or inp.dim() == 2 else "
+                "y.reshape(*inp.shape[:-1], self.out_features)\n",
+                "        return y.view(y.shape) if x is inp or inp.dim() == 2 else "
+                "y.reshape(*inp.shape[:-1], self.out_features)\n",
+            ),
+        ),
+    ),
+)
+
 ALL_MUTANTS = (
-    MUTANTS + FP8_MUTANTS + SHARED_PATH_MUTANTS + FORCED_PATH_MUTANTS + P17_MUTANTS + P18_MUTANTS
+    MUTANTS
+    + FP8_MUTANTS
+    + SHARED_PATH_MUTANTS
+    + FORCED_PATH_MUTANTS
+    + P17_MUTANTS
+    + P18_MUTANTS
+    + PROTOCOL_MUTANTS
 )
 
 

@@ -28,7 +28,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -239,6 +239,36 @@ class Backend(abc.ABC):
             self.torch_module(module), name, parametrization
         )
 
+    # ---- the module protocol (SPEC §2; P18's module-protocol kinds) ---------------------
+
+    def module_protocol_reason(self) -> str | None:
+        """Why P18's module-protocol kinds (where parameters are created, ``reset_parameters``,
+        ``repr``, outputs that are not views, copies; :mod:`.protocol`) do not apply to this
+        backend's modules, or ``None`` when they do. Where they do not, they are left out of
+        P18's cases and the reason is among the backend's :attr:`notes`."""
+        return None
+
+    def build_with_torch_defaults(
+        self, config: ModuleConfig, *, delay: bool, omit: Collection[str]
+    ) -> Any:
+        """:meth:`build` without passing the constructor the options named in ``omit``
+        (``"device"``, ``"params_dtype"``): torch's current default device (``with
+        torch.device("meta"):``, ``torch.set_default_device``) and default dtype decide
+        (SPEC §2)."""
+        raise NotImplementedError(
+            f"{self.name}: override Backend.build_with_torch_defaults to build a module without "
+            "device= or params_dtype=, or Backend.module_protocol_reason to say why P18's "
+            "module-protocol kinds do not apply"
+        )
+
+    def reset_parameters(self, module: Any) -> None:
+        """``module.reset_parameters()`` (on :meth:`torch_module`)."""
+        self.torch_module(module).reset_parameters()
+
+    def to_empty(self, module: Any, device: str | torch.device) -> None:
+        """``module.to_empty(device=device)`` (on :meth:`torch_module`), in place."""
+        self.torch_module(module).to_empty(device=device)
+
     def has_hooks(self) -> bool:
         """Whether :meth:`register_hook` works (SPEC §4's hooks)."""
         return "hooks" not in self.missing_api()
@@ -319,9 +349,18 @@ class _ForwardCall(torch.nn.Module):
 
 
 def build_library_module(
-    lib: Any, config: ModuleConfig, *, delay: bool, ub_bulk_wgrad: bool = False
+    lib: Any,
+    config: ModuleConfig,
+    *,
+    delay: bool,
+    ub_bulk_wgrad: bool = False,
+    omit: Collection[str] = (),
 ) -> Any:
-    """Construct ``config`` from a namespace with the splitgrad/TE module API."""
+    """Construct ``config`` from a namespace with the splitgrad/TE module API; the options in
+    ``omit`` (``"device"``, ``"params_dtype"``) are not passed (torch's defaults decide)."""
+    unknown = set(omit) - {"device", "params_dtype"}
+    if unknown:
+        raise ValueError(f"only device and params_dtype can be left out, got {sorted(unknown)}")
     kw: dict[str, Any] = {
         "bias": config.bias,
         "params_dtype": config.torch_dtype,
@@ -329,6 +368,8 @@ def build_library_module(
         "fuse_wgrad_accumulation": config.fuse_wgrad_accumulation,
         "delay_wgrad_compute": delay,
     }
+    for name in omit:
+        del kw[name]
     if config.kind != "GroupedLinear" and ub_bulk_wgrad:
         kw["ub_bulk_wgrad"] = True
     if config.has_norm:
@@ -462,6 +503,11 @@ class LibraryBackend(Backend):
     def build(self, config: ModuleConfig, *, delay: bool, ub_bulk_wgrad: bool = False) -> Any:
         return build_library_module(self.lib, config, delay=delay, ub_bulk_wgrad=ub_bulk_wgrad)
 
+    def build_with_torch_defaults(
+        self, config: ModuleConfig, *, delay: bool, omit: Collection[str]
+    ) -> Any:
+        return build_library_module(self.lib, config, delay=delay, omit=omit)
+
     def constructor(self, kind: str) -> Callable[..., Any]:
         return getattr(self.lib, kind)
 
@@ -478,7 +524,9 @@ class LibraryBackend(Backend):
 
     def missing_api(self) -> dict[str, str]:
         if not hasattr(self, "_missing"):
-            self._missing = probe_library(self.lib, getattr(self.lib, "__name__", self.name))
+            # The probe's modules draw their initial values: not from the caller's RNG stream.
+            with torch.random.fork_rng(devices=[]):
+                self._missing = probe_library(self.lib, getattr(self.lib, "__name__", self.name))
         return self._missing
 
     def backward_dw(self, module: Any) -> None:
@@ -526,7 +574,8 @@ class LibraryBackend(Backend):
         """``None`` when the library runs a forward and backward under ``fp8_autocast``; else
         why not (e.g. impl still raising ``NotImplementedError``). Probed once."""
         if not hasattr(self, "_fp8_why"):
-            self._fp8_why = self._probe_fp8()
+            with torch.random.fork_rng(devices=[]):
+                self._fp8_why = self._probe_fp8()
         return self._fp8_why
 
     def _probe_fp8(self) -> str | None:
@@ -894,6 +943,14 @@ def _low_precision_norm_case(case: Case) -> bool:
     return case.config.has_norm and case.config.dtype in ("bfloat16", "float16")
 
 
+_TORCH_SPLIT_PROTOCOL = (
+    "the module is the adapter's own torch.nn twin (built with an explicit device and dtype, "
+    "filled by load_state, views cloned), not torch's: where its parameters are created, "
+    "reset_parameters, repr, output views and copies would check the adapter, not "
+    "torch.distributed.pipelining's split"
+)
+
+
 class TorchSplitBackend(Backend):
     """``torch.distributed.pipelining._backward.stage_backward_input`` /
     ``stage_backward_weight`` applied to :class:`TorchTwin` modules with the same weights.
@@ -912,8 +969,12 @@ class TorchSplitBackend(Backend):
         "supplied by the adapter (torch's split has none of them)",
         "fused wgrad accumulation (main_grad, is_first_microbatch) does not exist in torch.nn: "
         "fused configs and P8 are reported n/a",
+        "P18's module-protocol kinds are n/a: " + _TORCH_SPLIT_PROTOCOL,
     )
     deviations = tuple(_torch_split_deviations())
+
+    def module_protocol_reason(self) -> str | None:
+        return _TORCH_SPLIT_PROTOCOL
 
     def unavailable_reason(self) -> str | None:
         try:
@@ -1214,6 +1275,44 @@ def _transformer_engine_p18_deviations() -> list[Deviation]:
     ]
 
 
+_TE_LINEAR_MODULE = (
+    "TransformerEngine transformer_engine/pytorch/module/linear.py, Linear.__init__ and "
+    "_Linear.forward"
+)
+
+
+def _transformer_engine_protocol_deviations() -> list[Deviation]:
+    """P18's module-protocol kinds as TransformerEngine's source reads (a 2025
+    ``module/linear.py`` from the search index): ``Linear.__init__(..., device: Union[
+    torch.device, str] = "cuda", ...)`` creates ``weight_tensor = torch.empty(..., device=device,
+    ...)`` and calls ``self.reset_parameters(defer_init=device == "meta")``; ``_Linear.forward``
+    ends with ``return out.view(-1, *inp_shape[1:-1], out_features)``. Not run here (no GPU),
+    so each is non-strict."""
+    return [
+        Deviation(
+            "P18",
+            "the constructors default to device='cuda' rather than None: inside "
+            '`with torch.device("meta")` or after torch.set_default_device(...), a module '
+            "built without device= is created on CUDA (TE's own deferred initialization is "
+            "device='meta', then reset_parameters())" + _TE_UNRUN,
+            _TE_LINEAR_MODULE,
+            applies=lambda case: case.variant in ("module.placement", "module.reset_parameters"),
+            matches="P18 module.",
+            strict=False,
+        ),
+        Deviation(
+            "P18",
+            "_Linear.forward returns out.view(-1, *inp_shape[1:-1], out_features): the output "
+            "for a 2-D input is a view (DualPipe frees stage outputs in place and refuses "
+            "views)" + _TE_UNRUN,
+            _TE_LINEAR_MODULE,
+            applies=lambda case: case.variant == "module.output_not_view",
+            matches="P18 module.output_not_view",
+            strict=False,
+        ),
+    ]
+
+
 class TransformerEngineBackend(LibraryBackend):
     """``transformer_engine.pytorch`` (needs TE and a CUDA GPU). Its modules share the splitgrad
     API names; the pending count is read from TE's ``wgrad_store`` when it has no
@@ -1255,6 +1354,7 @@ class TransformerEngineBackend(LibraryBackend):
             applies=lambda case: case.config.kind == "GroupedLinear",
         ),
         *_transformer_engine_p18_deviations(),
+        *_transformer_engine_protocol_deviations(),
     )
 
     def __init__(self) -> None:

@@ -31,7 +31,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.errors import FlakyFailure, HypothesisException, UnsatisfiedAssumption
 
 from .backends import Backend
-from .registry import case_strategy, explicit_cases, run_check
+from .registry import MODULE_PROTOCOL, case_strategy, explicit_cases, run_check
 from .results import CheckResult
 from .strategies import Case
 
@@ -315,6 +315,8 @@ def run_cell(
         cell.status, cell.message = NA, why
         return cell
     without = frozenset(p for p in missing if spec is not None and p in spec.uses)
+    if backend.module_protocol_reason() is not None:
+        without |= {MODULE_PROTOCOL}  # said once in the backend's notes, not a gap in its API
     strategy = case_strategy(
         property_id,
         (kind,),

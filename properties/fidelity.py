@@ -48,6 +48,11 @@ second-order ones and Jacobians against the reference's float64 run of the same 
 the reference in the case's dtype as yardstick (:data:`~.budgets.SECOND_ORDER`, and the P2/P3
 budgets for Jacobian blocks). Under FP8 only the error is accepted there: the quantized GEMMs
 (SPEC §6) have no derivative to judge a differentiated result against.
+
+The module-protocol kinds (``module.placement``, ``module.reset_parameters``, ...: where
+parameters are created, ``reset_parameters()``, ``repr``, outputs that are not views, copies)
+are P18's too, the rest of SPEC §2's "well-behaved ``torch.nn.Module``" list; they live in
+:mod:`.protocol` and are enumerated only (their dimensions are finite), after these.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ from .data import (
     role_of,
 )
 from .kink import CaseRejected, has_relu_kink, kink_sites
+from .protocol import PROTOCOL_VARIANTS, check_protocol, protocol_explicit
 from .results import CheckResult, PropertyViolation, Tracker
 from .runner import ModuleRun, Snapshot
 from .strategies import LOW_PRECISION_DTYPES, Case, cases
@@ -892,9 +898,14 @@ _CHECKS: dict[str, Callable[[Backend, Case], CheckResult]] = {
 
 
 def check_p18(backend: Backend, case: Case) -> CheckResult:
-    """P18 on ``case`` (see the module docstring)."""
+    """P18 on ``case``: an autograd-fidelity kind (see the module docstring) or a
+    module-protocol kind (:mod:`.protocol`)."""
+    if case.variant in PROTOCOL_VARIANTS:
+        return check_protocol(backend, case)
     if case.variant not in VARIANTS:
-        raise ValueError(f"P18 variant must be one of {VARIANTS}, got {case.variant!r}")
+        raise ValueError(
+            f"P18 variant must be one of {VARIANTS + PROTOCOL_VARIANTS}, got {case.variant!r}"
+        )
     return _CHECKS.get(case.variant, _check_differentiating)(backend, case)
 
 
@@ -963,8 +974,9 @@ EXPLICIT = (
 
 
 def p18_explicit(base: list[Case]) -> list[Case]:
-    """The explicit cases of a P18 cell (:data:`EXPLICIT`), each on the next of its boundary
-    cases ``base`` (sizes, rows, layouts, recipes)."""
+    """The explicit cases of a P18 cell: :data:`EXPLICIT`, each on the next of its boundary
+    cases ``base`` (sizes, rows, layouts, recipes), then every module-protocol kind on each of
+    them (:func:`~.protocol.protocol_explicit`)."""
     out = []
     for k, (variant, delay, fused, pick) in enumerate(EXPLICIT):
         c = base[k % len(base)]
@@ -986,7 +998,7 @@ def p18_explicit(base: list[Case]) -> list[Case]:
             picked = [names[(start + j) % len(names)] for j in range(most or 2)]
             targets = tuple(dict.fromkeys(picked))
         out.append(_fit(c, variant, targets))
-    return out
+    return out + protocol_explicit(base)
 
 
 def _ordered(case: Case, variant: str) -> list[str]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -219,14 +219,39 @@ class ForcedPathBackend(Backend):
             warmed.discard(key)  # a real failure shows in the checks themselves
 
     def build(self, config: ModuleConfig, *, delay: bool, ub_bulk_wgrad: bool = False) -> Any:
-        if self.path.applies(config.kind):
-            self._warm_up(config)
+        # The warm-up runs real tensors: not while torch's default device is meta (P18 builds
+        # a module there with an explicit device, and runs nothing). Its module's initial
+        # values come from torch's global RNG, which the caller may have just seeded (P18's
+        # reset_parameters check): drawn on a fork of it.
+        if self.path.applies(config.kind) and torch.get_default_device().type != "meta":
+            device = torch.device(config.device)
+            with torch.random.fork_rng(
+                devices=[device.index or 0] if device.type == "cuda" else []
+            ):
+                self._warm_up(config)
         module = self.inner.build(config, delay=delay, ub_bulk_wgrad=ub_bulk_wgrad)
         if self.path.applies(config.kind):
             if not hasattr(module, self.path.attribute):
                 raise BackendUnavailable(self.knob_missing(config.kind) or "no knob")
             setattr(module, self.path.attribute, self.path.value)
         return module
+
+    def build_with_torch_defaults(
+        self, config: ModuleConfig, *, delay: bool, omit: Collection[str]
+    ) -> Any:
+        module = self.inner.build_with_torch_defaults(config, delay=delay, omit=omit)
+        if self.path.applies(config.kind) and hasattr(module, self.path.attribute):
+            setattr(module, self.path.attribute, self.path.value)
+        return module
+
+    def module_protocol_reason(self) -> str | None:
+        return self.inner.module_protocol_reason()
+
+    def reset_parameters(self, module: Any) -> None:
+        self.inner.reset_parameters(module)
+
+    def to_empty(self, module: Any, device: str | torch.device) -> None:
+        self.inner.to_empty(module, device)
 
     def parameters(self, module: Any) -> dict[str, torch.nn.Parameter]:
         return self.inner.parameters(module)

@@ -15,7 +15,8 @@ P12        GroupedLinear == a list of Linears                              group
 P13        FP8 quantizers and amax histories                               fp8.py
 P17        a backward writes and queues only what it is asked for          input_only.py
 P18        autograd fidelity: functional_call, parametrize, parameter       fidelity.py
-           hooks, double backward, torch.func
+           hooks, double backward, torch.func; the module protocol:         protocol.py
+           placement, reset_parameters, repr, no views, copies
 =========  ==============================================================  ================
 
 Shared: :mod:`.results` (what a check returns), :mod:`.runner` (one live module), :mod:`.truth`
@@ -40,6 +41,7 @@ from .grouped import check_p12
 from .input_only import check_p17, p17_cases
 from .memory import check_p11
 from .misuse import check_p9, check_p10, p10_cases, p10_explicit
+from .protocol import PROTOCOL_VARIANTS
 from .results import CheckResult
 from .split import (
     check_p4,
@@ -77,9 +79,15 @@ __all__ = [
     "example_case",
     "restrict_case",
     "aligned_case",
+    "case_na_reason",
+    "MODULE_PROTOCOL",
 ]
 
 Strategy = Callable[..., st.SearchStrategy[Case]]
+
+#: What ``without`` names when P18's module-protocol kinds do not apply to a backend
+#: (:meth:`~.backends.Backend.module_protocol_reason`): its explicit cases leave them out.
+MODULE_PROTOCOL = "module_protocol"
 
 
 @st.composite
@@ -219,7 +227,9 @@ SPECS: dict[str, PropertySpec] = {
             "P18",
             "autograd fidelity: gradients reach the tensors the forward used (functional_call, "
             "parametrize), parameter hooks see and replace them, post-accumulate hooks fire "
-            "after the write, double backward and torch.func right or a clear error",
+            "after the write, double backward and torch.func right or a clear error; the "
+            "module protocol: torch's default device and dtype followed, reset_parameters, "
+            "repr, no view for a 2-D input, copies compute as the original",
             check_p18,
             p18_cases,
         ),
@@ -292,11 +302,14 @@ def explicit_cases(
     :func:`~.strategies.boundary_cases` (every recipe, every layout) completed with the
     property's own structure, enumerated where it is finite (P5's prefill, P7's variants, P13's
     value patterns, P17's modes, P18's substitution kinds; P10: every misuse x fused x delay x
-    ``is_first_microbatch``, :func:`~.misuse.p10_explicit`)."""
+    ``is_first_microbatch``, :func:`~.misuse.p10_explicit`). ``without`` may also name
+    :data:`MODULE_PROTOCOL`: P18's module-protocol kinds are then left out."""
     spec = _spec_of(property_id)
     kinds, dtypes, devices, recipes = tuple(kinds), tuple(dtypes), tuple(devices), tuple(recipes)
     out = _EXPLICIT.get(property_id, _explicit_plain)(kinds, dtypes, devices, recipes)
     out = [c for c in out if c.config.kind in spec.kinds]
+    if MODULE_PROTOCOL in without:
+        out = [c for c in out if c.variant not in PROTOCOL_VARIANTS]
     if size_multiple > 1:
         out = [aligned_case(c, size_multiple) for c in out]
     out = [with_autocast(c, autocast) for c in out]
@@ -471,6 +484,14 @@ def restrict_case(case: Case, without: frozenset[str], fused: bool | None = None
 def applicable(property_id: str, kind: str) -> bool:
     """Whether ``property_id`` has anything to check for module ``kind``."""
     return kind in _spec_of(property_id).kinds
+
+
+def case_na_reason(property_id: str, backend: Backend, case: Case) -> str | None:
+    """Why ``case`` of ``property_id`` cannot run on ``backend`` though its cell can (``None``:
+    it can): P18's module-protocol kinds on a backend whose modules are the adapter's own."""
+    if property_id == "P18" and case.variant in PROTOCOL_VARIANTS:
+        return backend.module_protocol_reason()
+    return None
 
 
 def run_check(property_id: str, backend: Backend, case: Case) -> CheckResult:

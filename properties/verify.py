@@ -65,7 +65,7 @@ from .plan import (
     RECIPE_CHOICES,
     plan_cells,
 )
-from .registry import PROPERTIES
+from .registry import PROPERTIES, case_na_reason
 from .strategies import DTYPES, KINDS, LOW_PRECISION_DTYPES, Case
 
 __all__ = [
@@ -343,7 +343,7 @@ def _replay(backend, properties: list[str], text: str, device: str | None) -> in
     if gaps:
         print(f"{pid} blocked on {backend.name}: missing API: {'; '.join(gaps.values())}")
         return 2
-    why = backend.unsupported_reason(pid, case.config)
+    why = backend.unsupported_reason(pid, case.config) or case_na_reason(pid, backend, case)
     if why:
         print(f"{pid} n/a on {backend.name}: {why}")
         return 0

@@ -57,8 +57,6 @@ GroupedLinear = _guarded(_ref.GroupedLinear)
 NO_SPLIT_API = '''
 """Linear and GroupedLinear without the split API: no delay option, no backward_dw, no queue, no
 fp8_autocast. Gradients are those of the reference built without delay."""
-import torch
-
 from splitgrad import reference as _ref
 
 _HIDDEN = ("backward_dw", "pending_wgrad_count", "need_backward_dw")
@@ -72,8 +70,8 @@ class _NoSplit:
 
 
 class Linear(_NoSplit, _ref.Linear):
-    def __init__(self, in_features, out_features, *, bias=True, params_dtype=torch.float32,
-                 device="cpu", fuse_wgrad_accumulation=False, ub_bulk_wgrad=False):
+    def __init__(self, in_features, out_features, *, bias=True, params_dtype=None,
+                 device=None, fuse_wgrad_accumulation=False, ub_bulk_wgrad=False):
         super().__init__(in_features, out_features, bias=bias, params_dtype=params_dtype,
                          device=device, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
                          ub_bulk_wgrad=ub_bulk_wgrad)
@@ -81,7 +79,7 @@ class Linear(_NoSplit, _ref.Linear):
 
 class GroupedLinear(_NoSplit, _ref.GroupedLinear):
     def __init__(self, num_gemms, in_features, out_features, *, bias=True,
-                 params_dtype=torch.float32, device="cpu", fuse_wgrad_accumulation=False):
+                 params_dtype=None, device=None, fuse_wgrad_accumulation=False):
         super().__init__(num_gemms, in_features, out_features, bias=bias,
                          params_dtype=params_dtype, device=device,
                          fuse_wgrad_accumulation=fuse_wgrad_accumulation)

@@ -20,6 +20,7 @@ from splitgrad.properties.fidelity import (
     VARIANTS,
     names_module,
 )
+from splitgrad.properties.protocol import PROTOCOL_VARIANTS
 from splitgrad.properties.registry import case_strategy, explicit_cases
 from splitgrad.properties.strategies import Case, MicroBatch, ModuleConfig
 
@@ -410,7 +411,10 @@ def test_explicit_cases_enumerate_every_kind() -> None:
     assert {v for v, *_ in EXPLICIT} == set(VARIANTS)
     for kind in ("Linear", "LayerNormMLP", "GroupedLinear"):
         cases = explicit_cases("P18", (kind,), ("float32",))
-        assert [c.variant for c in cases] == [v for v, *_ in EXPLICIT]
+        # The autograd kinds first, then the module-protocol ones (test_properties_protocol.py).
+        assert [c.variant for c in cases[: len(EXPLICIT)]] == [v for v, *_ in EXPLICIT]
+        assert {c.variant for c in cases[len(EXPLICIT) :]} == set(PROTOCOL_VARIANTS)
+        cases = cases[: len(EXPLICIT)]
         for variant in VARIANTS[:7]:  # the kinds whose timing depends on delay
             delays = {c.delay for c in cases if c.variant == variant}
             assert delays == {True, False}, (kind, variant)

@@ -1,0 +1,381 @@
+"""P18's module-protocol kinds have teeth: every case a cell enumerates passes on reference and
+impl (and compares something), each check fails on a planted bug naming what went wrong — the
+mutants of ``ci/mutants.py`` and the toy packages of ``tests/outside_protocol.py`` — and the
+kinds are n/a on torch-split, said once, never run there."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import outside_protocol
+import pytest
+import torch
+from splitgrad.properties.backends import (
+    Backend,
+    BackendUnavailable,
+    LibraryBackend,
+    TransformerEngineBackend,
+    get_backend,
+)
+from splitgrad.properties.campaign import PASS, run_case, run_cell
+from splitgrad.properties.paths import ForcedPathBackend
+from splitgrad.properties.protocol import PROTOCOL_VARIANTS
+from splitgrad.properties.registry import MODULE_PROTOCOL, explicit_cases
+from splitgrad.properties.strategies import KINDS, Case, MicroBatch, ModuleConfig
+from splitgrad.properties.verify import main as verify
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _mutants():
+    sys.path.insert(0, str(ROOT / "ci"))
+    try:
+        import mutants
+    finally:
+        sys.path.pop(0)
+    return mutants
+
+
+def _ci_mutant(tmp_path: Path, name: str) -> Backend:
+    mutants = _mutants()
+    mutant = next(m for m in mutants.PROTOCOL_MUTANTS if m.name == name)
+    dest = tmp_path / name.replace("-", "_")
+    assert mutants.apply(mutant, dest) is None
+    return get_backend(f"path:{dest}")
+
+
+def _case(
+    variant: str,
+    kind: str = "Linear",
+    *,
+    delay: bool = True,
+    fused: bool = False,
+    dtype: str = "float32",
+    recipe: str | None = None,
+) -> Case:
+    """Two micro-batches of 3 and 2 rows (GroupedLinear: both groups busy), seed 3."""
+    grouped = kind == "GroupedLinear"
+    config = ModuleConfig(
+        kind,
+        6,
+        5,
+        num_gemms=2 if grouped else 1,
+        fuse_wgrad_accumulation=fused,
+        dtype=dtype,
+        recipe=recipe,
+    )
+    mbs = (
+        MicroBatch((3,), (2, 1) if grouped else None),
+        MicroBatch((2,), (1, 1) if grouped else None),
+    )
+    return Case(config, mbs, seed=3, variant=variant, delay=delay)
+
+
+def _fails(backend: Backend, case: Case, *fragments: str) -> str:
+    with pytest.raises(AssertionError) as info:
+        run_case(backend, "P18", case)
+    message = str(info.value)
+    assert message.startswith(f"P18 {case.variant} ("), message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def _protocol_cases(kind: str, dtype: str, **kw) -> list[Case]:
+    cases = explicit_cases("P18", (kind,), (dtype,), **kw)
+    return [c for c in cases if c.variant in PROTOCOL_VARIANTS]
+
+
+# ---- reference and impl pass every enumerated case ----------------------------------------------
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "impl"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_enumerated_case_passes_on_the_packages(backend_name: str, kind: str) -> None:
+    backend = get_backend(backend_name)
+    for dtype in ("float32", "bfloat16"):
+        for case in _protocol_cases(kind, dtype):
+            result = run_case(backend, "P18", case)
+            # These check what they see (devices, dtypes, text, views), not tensor values.
+            counted = case.variant not in (
+                "module.placement",
+                "module.repr",
+                "module.output_not_view",
+            )
+            assert (result.comparisons > 0) == counted, (case.variant, result)
+
+
+@pytest.mark.parametrize("backend_name", ["reference", "impl"])
+def test_fp8_cases_pass_on_the_packages(backend_name: str) -> None:
+    """Delayed scaling moves state a copy must carry and a reset must clear."""
+    backend = get_backend(backend_name)
+    for case in _protocol_cases("Linear", "bfloat16", recipes=("delayed-max-hybrid",)):
+        assert case.config.recipe == "delayed-max-hybrid"
+        run_case(backend, "P18", case)
+
+
+def test_a_forced_path_backend_builds_every_way() -> None:
+    backend = ForcedPathBackend(get_backend("impl"), "grouped")
+    for case in _protocol_cases("GroupedLinear", "float32"):
+        run_case(backend, "P18", case)
+
+
+def test_torch_defaults_are_restored() -> None:
+    dtype, device = torch.get_default_dtype(), torch.get_default_device()
+    run_case(get_backend("impl"), "P18", _case("module.placement", dtype="bfloat16"))
+    assert torch.get_default_dtype() == dtype and torch.get_default_device() == device
+    assert torch.empty(1).device == device
+
+
+def test_the_global_rng_is_left_alone() -> None:
+    """The checks seed torch's RNG, and the backend's probes build modules: all on forks."""
+    state = torch.get_rng_state()
+    backend = get_backend("impl")  # a fresh one: its API probe runs in this case
+    run_case(backend, "P18", _case("module.reset_parameters", "LayerNormMLP"))
+    run_case(backend, "P18", _case("module.reset_parameters", recipe="delayed-max-hybrid"))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+# ---- the enumeration ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_runs_on_every_boundary_case_with_both_delays(kind: str) -> None:
+    cases = _protocol_cases(kind, "float32")
+    assert [c.variant for c in cases[::4]] == list(PROTOCOL_VARIANTS)
+    for variant in PROTOCOL_VARIANTS:
+        mine = [c for c in cases if c.variant == variant]
+        assert len(mine) == 4
+        assert {c.config.fuse_wgrad_accumulation for c in mine} == {True, False}
+        assert {c.config.bias for c in mine} == {True, False}
+        delays = {c.delay for c in mine}
+        assert delays == ({True} if variant == "module.reset_queued" else {True, False}), variant
+        rows = {mb.rows for c in mine for mb in c.micro_batches}
+        assert 0 in rows and 1 in rows
+
+
+# ---- (a) where parameters are created -----------------------------------------------------------
+
+
+def test_the_meta_device_ignored_is_caught(tmp_path: Path) -> None:
+    backend = _ci_mutant(tmp_path, "meta-device-ignored")
+    _fails(
+        backend,
+        _case("module.placement"),
+        'built inside `with torch.device("meta")` without device=',
+        "'weight': 'cpu, torch.float32'",
+    )
+    _fails(backend, _case("module.reset_parameters"), "parameters are not on meta")
+
+
+def test_the_default_dtype_ignored_is_caught() -> None:
+    _fails(
+        outside_protocol.backend("dtype_ignored"),
+        _case("module.placement", dtype="bfloat16"),
+        "set_default_dtype(torch.bfloat16)",
+        "not on meta in torch.bfloat16",
+    )
+
+
+def test_an_explicit_device_that_loses_is_caught() -> None:
+    _fails(
+        outside_protocol.backend("explicit_device_loses"),
+        _case("module.placement"),
+        "(the explicit ones must win)",
+        "'weight': 'meta, torch.float32'",
+    )
+
+
+# ---- (b) reset_parameters -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["LayerNormMLP", "GroupedLinear"])
+def test_a_reset_drawing_in_another_order_is_caught(tmp_path: Path, kind: str) -> None:
+    backend = _ci_mutant(tmp_path, "reset-weights-reversed")
+    name = "fc1_weight" if kind == "LayerNormMLP" else "weight0"
+    _fails(
+        backend,
+        _case("module.reset_parameters", kind),
+        "built on meta, to_empty(), reset_parameters() vs built eagerly, same seed: "
+        f"{name}: not bitwise identical",
+    )
+
+
+def test_a_reset_that_keeps_a_parameter_is_caught() -> None:
+    _fails(
+        outside_protocol.backend("reset_keeps_bias"),
+        _case("module.reset_parameters"),
+        "given the case's values, run, then reset_parameters() vs built eagerly: bias",
+    )
+
+
+def test_a_reset_that_keeps_fp8_state_is_caught() -> None:
+    backend = outside_protocol.backend("reset_keeps_fp8_state")
+    case = _case("module.reset_parameters", dtype="bfloat16", recipe="delayed-max-hybrid")
+    _fails(backend, case, "then reset_parameters() vs built eagerly: fp8_states[")
+    run_case(backend, "P18", _case("module.reset_parameters"))  # without FP8 nothing to keep
+
+
+def test_a_module_without_reset_parameters_is_caught() -> None:
+    import outside_fidelity
+
+    lib = types.ModuleType("no_reset")
+    lib.Linear = outside_fidelity.Linear
+    assert not hasattr(lib.Linear, "reset_parameters")
+    _fails(
+        LibraryBackend("no-reset", lib=lib),
+        _case("module.reset_parameters", delay=False),
+        "Linear has no reset_parameters() (SPEC §2)",
+    )
+
+
+# ---- (c) reset_parameters with entries queued ---------------------------------------------------
+
+
+def test_a_reset_that_ignores_the_queue_is_caught() -> None:
+    _fails(
+        outside_protocol.backend("reset_ignores_queue"),
+        _case("module.reset_queued"),
+        "reset_parameters() with 2 weight-gradient entries queued: no error raised",
+    )
+
+
+def test_a_refusal_that_changes_the_weight_is_caught() -> None:
+    _fails(
+        outside_protocol.backend("reset_then_refuses"),
+        _case("module.reset_queued"),
+        "changed by the refused reset_parameters(): weight (value)",
+    )
+
+
+def test_without_delay_the_reset_goes_through() -> None:
+    result = run_case(get_backend("impl"), "P18", _case("module.reset_queued", delay=False))
+    assert result.comparisons > 0
+
+
+# ---- (d) repr -----------------------------------------------------------------------------------
+
+
+def test_a_repr_without_the_delay_option_is_caught() -> None:
+    _fails(
+        outside_protocol.backend("repr_hides_delay"),
+        _case("module.repr"),
+        "does not show delay_wgrad_compute=True",
+    )
+    run_case(outside_protocol.backend("repr_hides_delay"), "P18", _case("module.repr", delay=False))
+
+
+def test_a_repr_showing_a_wrong_option_is_caught() -> None:
+    _fails(
+        outside_protocol.backend("repr_claims_fused"),
+        _case("module.repr"),
+        "shows fuse_wgrad_accumulation=True, but the module has fuse_wgrad_accumulation=False",
+    )
+
+
+def test_repr_values_may_be_quoted_or_not() -> None:
+    from splitgrad.properties.protocol import _shown, _unquoted
+
+    text = "LayerNormMLP(hidden_size=8, ffn_hidden_size=16, bias=True, normalization=RMSNorm)"
+    assert _shown(text, "hidden_size") == ["8"]  # not ffn_hidden_size
+    assert [_unquoted(v) for v in _shown(text.replace("RMSNorm", "'RMSNorm'"), "normalization")]
+    assert _unquoted("'RMSNorm'") == _unquoted('"RMSNorm"') == _unquoted("RMSNorm") == "RMSNorm"
+
+
+# ---- (e) outputs that are views -----------------------------------------------------------------
+
+
+def test_a_view_for_a_two_dimensional_input_is_caught(tmp_path: Path) -> None:
+    backend = _ci_mutant(tmp_path, "output-view")
+    _fails(
+        backend,
+        _case("module.output_not_view"),
+        "micro-batch 0: the output for a 2-D input of shape (3, 6) (contiguous) with grad is a "
+        "view of a tensor of shape (3, 5)",
+    )
+    run_case(backend, "P18", _case("module.output_not_view", "LayerNormLinear"))
+
+
+# ---- (f) copies ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["module.pickle", "module.torch_save", "module.deepcopy"])
+def test_a_copy_without_delay_is_caught(variant: str) -> None:
+    _fails(
+        outside_protocol.backend("copy_loses_delay"),
+        _case(variant),
+        "the copy vs the original: pending_wgrad_count after each backward: got [0], expected [1]",
+    )
+
+
+def test_a_deepcopy_sharing_parameters_is_caught() -> None:
+    _fails(
+        outside_protocol.backend("deepcopy_shares"),
+        _case("module.deepcopy"),
+        "weight shares its tensor or storage with the original's",
+    )
+
+
+@pytest.mark.parametrize("variant", ["module.pickle", "module.torch_save", "module.deepcopy"])
+def test_a_copy_without_fp8_state_is_caught(variant: str) -> None:
+    case = _case(variant, dtype="bfloat16", recipe="delayed-max-hybrid")
+    _fails(
+        outside_protocol.backend("copy_loses_fp8_state"),
+        case,
+        "the copy vs the original: fp8_states[",
+    )
+
+
+def test_to_empty_without_delay_is_caught() -> None:
+    _fails(
+        outside_protocol.backend("to_empty_drops_delay"),
+        _case("module.to_empty"),
+        "to_empty() and given its state_dict, vs it: pending_wgrad_count after each backward",
+    )
+
+
+# ---- n/a on torch-split, declared on TransformerEngine ------------------------------------------
+
+
+def test_torch_split_leaves_them_out_and_says_why(capsys) -> None:
+    backend = get_backend("torch-split")
+    why = backend.module_protocol_reason()
+    assert why and any(why in note for note in backend.notes)
+    kept = explicit_cases("P18", ("Linear",), ("float32",), without=frozenset({MODULE_PROTOCOL}))
+    assert kept and not any(c.variant in PROTOCOL_VARIANTS for c in kept)
+    with pytest.raises(BackendUnavailable, match="n/a on torch-split"):
+        run_case(backend, "P18", _case("module.repr"))
+    status = verify(
+        ["--backend", "torch-split", "--property", "P18", "--case", _case("module.repr").to_json()]
+    )
+    out = capsys.readouterr().out
+    assert status == 0 and out.startswith("P18 n/a on torch-split: the module is the adapter's")
+
+
+def test_a_cell_leaves_them_out_where_they_do_not_apply() -> None:
+    class Adapter(LibraryBackend):
+        def module_protocol_reason(self) -> str | None:
+            return "the modules are the adapter's own"
+
+    full = run_cell(get_backend("impl"), "P18", "Linear", "float32", examples=1)
+    cell = run_cell(Adapter("adapter", "splitgrad.impl"), "P18", "Linear", "float32", examples=1)
+    assert cell.status == PASS and full.status == PASS
+    assert full.examples - cell.examples == len(_protocol_cases("Linear", "float32")) == 36
+
+
+def test_transformer_engine_declares_what_its_source_shows(tmp_path: Path) -> None:
+    te = TransformerEngineBackend()
+    meta = _ci_mutant(tmp_path, "meta-device-ignored")
+    view = _ci_mutant(tmp_path, "output-view")
+    for backend, variant in (
+        (meta, "module.placement"),
+        (meta, "module.reset_parameters"),
+        (view, "module.output_not_view"),
+    ):
+        case = _case(variant)
+        message = _fails(backend, case)
+        dev = te.deviation_for("P18", case, message)
+        assert dev is not None and not dev.strict, message
+    assert te.deviation_for("P18", _case("module.repr"), "P18 module.repr (delay): ...") is None
