@@ -41,6 +41,7 @@ from collections.abc import Callable
 
 import splitgrad.impl as impl
 import torch
+from splitgrad.impl import gemm_paths
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -99,9 +100,17 @@ def _median_ms(samples: list[float]) -> float:
 _clock = time.perf_counter
 
 
+#: Where the bench runs (``--device``): its modules, inputs and gradients live there.
+_DEVICE = "cpu"
+
+
 def _timed(fn: Callable[[], object]) -> float:
+    if _DEVICE == "cuda":
+        torch.cuda.synchronize()  # time the work itself, not what was queued before
     start = _clock()
     fn()
+    if _DEVICE == "cuda":
+        torch.cuda.synchronize()
     return _clock() - start
 
 
@@ -142,6 +151,7 @@ class _GroupedTwin(torch.nn.Module):
 
 def _build_impl(kind: str, s: Shapes, dtype: torch.dtype, delay: bool, fused: bool):
     kw = dict(params_dtype=dtype, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fused)
+    kw["device"] = _DEVICE
     if kind == "Linear":
         return impl.Linear(s.hidden, s.ffn, **kw)
     if kind == "LayerNormLinear":
@@ -154,7 +164,7 @@ def _build_impl(kind: str, s: Shapes, dtype: torch.dtype, delay: bool, fused: bo
 def _build_twin(kind: str, src, s: Shapes, dtype: torch.dtype) -> torch.nn.Module:
     """The same layer from ``torch.nn`` modules, with ``src``'s parameter values."""
     nn = torch.nn
-    kw = {"dtype": dtype}
+    kw = {"dtype": dtype, "device": _DEVICE}
 
     def linear(weight, bias):
         lin = nn.Linear(weight.shape[1], weight.shape[0], **kw)
@@ -194,7 +204,7 @@ def _prefill(module, fused: bool) -> None:
     gemm_weights = set(module.gemm_weight_names()) if hasattr(module, "gemm_weight_names") else ()
     for name, p in module.named_parameters():
         if fused and name in gemm_weights:
-            p.main_grad = torch.full(p.shape, 1e-3, dtype=torch.float32)
+            p.main_grad = torch.full(p.shape, 1e-3, dtype=torch.float32, device=p.device)
         else:
             p.grad = torch.full_like(p, 1e-3)
 
@@ -220,7 +230,7 @@ def _bare_gemms(kind: str, module, x: torch.Tensor, dy: torch.Tensor, s: Shapes)
             return run
         if kind == "LayerNormMLP":
             w1, w2 = module.fc1_weight, module.fc2_weight
-            h = torch.empty(x.shape[0], w1.shape[0], dtype=x.dtype)
+            h = torch.empty(x.shape[0], w1.shape[0], dtype=x.dtype, device=x.device)
 
             def run():
                 torch.mm(dy, w2)
@@ -255,9 +265,9 @@ def _case(kind: str, dtype: torch.dtype, s: Shapes, reps: int) -> dict:
         p.grad = torch.full_like(p, 1e-3)
     splits = s.splits()
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(s.tokens, s.hidden, generator=gen).to(dtype).requires_grad_()
+    x = torch.randn(s.tokens, s.hidden, generator=gen).to(dtype).to(_DEVICE).requires_grad_()
     out_features = s.hidden if kind == "LayerNormMLP" else s.ffn
-    dy = torch.randn(s.tokens, out_features, generator=gen).to(dtype)
+    dy = torch.randn(s.tokens, out_features, generator=gen).to(dtype).to(_DEVICE)
     x_in = x.detach()
     bare = _bare_gemms(kind, nd, x_in, dy, s)
 
@@ -448,11 +458,13 @@ def _fp8_variant(s: Shapes, recipe, fused: bool, reps: int) -> tuple[float, int]
         params_dtype=torch.bfloat16,
         delay_wgrad_compute=True,
         fuse_wgrad_accumulation=fused,
+        device=_DEVICE,
     )
     _prefill(module, fused)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(s.tokens, s.hidden, generator=gen).to(torch.bfloat16).requires_grad_()
-    dy = torch.randn(s.tokens, s.ffn, generator=gen).to(torch.bfloat16)
+    x = torch.randn(s.tokens, s.hidden, generator=gen).to(torch.bfloat16).to(_DEVICE)
+    x.requires_grad_()
+    dy = torch.randn(s.tokens, s.ffn, generator=gen).to(torch.bfloat16).to(_DEVICE)
     samples, held = [], 0
     for rep in range(reps + 1):  # the first repetition warms up and is dropped
         with impl.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
@@ -472,14 +484,16 @@ def run_fp8(s: Shapes, reps: int) -> list[dict]:
     rows = []
     variants = {"bf16": None, **fp8_recipes()}
     for name, recipe in variants.items():
-        plain_ms, held = _fp8_variant(s, recipe, fused=False, reps=reps)
-        fused_ms, _ = _fp8_variant(s, recipe, fused=True, reps=reps)
+        with gemm_paths.recording() as paths:
+            plain_ms, held = _fp8_variant(s, recipe, fused=False, reps=reps)
+            fused_ms, _ = _fp8_variant(s, recipe, fused=True, reps=reps)
         rows.append(
             {
                 "recipe": name,
                 "wgrad_ms": plain_ms,
                 "wgrad_fused_ms": fused_ms,
                 "entry_mb": held / 2**20,
+                "gemm_paths": paths.summary(),
             }
         )
     base = rows[0]
@@ -544,9 +558,10 @@ def _small_setup(kind: str, tokens: int, hidden: int, out: int, groups: int, dty
     for p in twin.parameters():
         p.grad = torch.full_like(p, 1e-3)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(tokens, hidden, generator=gen).to(dtype).requires_grad_()
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(_DEVICE).requires_grad_()
     x.grad = torch.zeros_like(x)
-    dy = torch.randn(tokens, hidden if kind == "LayerNormMLP" else out, generator=gen).to(dtype)
+    dy = torch.randn(tokens, hidden if kind == "LayerNormMLP" else out, generator=gen)
+    dy = dy.to(dtype).to(_DEVICE)
     return nd, dl, twin, x, dy, s.splits()
 
 
@@ -790,8 +805,37 @@ def _print_table(rows: list[dict], shapes: Shapes, reps: int) -> None:
 
 
 def run(shapes: Shapes, dtypes: list[torch.dtype], kinds: list[str], reps: int) -> list[dict]:
-    """Measure every (module, dtype) case; returns one dict of ratios per case."""
-    return [_case(kind, dtype, shapes, reps) for dtype in dtypes for kind in kinds]
+    """Measure every (module, dtype) case; returns one dict of ratios per case, with the GEMM
+    paths it took (:mod:`.gemm_paths`) under ``"gemm_paths"``."""
+    rows = []
+    for dtype in dtypes:
+        for kind in kinds:
+            with gemm_paths.recording() as paths:
+                row = _case(kind, dtype, shapes, reps)
+            row["gemm_paths"] = paths.summary()
+            rows.append(row)
+    return rows
+
+
+def _print_paths(rows: list[dict], fp8_rows: list[dict]) -> None:
+    """Which GEMM path each measured module took, and why; then any fast path a GPU
+    refused where its capability says it runs (a FastPathMissed warning each)."""
+    print(f"\nGEMM paths taken on {_DEVICE} (fast / fallback / forced / portable / only):")
+    for r in rows:
+        for p in r["gemm_paths"]:
+            print(f"  {r['module']:<16}{r['dtype']:<9}{_path_line(p)}")
+    for r in fp8_rows:
+        for p in r["gemm_paths"]:
+            print(f"  {'Linear fp8:' + r['recipe']:<25}{_path_line(p)}")
+    if not any(r["gemm_paths"] for r in (*rows, *fp8_rows)):
+        print("  (no decision: every GEMM here has a single path)")
+    for line in gemm_paths.missed_fast_paths():
+        print(f"FAST PATH MISSED: {line}")
+
+
+def _path_line(p: dict) -> str:
+    shapes = ", ".join("x".join(map(str, sh)) for sh in p["shapes"][:3])
+    return f"{p['gemm']:<22}{p['path']:<9}{p['call']} [{shapes}] ({p['reason']})"
 
 
 #: What ``--modules`` and ``--dtypes`` accept.
@@ -905,6 +949,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="time measured: wall clock, or this process's CPU time (for a shared machine; "
         "with --threads 1 it is the thread's own work)",
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where modules and tensors live (default: %(default)s); the GEMM paths each "
+        "module took are printed after the tables",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     return parser
 
@@ -940,7 +991,15 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``splitgrad bench``."""
     args = parse_options(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(
+            "splitgrad bench: --device cuda, but torch.cuda.is_available() is False",
+            file=sys.stderr,
+        )
+        return 2
     shapes, reps, dtypes, kinds = args.shapes, args.reps, args.dtype_list, args.kinds
+    global _DEVICE
+    _DEVICE = args.device
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     global _clock
@@ -952,6 +1011,7 @@ def main(argv: list[str] | None = None) -> int:
     fp8_rows = [] if args.no_fp8 else run_fp8(shapes, min(reps, 3))
     if fp8_rows:
         _print_fp8_table(fp8_rows, shapes)
+    _print_paths(rows, fp8_rows)
     small_reps = 21 if args.quick else args.small_reps
     small_rows = [] if args.no_small else run_small(dtypes, kinds, small_reps)
     if small_rows:
@@ -972,6 +1032,8 @@ def main(argv: list[str] | None = None) -> int:
                     "small_reps": small_reps,
                     "small": small_rows,
                     "compiled": compiled_rows,
+                    "device": args.device,
+                    "fast_paths_missed": gemm_paths.missed_fast_paths(),
                 },
                 f,
                 indent=2,

@@ -182,7 +182,9 @@ class _GuardShim(TorchFunctionMode):
         except RuntimeError as exc:
             if _NO_CUDA not in str(exc):
                 raise
-            failure = exc
+            # The text only: keeping the exception would tie its traceback's frames (and their
+            # tensors) into a reference cycle that outlives the call.
+            failure = str(exc)
         if isinstance(func, torch._ops.OpOverload):
             name, packet = str(func), func.overloadpacket
             outs = [a.name for a in func._schema.arguments if a.is_out]
@@ -199,7 +201,7 @@ class _GuardShim(TorchFunctionMode):
             raise RuntimeError(
                 f"{name} on a fake CUDA tensor: the CPU build's binding refuses it and the "
                 f"shim cannot re-issue it through ATen ({failure})"
-            ) from failure
+            ) from None
         if outs:
             # The out= variants' fake kernels copy into the output from Python
             # (``out.copy_(result)``), which the same guard refuses: run the functional

@@ -368,8 +368,11 @@ def _replay(backend, properties: list[str], text: str, device: str | None) -> in
 
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``splitgrad verify``; returns the exit status."""
+    from splitgrad.impl import gemm_paths
+
     try:
-        return _main(list(argv))
+        with gemm_paths.recording() as paths:
+            return _main(list(argv), paths)
     except _UsageError as exc:
         print(f"splitgrad verify: error: {exc}\nTry 'splitgrad verify --help'.", file=sys.stderr)
         return 2
@@ -418,7 +421,7 @@ def _header(backend, device: str, profile: str, cells) -> str:
     )
 
 
-def _main(argv: list[str]) -> int:
+def _main(argv: list[str], paths=None) -> int:
     args = build_parser().parse_args(argv)
     kinds = _split_list(args.module, KINDS, "module") or list(KINDS)
     dtypes = _split_list(args.dtype, DTYPES, "dtype") or ["float32", "bfloat16"]
@@ -625,6 +628,8 @@ def _main(argv: list[str]) -> int:
         + (f", {len(blocked)} blocked" if blocked else "")
         + f" in {elapsed:.1f}s"
     )
+    if device == "cuda" and paths is not None:
+        _print_gemm_paths(paths)
     payload = {
         "backend": backend.name,
         "device": device,
@@ -634,6 +639,8 @@ def _main(argv: list[str]) -> int:
         "notes": list(backend.notes),
         "missing_api": {part: {"what": w, "blocks": b} for part, (w, b) in gaps.items()},
         "cells": [c.as_dict() for c in cells],
+        "gemm_paths": paths.summary() if paths is not None else [],
+        "fast_paths_missed": _missed_fast_paths(),
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -644,6 +651,22 @@ def _main(argv: list[str]) -> int:
 
 
 _OPTIONAL_PARTS = ("delay", "fused", "first_microbatch", "hooks")
+
+
+def _missed_fast_paths() -> list[str]:
+    from splitgrad.impl import gemm_paths
+
+    return gemm_paths.missed_fast_paths()
+
+
+def _print_gemm_paths(paths) -> None:
+    """The GEMM paths splitgrad.impl took in this run (``--device cuda``), and any fast path the
+    GPU refused where its capability says it runs."""
+    print("\nGEMM paths taken (splitgrad.impl; fast / fallback / forced / only):")
+    for line in paths.lines() or ["(none recorded: no impl GEMM with a choice ran)"]:
+        print(f"  {line}")
+    for line in _missed_fast_paths():
+        print(f"FAST PATH MISSED: {line}")
 
 
 def _json_default(value):
