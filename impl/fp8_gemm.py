@@ -286,9 +286,10 @@ def _scaled_mm_choice(
         return False, f"auto on {device.type}: _scaled_mm is a naive kernel there"
     if device.type == "cuda":
         align = _BLOCK_ALIGN if kind == "block" else _ALIGN
-        bad = [d for d in (*a.shape, *b.shape) if d % align]
+        bad = sorted({d for d in (*a.shape, *b.shape) if d % align})
         if bad:
-            return False, f"{sorted(set(bad))} not a multiple of {align}"
+            sizes = ", ".join(map(str, bad))
+            return False, f"size {sizes} of A {a.shape} / B {b.shape} not a multiple of {align}"
     if not scaled_mm_works(device, kind):
         return False, gemm_paths.verdict("scaled_mm", device, kind) or "probe failed"
     return True, f"{kind} scaling, aligned"
