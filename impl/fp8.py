@@ -147,14 +147,19 @@ class DelayedScalingState:
     waits for them; queued work never reads these tensors (it holds its own ``scale_inv``).
     """
 
+    # State persists across forwards, under torch.inference_mode() or not: kept out of inference
+    # mode, or a later in-place update outside it would be refused.
+    @torch.inference_mode(False)
     def __init__(self, history_len: int, device: torch.device) -> None:
         self.amax_history = torch.zeros(history_len, dtype=torch.float32, device=device)
         self.scale = torch.ones((), dtype=torch.float32, device=device)
 
+    @torch.inference_mode(False)
     def record(self, amax: torch.Tensor) -> None:
         """Fold one quantized tensor's amax into the current slot."""
         torch.maximum(self.amax_history[0], amax, out=self.amax_history[0])
 
+    @torch.inference_mode(False)
     def update(self, recipe: recipes.DelayedScaling, fmt: str) -> None:
         """Recompute the scale from the history, then move the history one step."""
         hist = self.amax_history

@@ -139,13 +139,18 @@ class DelayedScalingState:
     the previous update (1 at the start).
     """
 
+    # State persists across forwards, under torch.inference_mode() or not: kept out of inference
+    # mode, or a later in-place update outside it would be refused.
+    @torch.inference_mode(False)
     def __init__(self, history_len: int, device: torch.device) -> None:
         self.amax_history = torch.zeros(history_len, dtype=torch.float32, device=device)
         self.scale = torch.ones((), dtype=torch.float32, device=device)
 
+    @torch.inference_mode(False)
     def record(self, amax: torch.Tensor) -> None:
         self.amax_history[0] = torch.maximum(self.amax_history[0], amax)
 
+    @torch.inference_mode(False)
     def update(self, recipe: DelayedScaling, fmt: str) -> None:
         if recipe.amax_compute_algo == "max":
             amax = self.amax_history.max()

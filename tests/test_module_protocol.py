@@ -747,3 +747,15 @@ def test_to_empty_keeps_the_deferred_marks_and_a_meta_forward_runs(lib, kind) ->
 def test_an_on_off_option_that_is_not_a_bool_is_refused(lib, option, value) -> None:
     with pytest.raises(TypeError, match=rf"{option} must be True or False, got {value!r}"):
         lib.Linear(4, 4, **{option: value})
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_fp8_state_started_under_inference_mode_trains_afterwards(lib) -> None:
+    """Delayed-scaling state first created in an inference_mode forward (an evaluation before
+    training) is ordinary state: the training forward after it updates it in place."""
+    m, recipe, x = lib.Linear(16, 16), lib.DelayedScaling(), torch.randn(4, 16)
+    with torch.inference_mode(), lib.fp8_autocast(enabled=True, fp8_recipe=recipe):
+        m(x)
+    with lib.fp8_autocast(enabled=True, fp8_recipe=recipe):
+        m(x).sum().backward()
+    assert m.weight.grad is not None
