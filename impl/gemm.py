@@ -234,6 +234,8 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, k: int, m: in
     ``splitgrad bench``), so the loop is the default there; the grouped path can still be forced
     per module (``GroupedLinear.grouped_gemm = "grouped"``) and is tested on CPU that way.
     """
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return False  # the CPU eager path: no cache lookup (the reason is built when recording)
     return grouped_mm_choice(device, dtype, k, m)[0]
 
 

@@ -48,6 +48,7 @@ from .base import (
 )
 from .fp8 import update_delayed_scaling
 from .fp8_gemm import FP8GemmOperands, fp8_wgrad_value
+from .gemm_paths import RECORDERS
 
 __all__ = ["GroupedLinear"]
 
@@ -343,21 +344,29 @@ class GroupedLinear(GroupedLinearContract, SplitBackwardModule):
         return [storage[i * slot : i * slot + size].view(shape) for i in range(n)]
 
     def _use_grouped(self, x: torch.Tensor) -> bool:
-        if self.grouped_gemm not in _PATHS:
-            raise ValueError(f"grouped_gemm must be one of {_PATHS}, got {self.grouped_gemm!r}")
-        k, m = self.in_features, self.out_features
-        if self.grouped_gemm == "auto":
-            grouped = gemm.grouped_mm_supported(x.device, x.dtype, k, m)
-        else:
-            # A forced "grouped" still falls back where _grouped_mm rejects the shapes.
-            grouped = self.grouped_gemm == "grouped" and gemm.grouped_mm_runs(
-                x.dtype, k, m, x.device
+        path = self.grouped_gemm
+        if path == "auto":
+            grouped = gemm.grouped_mm_supported(
+                x.device, x.dtype, self.in_features, self.out_features
             )
-        if gemm_paths.RECORDERS:
+        elif path == "grouped":
+            # A forced "grouped" still falls back where _grouped_mm rejects the shapes.
+            grouped = gemm.grouped_mm_runs(x.dtype, self.in_features, self.out_features, x.device)
+        elif path == "loop":
+            grouped = False
+        else:
+            raise ValueError(f"grouped_gemm must be one of {_PATHS}, got {path!r}")
+        if RECORDERS or (not grouped and path != "loop" and x.is_cuda):
+            self._after_choice(x, grouped)
+        return grouped
+
+    def _after_choice(self, x: torch.Tensor, grouped: bool) -> None:
+        """Record the decision (when recording) and, on CUDA, warn where the probe refused an
+        aligned problem (:mod:`.gemm_paths`). Off the CPU eager path."""
+        if RECORDERS:
             self._note_grouped(x, grouped)
         if not grouped and x.is_cuda and self.grouped_gemm != "loop":
             self._check_grouped_missed(x)
-        return grouped
 
     def _check_grouped_missed(self, x: torch.Tensor) -> None:
         """On CUDA: warn (:func:`.gemm_paths.fast_path_missed`) when aligned sizes fell back

@@ -28,6 +28,11 @@ Precision and speed (measured on CPU, torch 2.13, 2048 x 1024 bf16):
   < std``: the test is one reduction over N values); ~5% of LayerNormLinear's forward and ~1%
   of its backward when every row is ill-conditioned. CUDA's kernels already centre; bf16/fp16
   outputs round to 8/11 bits, far above the fp32 noise this amplifies: both keep plain calls.
+
+CUDA's LayerNorm kernels have no mixed-dtype mode (gamma/beta must be in the input's dtype:
+"expected scalar type BFloat16 but found Float", found by the fake-CUDA trace tier): there the
+forward and the input gradient take the bf16/fp16 parameters themselves (statistics and
+arithmetic still in fp32 inside the kernel), or, for a zero-centred gamma, run on fp32 copies.
 """
 
 from __future__ import annotations
@@ -52,6 +57,18 @@ def _gamma(weight: torch.Tensor, zero_centered: bool, cdt: torch.dtype) -> torch
     return g + 1 if zero_centered else g
 
 
+def _cuda_affine(
+    weight: torch.Tensor, bias: torch.Tensor | None, zero_centered: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(gamma, beta)`` in ``dtype`` for CUDA's LayerNorm kernels, which take them only in the
+    input's dtype (no mixed-dtype mode, unlike the CPU's): the parameters themselves where they
+    already are in it (the very values the mixed mode would widen); ``None`` where they are not
+    (zero-centred gamma, parameters in another dtype), and the caller upcasts x instead."""
+    if zero_centered or weight.dtype != dtype or (bias is not None and bias.dtype != dtype):
+        return None
+    return weight, bias
+
+
 def norm_fwd(
     module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -66,7 +83,14 @@ def norm_fwd(
             # fp32), so the graph normalizes an fp32 copy; it fuses the casts.
             y, mean, rstd = torch.native_layer_norm(x.to(cdt), [k], gamma, beta, module.eps)
             return y.to(x.dtype), (mean, rstd)
-        # Mixed-dtype kernel: x stays in its dtype, gamma/beta in fp32.
+        if x.dtype != cdt and x.is_cuda:
+            affine = _cuda_affine(weight, bias, module.zero_centered_gamma, x.dtype)
+            if affine is not None:
+                y, mean, rstd = torch.native_layer_norm(x, [k], *affine, module.eps)
+                return y, (mean, rstd)
+            y, mean, rstd = torch.native_layer_norm(x.to(cdt), [k], gamma, beta, module.eps)
+            return y.to(x.dtype), (mean, rstd)
+        # Mixed-dtype kernel (CPU): x stays in its dtype, gamma/beta in fp32.
         y, mean, rstd = torch.native_layer_norm(x, [k], gamma, beta, module.eps)
         if x.dtype == cdt and _ill_conditioned(x, mean, rstd):
             # Any value near the row mean centres well enough: the fused kernel's own mean.
@@ -127,9 +151,17 @@ def norm_bwd(
             )
         else:
             dx = dw = db = None
-            if need[0]:
+            affine = (gamma, beta)
+            if need[0] and x.is_cuda:
+                # CUDA: gamma/beta in x's dtype (see _cuda_affine), else on fp32 copies.
+                affine = _cuda_affine(weight, bias, module.zero_centered_gamma, x.dtype)
+                if affine is None:
+                    dx = torch.ops.aten.native_layer_norm_backward(
+                        d_out.to(cdt), x.to(cdt), [k], mean, rstd, gamma, beta, [True, False, False]
+                    )[0]
+            if need[0] and dx is None:
                 dx = torch.ops.aten.native_layer_norm_backward(
-                    d_out, x, [k], mean, rstd, gamma, beta, [True, False, False]
+                    d_out, x, [k], mean, rstd, *affine, [True, False, False]
                 )[0]
             if need[1] or need[2]:
                 _, dw, db = torch.ops.aten.native_layer_norm_backward(
