@@ -4,6 +4,9 @@
 # GEMM, the layout and the shape. Bring a CUDA build of torch; nothing is fetched.
 #
 #   bash ci/device.sh            # on the GPU machine: under 10 minutes (BUDGET=560 s)
+#
+# From a session with the device tool: run(command="bash ci/device.sh", timeout_s=600); the
+# tool's $OUT is where the files land.
 #   bash ci/device.sh --dry-run  # anywhere: every step up to its first CUDA call
 #
 # Steps, each under its own timeout so one slow part cannot eat the rest:
@@ -12,10 +15,10 @@
 #   install    pip install --no-build-isolation --no-deps -e . (else a PYTHONPATH tree)
 #   cuda-tests the cuda-marked tests, verbose, JUnit XML
 #   trace      the cuda_trace tier (tests/test_cuda_trace.py) on this torch
-#   verify     splitgrad verify --device cuda (its GEMM paths printed)
 #   bench      splitgrad bench --device cuda (GEMM paths printed per module)
 #   memory     the queued-entry memory table on the GPU at real scale, against the fake-tensor
 #              figures (python -m splitgrad.impl.entry_memory)
+#   verify     splitgrad verify --device cuda (its GEMM paths printed), with what time is left
 # SPLITGRAD_REQUIRE_FAST_PATHS=1 turns a fast path the GPU refuses where its capability says
 # it runs into an error. Everything lands in $OUT (default ./device-out), few files, because
 # the device tool brings back at most 8: device.json (the one JSON the README's GPU table is
@@ -128,11 +131,13 @@ else
   step trace 60 "$PYTHON" -m pytest "${PYTEST_PLUGIN[@]}" -p no:cacheprovider -n 8 \
     --junitxml="$WORK/trace.xml" tests/test_cuda_trace.py
 fi
-# On a CPU these stop at their CUDA check with exit status 2 and one line: the dry run's end.
-step verify 150 "${SG[@]}" verify --device cuda --examples 3 --quiet --json "$WORK/verify.json"
+# bench, memory and verify stop at their CUDA check on a CPU (exit 2, one line): the dry run's
+# end for them; memory-fake needs no GPU and runs everywhere.
 step bench 90 "${SG[@]}" bench --device cuda --no-compile --no-small --reps 5 --json "$WORK/bench.json"
-step memory 60 "$PYTHON" -m splitgrad.impl.entry_memory --device cuda --json "$WORK/memory.json"
+step memory 90 "$PYTHON" -m splitgrad.impl.entry_memory --device cuda --json "$WORK/memory.json"
 step memory-fake 30 "$PYTHON" -m splitgrad.impl.entry_memory --device fake --json "$WORK/memory-fake.json"
+# Last: the longest, and it gets whatever the budget has left.
+step verify 200 "${SG[@]}" verify --device cuda --examples 3 --quiet --json "$WORK/verify.json"
 
 # ---- one JSON, the README table, the logs ------------------------------------------------
 dry_flag=()
