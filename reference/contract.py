@@ -185,9 +185,11 @@ def qualified_name(module: torch.nn.Module) -> str:
 
 
 def check_flag(name: str, value: object) -> bool:
-    """``value`` as a bool, or ``TypeError`` naming the option: ``None``, a string or a number
-    passed for an on/off option would otherwise silently mean something."""
-    if type(value).__name__ not in ("bool", "bool_"):  # Python's or numpy's
+    """``value`` as a bool, or ``TypeError`` naming the option: ``None``, a string or another
+    number passed for an on/off option would otherwise silently mean something. Python's and
+    numpy's bools and the ints 0 and 1 are taken."""
+    is_bool = type(value).__name__ in ("bool", "bool_")
+    if not is_bool and not (type(value) is int and value in (0, 1)):
         raise TypeError(f"{name} must be True or False, got {value!r}")
     return bool(value)
 

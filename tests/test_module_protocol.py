@@ -743,7 +743,7 @@ def test_to_empty_keeps_the_deferred_marks_and_a_meta_forward_runs(lib, kind) ->
 
 @pytest.mark.parametrize("lib", LIBS)
 @pytest.mark.parametrize("option", ["bias", "delay_wgrad_compute", "fuse_wgrad_accumulation"])
-@pytest.mark.parametrize("value", [None, "yes", 1])
+@pytest.mark.parametrize("value", [None, "yes", 2, 1.0])
 def test_an_on_off_option_that_is_not_a_bool_is_refused(lib, option, value) -> None:
     with pytest.raises(TypeError, match=rf"{option} must be True or False, got {value!r}"):
         lib.Linear(4, 4, **{option: value})
