@@ -29,12 +29,19 @@ Modules are named to the op by a handle (custom ops take tensors and scalars, no
 integer held in a 0-d tensor so that one compiled graph serves every instance of a module class;
 :func:`register` hands one out and :func:`module_of` looks it up (weakly held, so the registry
 keeps no module alive).
+
+Nothing here imports Dynamo (``torch._dynamo``, about as long to import as torch itself): the
+functions that must run eagerly inside a compiled graph (:func:`eager_only`,
+:func:`check_supported`) get ``torch.compiler.disable`` when a traced graph first reaches them,
+so ``import splitgrad.impl`` costs what importing torch costs.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 import weakref
+from collections.abc import Callable
 
 import torch
 from splitgrad.reference.contract import RETURN, gradient_destinations
@@ -52,6 +59,7 @@ __all__ = [
     "zeros_for_unwanted",
     "no_returned_gemm_grads",
     "parameters",
+    "eager_only",
 ]
 
 _modules: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
@@ -84,12 +92,51 @@ def effectful(op):
     return op
 
 
-@torch.compiler.disable
-def check_supported() -> None:
+def _check_supported() -> None:
     """Raise ``TorchTooOld`` (a ``RuntimeError``) naming both versions when a module is traced by
     ``torch.compile`` on a torch whose AOTAutograd cannot keep the backward's effects (run
     eagerly, so the error reaches the caller instead of a silent fallback to eager mode)."""
     _torch_compat.require("torch.compile support")
+
+
+# key -> a function that runs eagerly even inside a compiled graph, under
+# torch.compiler.disable once a graph is traced (torch.compiler.disable imports Dynamo).
+_EAGER_ONLY: dict[str, Callable] = {"check_supported": _check_supported}
+
+
+def eager_only(fn: Callable) -> Callable:
+    """Decorator for a module-level function that must run eagerly when ``torch.compile`` traces
+    its caller (a graph break there), as under ``torch.compiler.disable``, without importing
+    Dynamo (as long to import as torch itself) before a graph is traced.
+
+    Eagerly the returned wrapper calls ``fn``. Traced, it calls this module's attribute of the
+    same key, which :func:`__getattr__` builds with ``torch.compiler.disable`` on first use
+    (Dynamo reads a module attribute missing from the module's ``__dict__`` with a real
+    ``getattr``). The graph breaks once; Dynamo records the break twice, in the caller's frame
+    and in the wrapper's, which holds no operation."""
+    key = f"{fn.__module__.rpartition('.')[2]}__{fn.__name__}"
+    _EAGER_ONLY[key] = fn
+    this = sys.modules[__name__]
+
+    def run(*args):
+        if torch.compiler.is_compiling():
+            return getattr(this, key)(*args)
+        return fn(*args)
+
+    run.__name__, run.__qualname__, run.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
+    run.__module__ = fn.__module__
+    return run
+
+
+def __getattr__(name: str) -> Callable:
+    """The ``torch.compiler.disable``-d form of an eager-only function (``check_supported`` or a
+    key of :func:`eager_only`), built and kept on first use."""
+    fn = _EAGER_ONLY.get(name)
+    if fn is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    disabled = torch.compiler.disable(fn)
+    globals()[name] = disabled
+    return disabled
 
 
 def destinations(*params: torch.Tensor | None) -> list[str | None]:

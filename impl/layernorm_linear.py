@@ -235,7 +235,7 @@ class LayerNormLinear(LayerNormLinearContract, SplitBackwardModule):
         return y if x is inp or inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.out_features)
 
 
-@torch.compiler.disable
+@compiled.eager_only
 def _fp8_forward(*args):
     # FP8 runs eagerly inside a compiled graph (one graph break), see impl.linear.
     return _LayerNormLinearFP8Function.apply(*args)

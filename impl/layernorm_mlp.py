@@ -330,7 +330,7 @@ class LayerNormMLP(LayerNormMLPContract, SplitBackwardModule):
         return y if x is inp or inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.hidden_size)
 
 
-@torch.compiler.disable
+@compiled.eager_only
 def _fp8_forward(*args):
     # FP8 runs eagerly inside a compiled graph (one graph break), see impl.linear.
     return _LayerNormMLPFP8Function.apply(*args)

@@ -187,7 +187,7 @@ class Linear(LinearContract, SplitBackwardModule):
         return y if x is inp or inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.out_features)
 
 
-@torch.compiler.disable
+@compiled.eager_only
 def _fp8_forward(*args):
     # FP8 runs eagerly inside a compiled graph (one graph break): its quantized operands and
     # delayed-scaling state live in Python objects the compiled backward op cannot take.

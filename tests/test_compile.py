@@ -242,7 +242,10 @@ def test_fp8_forward_breaks_once_and_stays_exact(kind):
         saved = [t for t in m._wgrad_store.head().saved if t is not None]
         assert any(t.dtype == torch.float8_e4m3fn for t in saved)
         m.backward_dw()
-    assert sum(counters["graph_break"].values()) == 1
+    # One break per module, at the FP8 forward; Dynamo records it in the module's frame and in
+    # the frame of impl.compiled.eager_only's wrapper (no operation of its own).
+    assert all("_fp8_forward" in reason for reason in counters["graph_break"]), counters
+    assert sum(counters["graph_break"].values()) == 2
     for (name, p), (_, q) in zip(module.named_parameters(), eager.named_parameters()):
         check_bitwise(f"{name}.grad", p.grad, q.grad)
 
