@@ -194,8 +194,11 @@ class _SplitModule(torch.nn.Module):
     def _rows(self, inp: torch.Tensor, features: int) -> torch.Tensor:
         if inp.shape[-1] != features:
             raise ValueError(f"expected last dimension {features}, got {inp.shape[-1]}")
-        if inp.dtype != self.params_dtype and not torch.is_autocast_enabled():
-            raise TypeError(f"expected input dtype {self.params_dtype}, got {inp.dtype}")
+        # The parameters' dtype now, not params_dtype: under FSDP2 mixed precision the
+        # unsharded parameters (and the inputs FSDP2 casts) are in param_dtype.
+        expected = next(self.parameters()).dtype
+        if inp.dtype != expected and not torch.is_autocast_enabled():
+            raise TypeError(f"expected input dtype {expected}, got {inp.dtype}")
         return inp.reshape(-1, features)
 
 
