@@ -198,7 +198,7 @@ MUTANTS = (
             ("base.py", "        del entry\n        self._run_hooks()\n", "        del entry\n"),
         ),
     ),
-    # Blind spots of a sampled campaign (issue 14, item 4): boundary sizes, gradient layouts and
+    # Blind spots of a sampled campaign: boundary sizes, gradient layouts and
     # misuse variants the default depth must always run (SPEC §7: enumerated, not sampled).
     Mutant(
         "grouped-mm-one-row-bias",
@@ -295,7 +295,7 @@ FP8_MUTANTS = (
     ),
 )
 
-# Blind spots of a harness that compares an implementation only with itself (issue 10, part 1):
+# Blind spots of a harness that compares an implementation only with itself:
 # each bug sits on the path the delayed and the non-delayed run share, under one condition a
 # differential property draws; P3 (fresh modules, no .grad prefill, no zeroing) never meets it.
 SHARED_PATH_MUTANTS = (
@@ -392,7 +392,7 @@ SHARED_PATH_MUTANTS = (
     ),
 )
 
-# Fast paths that are the default only on a GPU (issue 10, part 2): on the CPU the default
+# Fast paths that are the default only on a GPU: on the CPU the default
 # campaign never takes them unless they are forced (splitgrad verify --impl-path).
 FORCED_PATH_MUTANTS = (
     Mutant(

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The torch-version matrix (issue 15): each torch in its own venv, the tests that version is
+# The torch-version matrix: each torch in its own venv, the tests that version is
 # promised to pass. Not part of .ci/run: every torch but the CPU 2.13 wheel is a CUDA build of
 # several GB from the package index (it runs on the CPU).
 #

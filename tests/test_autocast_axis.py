@@ -24,7 +24,7 @@ def test_the_default_plan_has_an_autocast_slice(monkeypatch) -> None:
     monkeypatch.setattr(plan, "AUTOCAST_IN_DEFAULT_RUN", False)
     assert all(c.autocast is None for c in plan_cells(KINDS, ["float32"], list(PROPERTIES)))
     monkeypatch.undo()
-    assert plan.AUTOCAST_IN_DEFAULT_RUN  # both packages follow torch.autocast (issue 15)
+    assert plan.AUTOCAST_IN_DEFAULT_RUN  # both packages follow torch.autocast
     cells = plan_cells(KINDS, ["float32", "bfloat16"], list(PROPERTIES))
     auto = [c for c in cells if c.autocast is not None]
     assert {c.property_id for c in auto} == set(AUTOCAST_PROPERTIES)

@@ -2,7 +2,7 @@
 results on every path and under every recipe — zero weight and bias gradients, empty outputs,
 never uninitialized memory.
 
-The bug this pins (issue 14): ``torch._scaled_mm`` with a zero-size reduction dimension returns
+The bug this pins: ``torch._scaled_mm`` with a zero-size reduction dimension returns
 uninitialized memory on some machines (torch 2.13), and the wgrad of an expert without tokens is
 exactly such a GEMM (``dW = dy^T x`` over zero rows); weight gradients of -1.4e14 were seen where
 the truth is 0. On this machine the kernel happens to return zeros, so the tests do not rely on

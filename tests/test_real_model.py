@@ -1,4 +1,4 @@
-"""A transformer we did not write, end to end (issue 15 item 5): Hugging Face
+"""A transformer we did not write, end to end: Hugging Face
 ``LlamaForCausalLM`` (attention, RMSNorm, tied embeddings, ``torch.nn.Linear`` everywhere),
 converted with ``splitgrad.impl.convert_linears(..., delay_wgrad_compute=True)``.
 
