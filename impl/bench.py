@@ -41,11 +41,8 @@ from collections.abc import Callable
 
 import splitgrad.impl as impl
 import torch
-from splitgrad.impl import gemm_paths
-from torch._dynamo.eval_frame import OptimizedModule
+from splitgrad.impl import _torch_compat, gemm_paths
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 __all__ = ["main", "run"]
 
@@ -55,7 +52,7 @@ TARGETS = {"split": 1.03, "bare": 1.10, "nn": 1.0}
 # ---- measurement helpers ----------------------------------------------------------------
 
 
-class PeakMemory(TorchDispatchMode):
+class PeakMemory(_torch_compat.dispatch_mode_base()):
     """Track bytes of storages allocated by ATen ops inside the block; ``peak`` is the maximum
     alive at once. Ops whose outputs alias an input (views, in-place, ``out=``) allocate
     nothing and are skipped."""
@@ -78,8 +75,8 @@ class PeakMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self._sweep()
-        if not any(r.alias_info is not None for r in func._schema.returns):
-            for t in tree_flatten(out)[0]:
+        if not _torch_compat.returns_alias(func):
+            for t in _torch_compat.tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.device.type != "meta":
                     storage = t.untyped_storage()
                     key = storage.data_ptr()
@@ -212,7 +209,7 @@ def _prefill(module, fused: bool) -> None:
 def _forward(module, x, splits):
     if isinstance(module, impl.GroupedLinear):
         return module(x, splits)
-    if isinstance(module, OptimizedModule) and isinstance(module._orig_mod, impl.GroupedLinear):
+    if isinstance(_torch_compat.compiled_original(module), impl.GroupedLinear):
         return module(x, splits)
     return module(x)
 
@@ -287,10 +284,7 @@ def _case(kind: str, dtype: torch.dtype, s: Shapes, reps: int) -> dict:
         return _timed(lambda: y.backward(dy))
 
     def generic_split():
-        from torch.distributed.pipelining._backward import (
-            stage_backward_input,
-            stage_backward_weight,
-        )
+        stage_backward_input, stage_backward_weight = _torch_compat.pipelining_split()
 
         y = twin(x)
 
@@ -332,7 +326,7 @@ def _case(kind: str, dtype: torch.dtype, s: Shapes, reps: int) -> dict:
 
 
 def _generic_memory(dl, twin, x, dy, splits) -> dict:
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    stage_backward_input, stage_backward_weight = _torch_compat.pipelining_split()
 
     result = {}
     for name in ("impl", "generic"):
@@ -655,10 +649,9 @@ def compiled_vs_eager(kind, tokens, hidden, out, groups, dtype, reps: int) -> di
     """``torch.compile`` (default inductor backend) against eager, forward + backward (and
     ``backward_dw()`` under delay), for impl and its torch.nn twin; with the graph breaks
     Dynamo counted while compiling impl's modules."""
-    from torch._dynamo.utils import counters
-
+    counters = _torch_compat.dynamo_counters()
     nd, dl, twin, x, dy, splits = _small_setup(kind, tokens, hidden, out, groups, dtype)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     counters.clear()
     start = time.perf_counter()
     c_nd, c_dl = torch.compile(nd), torch.compile(dl)
@@ -688,7 +681,7 @@ def compiled_vs_eager(kind, tokens, hidden, out, groups, dtype, reps: int) -> di
         },
         reps,
     )
-    torch._dynamo.reset()
+    torch.compiler.reset()
     return {
         "module": kind,
         "shape": f"{tokens}x{hidden}->{out}" + (f" ({groups} groups)" if groups > 1 else ""),
