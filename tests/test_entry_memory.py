@@ -1,7 +1,7 @@
 """The memory one queued wgrad entry holds at real scale (hidden 8192, ffn 28672, 4096 tokens,
 64 experts), computed exactly on fake tensors by ``splitgrad.impl.entry_memory``: what is alive
 between B and W is the entry and nothing else, each entry is its floor plus exactly what impl
-adds, torch's generic split holds more, and the README's table is this table."""
+adds, torch's generic split holds more, and the table in docs/figures.md is this table."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from splitgrad.impl import entry_memory as em
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+FIGURES = Path(__file__).resolve().parents[1] / "docs" / "figures.md"
 S = em.SCALE
 
 
@@ -79,10 +79,10 @@ def test_generic_split_holds_more(table):
         assert generic[kind] == held[kind] + 2 * t * h  # x.grad, kept with x until W
 
 
-def test_readme_table_is_this_table(table):
-    """The README's memory table is exactly what ``python -m splitgrad.impl.entry_memory
+def test_figures_table_is_this_table(table):
+    """docs/figures.md's memory table is exactly what ``python -m splitgrad.impl.entry_memory
     --markdown`` prints."""
-    assert em.markdown(table) in README.read_text()
+    assert em.markdown(table) in FIGURES.read_text()
 
 
 @pytest.mark.cuda

@@ -1,6 +1,7 @@
-"""The README's complete examples run as written: each block marked ``<!-- example: NAME -->``
-is saved as a script and run with ``python`` in a fresh process (the distributed ones spawn
-their own gloo ranks), and must exit 0 — each example asserts its own outcome."""
+"""The complete examples of the README and of ``docs/`` run as written: each block marked
+``<!-- example: NAME -->`` is saved as a script and run with ``python`` in a fresh process (the
+distributed ones spawn their own gloo ranks), and must exit 0: each example asserts its own
+outcome."""
 
 from __future__ import annotations
 
@@ -11,12 +12,32 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
 _BLOCK = re.compile(r"<!-- example: (\S+) -->\n```python\n(.*?)```", re.DOTALL)
-EXAMPLES = dict(_BLOCK.findall(README.read_text()))
+
+
+def _examples(paths: list[Path]) -> dict[str, str]:
+    """Every marked example in ``paths`` by name; a name used twice is an error."""
+    found: dict[str, str] = {}
+    for path in paths:
+        for name, code in _BLOCK.findall(path.read_text()):
+            if name in found:
+                raise ValueError(f"{path.name}: example {name!r} is defined twice")
+            found[name] = code
+    return found
+
+
+EXAMPLES = _examples([README, *DOCS])
 
 
 def test_the_readme_has_its_examples():
+    """The README keeps the model conversion and the two most used distributed examples; the
+    longer ones live in the page that explains them."""
+    assert {"convert-linears", "distributed-pipeline", "distributed-data-parallel"} <= set(
+        _examples([README])
+    )
     wanted = {
         "distributed-pipeline",
         "distributed-data-parallel",
