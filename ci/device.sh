@@ -95,7 +95,7 @@ else
 fi
 if ! "$PYTHON" -c 'import splitgrad.impl, splitgrad.properties' 2>/dev/null; then
   mkdir -p "$WORK/src/splitgrad"
-  for part in reference impl properties distributed; do ln -sfn "$PWD/$part" "$WORK/src/splitgrad/$part"; done
+  for part in reference impl properties distributed bench cli; do ln -sfn "$PWD/$part" "$WORK/src/splitgrad/$part"; done
   export PYTHONPATH="$WORK/src${PYTHONPATH:+:$PYTHONPATH}"
   PYTEST_PLUGIN=(-p splitgrad.properties.pytest_plugin)
   echo "install: splitgrad importable through PYTHONPATH=$WORK/src"
@@ -120,7 +120,7 @@ if ! "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; 
 fi
 
 # ---- the checks --------------------------------------------------------------------------
-SG=("$PYTHON" -m splitgrad.properties.cli)
+SG=("$PYTHON" -m splitgrad.cli)
 if [ "$DRY" = 1 ]; then
   # pytest: collection is everything before the first test body (each needs the GPU).
   step cuda-tests 120 "$PYTHON" -m pytest "${PYTEST_PLUGIN[@]}" -p no:cacheprovider -m cuda --collect-only -q tests/

@@ -19,7 +19,7 @@ It is trained twice in the same run, each step a ``schedule.step`` and an SGD st
 It prints, per variant, the loss of every step (and whether the two variants' losses and final
 parameters are bitwise equal), the step time (median over the timed steps, slowest rank) and the
 peak memory held between B and W (measured as ``splitgrad pipeline`` measures it:
-:mod:`splitgrad.distributed.bench`). Both stages of the tied weight live on rank 0, so the
+:mod:`splitgrad.bench.actions`). Both stages of the tied weight live on rank 0, so the
 embedding and ``lm_head`` share one ``Parameter`` there; the schedule is built with
 ``scale_grads=False`` (torch would divide that shared gradient once per stage) and the loss
 divides by the number of micro-batches instead.
@@ -35,16 +35,14 @@ the whole run too): it fails, never hangs. Exit status 1 when the losses differ.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from splitgrad.bench.actions import ActionRecorder, held_between_b_and_w
 from splitgrad.distributed import dw_builder, run_ranks
-from splitgrad.distributed.bench import _held_between_b_and_w, _quiet_stderr, _Recorder
 
 VARIANTS = ("splitgrad", "torch")
 NUM_STAGES = 4  # a V on 2 ranks
@@ -94,7 +92,7 @@ def _variant(rank: int, variant: str, steps: int, n_mb: int, batch: int, seq: in
         impl.convert_linears(model, delay_wgrad_compute=True)
     device = torch.device("cpu")
     stages, modules = [], {}
-    recorder = _Recorder(device)
+    recorder = ActionRecorder(device)
     for i in _stage_indices(rank):
         modules[i] = _Stage(model, i, model.config.num_hidden_layers // NUM_STAGES)
         extra = {"dw_builder": dw_builder(modules[i])} if variant == "splitgrad" else {}
@@ -114,52 +112,31 @@ def _variant(rank: int, variant: str, steps: int, n_mb: int, batch: int, seq: in
     data = [torch.randint(0, vocab, (n_mb * batch, seq), generator=gen) for _ in range(steps + 1)]
     holds_first = 0 in modules
 
-    def one_step(ids: torch.Tensor, profile: bool) -> tuple[list[float], float, list[dict]]:
+    def one_step(ids: torch.Tensor, memory: bool) -> tuple[list[float], float, list[dict]]:
         opt.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
-        recorder.memory = profile
-        prof = None
-        if profile:
-            prof = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-            )
-            with _quiet_stderr():
-                prof.__enter__()
         dist.barrier()
-        recorder.start_step()
-        t0 = time.perf_counter()
-        # The CPU allocator warns on frees of blocks from before profiling: silenced.
-        with _quiet_stderr() if profile else contextlib.nullcontext():
-            schedule.step(
+        spans, wall = recorder.step(
+            lambda: schedule.step(
                 *((ids,) if holds_first else ()),
                 target=ids if holds_first else None,
                 losses=losses if holds_first else None,
-            )
-        wall = time.perf_counter() - t0
-        if prof is not None:
-            with _quiet_stderr():
-                prof.__exit__(None, None, None)
-            deltas = {
-                e.name.split(":", 1)[1]: e.cpu_memory_usage
-                for e in prof.events()
-                if e.name.startswith("splitgrad-action:")
-            }
-            for s in recorder.spans:
-                s["bytes"] = deltas[f"{s['kind']}{s['stage']}.{s['mb']}"]
-        spans = recorder.step_spans()
+            ),
+            memory=memory,
+        )
         opt.step()
         return [float(v.detach()) for v in losses], wall, spans
 
     losses, walls = [], []
     for k in range(steps):
-        step_losses, wall, _ = one_step(data[k], profile=False)
+        step_losses, wall, _ = one_step(data[k], memory=False)
         losses.append(step_losses)
         walls.append(wall)
-    _, _, mem_spans = one_step(data[steps], profile=True)
+    _, _, mem_spans = one_step(data[steps], memory=True)
     return {
         "losses": losses,
         "walls": walls[1:] or walls,  # the first step also infers shapes
-        "held": _held_between_b_and_w(mem_spans),
+        "held": held_between_b_and_w(mem_spans),
         "actions": "".join(k for k in "FBIW" if any(s["kind"] == k for s in mem_spans)),
         "params": {
             f"stage{i}.{name}": p.detach().clone()

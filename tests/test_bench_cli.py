@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from splitgrad.impl import bench
-from splitgrad.properties import cli
+from splitgrad import cli
+from splitgrad.bench import modules as bench
 
 
 def _refused(argv: list[str], capsys) -> str:

@@ -22,8 +22,8 @@ import device_report  # noqa: E402
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 
 GPU_COMMANDS = {
-    "verify": [sys.executable, "-m", "splitgrad.properties.cli", "verify", "--device", "cuda"],
-    "bench": [sys.executable, "-m", "splitgrad.properties.cli", "bench", "--device", "cuda"],
+    "verify": [sys.executable, "-m", "splitgrad.cli", "verify", "--device", "cuda"],
+    "bench": [sys.executable, "-m", "splitgrad.cli", "bench", "--device", "cuda"],
     "entry_memory": [sys.executable, "-m", "splitgrad.impl.entry_memory", "--device", "cuda"],
 }
 

@@ -72,7 +72,7 @@ def test_p16_catches_a_reducer_that_follows_a_tied_weight_through_one_module():
 
 
 def test_cli_fails_on_a_planted_bug(capsys):
-    from splitgrad.distributed.cli import main
+    from splitgrad.cli.distributed import main
 
     assert main(["--backend", "distributed_mutants:hooks_silent", "--check", "p16"]) == 1
     out = capsys.readouterr().out
@@ -82,7 +82,7 @@ def test_cli_fails_on_a_planted_bug(capsys):
 def test_cli_runs_an_outside_package_from_a_directory(tmp_path, capsys):
     """A package known only by its directory (path:DIR), re-exporting the reference under
     another name, passes P14; unknown checks are refused with exit status 2."""
-    from splitgrad.distributed.cli import main
+    from splitgrad.cli.distributed import main
 
     pkg = tmp_path / "other_split_pkg"
     pkg.mkdir()
@@ -102,7 +102,7 @@ def test_cli_runs_an_outside_package_from_a_directory(tmp_path, capsys):
     ],
 )
 def test_cli_refuses_bad_options_naming_them(argv, needle, capsys):
-    from splitgrad.distributed.cli import main
+    from splitgrad.cli.distributed import main
 
     assert main(argv) == 2
     assert needle in capsys.readouterr().err

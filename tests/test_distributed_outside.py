@@ -105,7 +105,7 @@ def test_p16_pp_fails_a_dropped_delayed_bias():
 
 
 def test_cli_passes_the_outside_package_and_fails_a_planted_bug(capsys):
-    from splitgrad.distributed.cli import main
+    from splitgrad.cli.distributed import main
 
     assert main(["--backend", CORRECT, "--check", "p16"]) == 0
     assert "p16     pass" in capsys.readouterr().out

@@ -30,7 +30,7 @@ def _loaded_after(module: str) -> str:
 
 @pytest.mark.parametrize(
     "module",
-    ["splitgrad.impl", "splitgrad.reference", "splitgrad.properties.cli"],
+    ["splitgrad.impl", "splitgrad.reference", "splitgrad.cli"],
 )
 def test_import_does_not_load_dynamo(module: str) -> None:
     assert _loaded_after(module) == "none"

@@ -136,7 +136,7 @@ def test_failure_prints_shrunk_case_and_a_working_repro(tmp_path: Path, capsys) 
     assert "P1 FAIL" in capsys.readouterr().out
     # The console script is installed and behaves the same.
     proc = subprocess.run(
-        [sys.executable, "-m", "splitgrad.properties.cli", "verify", *args[2:]],
+        [sys.executable, "-m", "splitgrad.cli", "verify", *args[2:]],
         capture_output=True,
         text=True,
         timeout=300,
@@ -273,8 +273,8 @@ def example_case_for_kink():
 
 
 def test_help_texts_are_plain_and_complete(capsys) -> None:
-    from splitgrad.impl import bench
-    from splitgrad.properties import cli
+    from splitgrad import cli
+    from splitgrad.bench import modules as bench
     from splitgrad.properties.verify import build_parser
 
     def run(fn, *args: str) -> str:

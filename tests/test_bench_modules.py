@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from splitgrad.impl import bench
+from splitgrad.bench import modules as bench
 
 
 def test_peak_memory_counter_counts_allocations_not_views():

@@ -44,6 +44,8 @@ import torch
 from splitgrad.impl import _torch_compat, gemm_paths
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .options import output_file, positive_int
+
 __all__ = ["main", "run"]
 
 TARGETS = {"split": 1.03, "bare": 1.10, "nn": 1.0}
@@ -524,7 +526,7 @@ def _print_fp8_table(rows: list[dict], s: Shapes) -> None:
 # ---- per-call cost at small shapes, and torch.compile -------------------------------------
 
 
-#: (module, tokens, in/hidden, out/ffn, groups): the shapes of issue 11, where per-call work
+#: (module, tokens, in/hidden, out/ffn, groups): small shapes, where per-call work
 #: (validation, autograd plumbing, entries, hooks) shows next to the GEMMs. GroupedLinear: 64
 #: groups of 16 rows against a loop of ``torch.nn.Linear``.
 SMALL_CASES = (
@@ -839,17 +841,6 @@ DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 FP8_MULTIPLE = 128
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an integer of at least 1 (a size or a count)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def _choices(parser: argparse.ArgumentParser, flag: str, text: str, allowed) -> list[str]:
     """The comma-separated items of ``text``; ``parser.error`` (exit status 2) naming any not in
     ``allowed`` and listing the valid ones."""
@@ -861,6 +852,11 @@ def _choices(parser: argparse.ArgumentParser, flag: str, text: str, allowed) -> 
     return items
 
 
+#: The sizes' and counts' defaults, and those of ``--quick``.
+_DEFAULTS = {"tokens": 2048, "hidden": 1024, "ffn": 4096, "reps": 5, "small_reps": 301}
+_QUICK = {"tokens": 256, "hidden": 128, "ffn": 512, "reps": 2, "small_reps": 21}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``splitgrad bench`` command line."""
     parser = argparse.ArgumentParser(
@@ -870,37 +866,41 @@ def build_parser() -> argparse.ArgumentParser:
         "vs PyTorch's generic split; grouped GEMM, recomputed activation, fused main_grad, FP8).",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="small shapes (256 tokens), 2 reps: a smoke run"
+        "--quick",
+        action="store_true",
+        help="a smoke run: the defaults become "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in _QUICK.items())
+        + " (options given explicitly still apply)",
     )
     parser.add_argument(
         "--tokens",
-        type=_positive_int,
-        default=2048,
-        help="rows of each input (default: %(default)s)",
+        type=positive_int,
+        default=None,
+        help=f"rows of each input (default: {_DEFAULTS['tokens']})",
     )
     parser.add_argument(
         "--hidden",
-        type=_positive_int,
-        default=1024,
-        help="in_features, hidden_size for LayerNormMLP (default: %(default)s)",
+        type=positive_int,
+        default=None,
+        help=f"in_features, hidden_size for LayerNormMLP (default: {_DEFAULTS['hidden']})",
     )
     parser.add_argument(
         "--ffn",
-        type=_positive_int,
-        default=4096,
-        help="out_features, ffn_hidden_size for LayerNormMLP (default: %(default)s)",
+        type=positive_int,
+        default=None,
+        help=f"out_features, ffn_hidden_size for LayerNormMLP (default: {_DEFAULTS['ffn']})",
     )
     parser.add_argument(
         "--groups",
-        type=_positive_int,
+        type=positive_int,
         default=8,
         help="GroupedLinear's num_gemms (default: %(default)s)",
     )
     parser.add_argument(
         "--reps",
-        type=_positive_int,
-        default=5,
-        help="repetitions, medians printed (default: %(default)s)",
+        type=positive_int,
+        default=None,
+        help=f"repetitions, medians printed (default: {_DEFAULTS['reps']})",
     )
     parser.add_argument(
         "--dtypes",
@@ -915,10 +915,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-fp8", action="store_true", help="skip the FP8 section")
     parser.add_argument(
         "--small-reps",
-        type=_positive_int,
-        default=301,
+        type=positive_int,
+        default=None,
         help="interleaved repetitions of the small-shape and torch.compile sections "
-        "(default: %(default)s; --quick: 21)",
+        f"(default: {_DEFAULTS['small_reps']})",
     )
     parser.add_argument(
         "--no-main", action="store_true", help="skip the main table (the realistic shapes)"
@@ -931,7 +931,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--threads",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="torch.set_num_threads before measuring (default: torch's own choice)",
     )
@@ -949,7 +949,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="where modules and tensors live (default: %(default)s); the GEMM paths each "
         "module took are printed after the tables",
     )
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument(
+        "--json", type=output_file, metavar="PATH", help="also write the results as JSON"
+    )
     return parser
 
 
@@ -958,10 +960,13 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     ``kinds`` added; a bad value exits with status 2 and a message naming it (nothing runs)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.quick:
-        args.shapes, args.reps = Shapes(256, 128, 512, args.groups), 2
-    else:
-        args.shapes = Shapes(args.tokens, args.hidden, args.ffn, args.groups)
+    for name, value in (_QUICK if args.quick else _DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.shapes = Shapes(args.tokens, args.hidden, args.ffn, args.groups)
+    sections = ("--no-main", "--no-fp8", "--no-small", "--no-compile")
+    if all(getattr(args, flag[2:].replace("-", "_")) for flag in sections):
+        parser.error(f"{' '.join(sections)}: every section is off, nothing to measure")
     args.dtype_list = [
         getattr(torch, d) for d in _choices(parser, "--dtypes", args.dtypes, DTYPE_CHOICES)
     ]
@@ -1005,7 +1010,7 @@ def main(argv: list[str] | None = None) -> int:
     if fp8_rows:
         _print_fp8_table(fp8_rows, shapes)
     _print_paths(rows, fp8_rows)
-    small_reps = 21 if args.quick else args.small_reps
+    small_reps = args.small_reps
     small_rows = [] if args.no_small else run_small(dtypes, kinds, small_reps)
     if small_rows:
         _print_small_table(small_rows, small_reps)

@@ -8,13 +8,9 @@ import json
 import math
 
 import pytest
-from splitgrad.distributed import bench
-from splitgrad.distributed.bench import (
-    MoEBenchConfig,
-    PipelineBenchConfig,
-    run_moe_bench,
-    run_pipeline_bench,
-)
+from splitgrad.bench import actions, moe, pipeline
+from splitgrad.bench.moe import MoEBenchConfig, run_moe_bench
+from splitgrad.bench.pipeline import PipelineBenchConfig, run_pipeline_bench
 
 pytestmark = pytest.mark.distributed
 
@@ -40,7 +36,7 @@ def test_pipeline_bench_runs_each_schedule_next_to_torchs_split(tmp_path):
             assert by_key[(s, v)]["held_mib"] > 0, (s, v)
     # the timeline: one Chrome trace event per action of the last step, every rank present
     path = tmp_path / "timeline.json"
-    bench._write_timeline(str(path), cfg, per_rank)
+    pipeline._write_timeline(str(path), cfg, per_rank)
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     expected = sum(len(res[k]["steps"][-1]["spans"]) for res in per_rank for k in res)
     assert len(events) == expected and {e["tid"] for e in events} == {0, 1}
@@ -58,9 +54,9 @@ def test_held_between_b_and_w_sums_what_pending_w_actions_release():
         span("W", 0, 5, -100),  # releases 100 held since I0
         span("W", 1, 6, -250),  # releases 250 held since I1
     ]
-    assert bench._held_between_b_and_w(spans) == 350.0
-    assert bench._held_between_b_and_w([span("F", 0, 1, 10), span("B", 0, 2, -10)]) is None
-    assert bench._activation_peak(spans) == 560.0  # after F1: 300 - 40 + 300
+    assert actions.held_between_b_and_w(spans) == 350.0
+    assert actions.held_between_b_and_w([span("F", 0, 1, 10), span("B", 0, 2, -10)]) is None
+    assert actions.activation_peak(spans) == 560.0  # after F1: 300 - 40 + 300
 
 
 @pytest.mark.parametrize(
@@ -82,7 +78,7 @@ def test_pipeline_command_refuses_bad_options_naming_them(argv, needle, capsys):
             pytest.skip("matplotlib is installed here: an image timeline is accepted")
         except ImportError:
             needle = "matplotlib"
-    assert bench.pipeline_main(argv) == 2
+    assert pipeline.pipeline_main(argv) == 2
     assert needle in capsys.readouterr().err
 
 
@@ -94,9 +90,9 @@ def test_moe_bench_times_the_three_modes_on_every_rank(capsys):
         assert set(res["times"]) == {"a2a", "dw", "both"}
         assert all(len(v) == 2 and all(t > 0 for t in v) for v in res["times"].values())
     assert sum(r["send_rows"] for r in per_rank) == 2 * 64  # every token dispatched once
-    bench._print_moe(cfg, per_rank, device, world)
+    moe._print_moe(cfg, per_rank, device, world)
     assert "a2a hidden" in capsys.readouterr().out
-    assert bench.moe_main(["--tokens", "0"]) == 2
+    assert moe.moe_main(["--tokens", "0"]) == 2
     assert "--tokens must be >= 1, got 0" in capsys.readouterr().err
 
 
@@ -104,7 +100,7 @@ def test_ranks_must_agree_with_torchrun(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "localhost")
-    assert bench.pipeline_main(["--ranks", "4", "--schedule", "1f1b"]) == 2
+    assert pipeline.pipeline_main(["--ranks", "4", "--schedule", "1f1b"]) == 2
     assert "--ranks 4 but torchrun started WORLD_SIZE=2" in capsys.readouterr().err
-    assert bench.moe_main(["--ranks", "3"]) == 2
+    assert moe.moe_main(["--ranks", "3"]) == 2
     assert "--ranks 3 but torchrun started WORLD_SIZE=2" in capsys.readouterr().err

@@ -1,6 +1,11 @@
-"""The ``splitgrad`` command: ``splitgrad verify`` (the property campaign),
-``splitgrad bench`` (speed and memory ratios), ``splitgrad distributed`` (P14-P16),
-``splitgrad pipeline`` and ``splitgrad moe`` (what the split buys across ranks)."""
+"""splitgrad.cli — the ``splitgrad`` command: ``splitgrad verify`` (the property campaign,
+:mod:`splitgrad.properties.verify`), ``splitgrad bench`` (speed and memory ratios,
+:mod:`splitgrad.bench.modules`), ``splitgrad distributed`` (P14-P16, :mod:`.distributed`),
+``splitgrad pipeline`` and ``splitgrad moe`` (what the split buys across ranks,
+:mod:`splitgrad.bench.pipeline`, :mod:`splitgrad.bench.moe`).
+
+It sits above every other package: it may import any of them, and none imports it. Each command
+is imported only when run, so ``splitgrad --help`` stays cheap."""
 
 from __future__ import annotations
 
@@ -48,28 +53,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command == "verify":
-        from .verify import main as verify_main
+        from splitgrad.properties.verify import main as verify_main
 
         return verify_main(rest)
     if command == "bench":
-        from splitgrad.impl.bench import main as bench_main
+        from splitgrad.bench.modules import main as bench_main
 
         return bench_main(rest)
     if command == "distributed":
-        from splitgrad.distributed.cli import main as distributed_main
+        from .distributed import main as distributed_main
 
         return distributed_main(rest)
     if command == "pipeline":
-        from splitgrad.distributed.bench import pipeline_main
+        from splitgrad.bench.pipeline import pipeline_main
 
         return pipeline_main(rest)
     if command == "moe":
-        from splitgrad.distributed.bench import moe_main
+        from splitgrad.bench.moe import moe_main
 
         return moe_main(rest)
     print(f"splitgrad: unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)
     return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

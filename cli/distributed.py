@@ -6,7 +6,9 @@ import argparse
 import sys
 import time
 
-from . import conformance
+from splitgrad.bench.options import positive_float
+from splitgrad.bench.ranks import check_backend
+from splitgrad.distributed import conformance
 
 _CHECKS = ("p14", "p15", "p16", "p16-pp")
 
@@ -50,73 +52,83 @@ def _parser() -> argparse.ArgumentParser:
         "(default: none)",
     )
     p.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds per check before it fails (600)"
+        "--timeout",
+        type=positive_float,
+        default=600.0,
+        help="seconds per check before it fails (600)",
     )
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def _plan(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...], tuple]:
+    """(checks, schedules, recipes) the command line asks for; ``ValueError`` naming a bad
+    option, raised before any rank starts."""
     checks = [c.strip() for c in args.check.split(",") if c.strip()]
     unknown = [c for c in checks if c not in _CHECKS]
-    if unknown:
-        print(
-            f"splitgrad distributed: unknown checks {unknown}; choose from {_CHECKS}",
-            file=sys.stderr,
+    if unknown or not checks:
+        raise ValueError(
+            f"unknown checks {unknown or [args.check]}; choose from {', '.join(_CHECKS)}"
         )
-        return 2
     recipes = tuple(None if r == "none" else r for r in args.recipes.split(","))
     bad = [r for r in recipes if r is not None and r not in conformance.RECIPES]
     if bad:
-        print(f"splitgrad distributed: unknown recipes {bad}", file=sys.stderr)
-        return 2
+        raise ValueError(
+            f"unknown recipes {bad}; choose from none, {', '.join(conformance.RECIPES)}"
+        )
     schedules = tuple(s for s in args.schedules.split(",") if s)
     wrong = [s for s in schedules if s not in conformance.SCHEDULES]
     if wrong or not schedules:
-        print(
-            f"splitgrad distributed: unknown schedules {wrong or [args.schedules]}; choose from "
-            f"{', '.join(conformance.SCHEDULES)}",
-            file=sys.stderr,
+        raise ValueError(
+            f"unknown schedules {wrong or [args.schedules]}; choose from "
+            f"{', '.join(conformance.SCHEDULES)}"
         )
-        return 2
     if args.world_size is not None:
         if args.world_size < 1:
-            print(
-                f"splitgrad distributed: --world-size must be >= 1, got {args.world_size}",
-                file=sys.stderr,
-            )
-            return 2
+            raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
         fixed = [c for c in checks if c != "p15"]
         if fixed:
-            print(
-                f"splitgrad distributed: --world-size {args.world_size} sets p15's pipeline "
-                f"ranks only, but {fixed} run on fixed worlds (p14 and p16: 2 ranks, p16-pp: "
-                "4); use --check p15 with it",
-                file=sys.stderr,
+            raise ValueError(
+                f"--world-size {args.world_size} sets p15's pipeline ranks only, but {fixed} "
+                "run on fixed worlds (p14 and p16: 2 ranks, p16-pp: 4); use --check p15 with it"
             )
-            return 2
-    runs = {
-        "p14": lambda: conformance.check_expert_parallel(args.backend, timeout_s=args.timeout),
+    check_backend(args.backend)
+    return checks, schedules, recipes
+
+
+def _runs(args: argparse.Namespace, schedules: tuple[str, ...], recipes: tuple) -> dict:
+    """Each check's run, by name."""
+    backend, timeout = args.backend, args.timeout
+    return {
+        "p14": lambda: conformance.check_expert_parallel(backend, timeout_s=timeout),
         "p15": lambda: conformance.check_pipeline(
-            args.backend,
+            backend,
             world_size=args.world_size or 2,
             schedules=schedules,
             recipes=recipes,
-            timeout_s=args.timeout,
+            timeout_s=timeout,
         ),
         "p16": lambda: conformance.merge_reports(
-            f"P16 {args.backend} alone and under fully_shard",
-            conformance.check_data_parallel(args.backend, timeout_s=args.timeout),
-            conformance.check_fully_sharded(args.backend, timeout_s=args.timeout),
+            f"P16 {backend} alone and under fully_shard",
+            conformance.check_data_parallel(backend, timeout_s=timeout),
+            conformance.check_fully_sharded(backend, timeout_s=timeout),
         ),
         "p16-pp": lambda: conformance.merge_reports(
-            f"P16 x P15 {args.backend}: replicated and under fully_shard",
-            conformance.check_pipeline_data_parallel(args.backend, timeout_s=args.timeout),
-            conformance.check_pipeline_data_parallel(
-                args.backend, timeout_s=args.timeout, fully_shard=True
-            ),
+            f"P16 x P15 {backend}: replicated and under fully_shard",
+            conformance.check_pipeline_data_parallel(backend, timeout_s=timeout),
+            conformance.check_pipeline_data_parallel(backend, timeout_s=timeout, fully_shard=True),
         ),
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``splitgrad distributed``."""
+    args = _parser().parse_args(argv)
+    try:
+        checks, schedules, recipes = _plan(args)
+    except ValueError as exc:
+        print(f"splitgrad distributed: {exc}", file=sys.stderr)
+        return 2
+    runs = _runs(args, schedules, recipes)
     failed = False
     print(f"splitgrad distributed — backend {args.backend}")
     for name in checks:
@@ -137,7 +149,3 @@ def main(argv: list[str] | None = None) -> int:
         for line in report.failures[:20]:
             print(f"        {line}")
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
