@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from .strategies import GATED, KINDS, Case, ModuleConfig, make_recipe
+from .variants import PartialBackward
 
 __all__ = [
     "Deviation",
@@ -732,30 +733,124 @@ _NORM_KINDS = ("LayerNormLinear", "LayerNormMLP")
 _PIPELINING = "torch.distributed.pipelining._backward"
 
 
-def _torch_split_deviations() -> list[Deviation]:
-    """What PyTorch's generic split (as the ``torch-split`` adapter drives it) does differently
-    from SPEC.md."""
-    # P18's own first: a delayed substitution's failure may also be over a budget, which a
-    # budget deviation below would otherwise claim.
-    out = _torch_split_p18_deviations()
-    for pid in ("P2", "P5", "P6", "P17"):
-        out.append(
-            Deviation(
-                pid,
-                "norm-parameter gradients are deferred too: stage_backward_input computes input "
-                "gradients only, every parameter (norm gamma/beta included) waits for "
-                "stage_backward_weight",
-                _PIPELINING,
-                applies=_delayed_norm_case,
-                matches="layer_norm_",
-                kinds=_NORM_KINDS,
-                strict=pid != "P17",
-            )
+def _delayed(variant: str) -> Callable[[Case], bool]:
+    return lambda case: case.delay and case.variant == variant
+
+
+def _delayed_p18(variant: str, summary: str, reference: str, strict: bool = False) -> Deviation:
+    """A P18 deviation that shows on ``variant``'s cases under delay (their messages name the
+    variant and the delay)."""
+    return Deviation(
+        "P18",
+        summary,
+        reference,
+        applies=_delayed(variant),
+        matches=f"P18 {variant} (delay",
+        strict=strict,
+    )
+
+
+# P18 (autograd fidelity) under delay: what stage_backward_input / stage_backward_weight do with
+# substituted, parametrized and hooked parameters and with a second backward.
+_TORCH_SPLIT_P18 = (
+    _delayed_p18(
+        "functional_call",
+        "leaves substituted by torch.func.functional_call never get their gradient under "
+        "delay: stage_backward_input / stage_backward_weight are handed the stage module's "
+        "own parameters() (as a PipelineStage hands them), and the substituted leaves are "
+        "not among them",
+        _PIPELINING,
+        strict=True,
+    ),
+    _delayed_p18(
+        "parametrize",
+        "under delay a parametrized weight's original waits for stage_backward_weight like "
+        "every parameter: original.grad is not there after backward() and an entry is "
+        "queued for it (SPEC §3: a weight that is not a leaf gets its gradient during "
+        "backward, nothing queued)",
+        _PIPELINING,
+    ),
+    Deviation(
+        "P18",
+        "norm-parameter gradients are deferred too, so their tensor hooks run in "
+        "backward_dw() (stage_backward_weight) rather than in backward()",
+        _PIPELINING,
+        applies=lambda case: (
+            case.delay
+            and case.variant == "tensor_hook"
+            and any(n.startswith("layer_norm_") for n in case.asked)
+        ),
+        matches="P18 tensor_hook (delay",
+        strict=False,
+    ),
+    _delayed_p18(
+        "tensor_hook_wrong_size",
+        "a W step that raises (a tensor hook returning a tensor of another size) has "
+        "consumed its entry: the parameter groups are popped before stage_backward_weight "
+        "runs them, as PipelineStage's backward_weight_one_chunk pops them",
+        _PIPELINING,
+    ),
+    _delayed_p18(
+        "post_accumulate_hook",
+        "post-accumulate hooks of deferred parameters never fire: stage_backward_weight "
+        "takes their gradients with torch.autograd.grad and adds them into .grad itself, "
+        "past autograd's accumulator (norm parameters, deferred too, never fire either)",
+        _PIPELINING,
+    ),
+    _delayed_p18(
+        "grad_of_grad",
+        "the backward of a penalty on gradients taken with create_graph=True goes through "
+        "stage_backward_input / stage_backward_weight like any backward under delay: no "
+        "stage input of that pass is left, and the second-order gradients are lost",
+        _PIPELINING,
+    ),
+    Deviation(
+        "P18",
+        "torch.func.vmap and jacrev of the twin's LayerNorm fail inside torch ('expected "
+        "scalar type BFloat16 but found Float'): with a zero-centred gamma the twin keeps "
+        "gamma + 1 and beta in float32 next to a bf16/fp16 input, as TE does, which "
+        "torch.nn.functional.layer_norm accepts on the CPU but its batching rule does not",
+        "torch.nn.functional.layer_norm",
+        applies=lambda case: (
+            case.config.zero_centered_gamma
+            and case.config.normalization == "LayerNorm"
+            and case.config.dtype in ("bfloat16", "float16")
+            and case.variant in ("func.vmap", "func.jacrev")
+        ),
+        matches="expected scalar type",
+        kinds=_NORM_KINDS,
+        strict=False,
+    ),
+    _delayed_p18(
+        "backward_create_graph",
+        "stage_backward_input has no create_graph: under delay the gradients it writes carry "
+        "no graph, so a second backward through them fails (no clear error naming the "
+        "module)",
+        _PIPELINING,
+    ),
+)
+
+
+def _torch_split_norm_deviations() -> list[Deviation]:
+    """The norm parameters under torch's split: deferred with the GEMMs, and torch's CPU
+    LayerNorm backward in low precision."""
+    out = [
+        Deviation(
+            pid,
+            "norm-parameter gradients are deferred too: stage_backward_input computes input "
+            "gradients only, every parameter (norm gamma/beta included) waits for "
+            "stage_backward_weight",
+            _PIPELINING,
+            applies=_delayed_norm_case,
+            matches="layer_norm_",
+            kinds=_NORM_KINDS,
+            strict=pid != "P17",
         )
+        for pid in ("P2", "P5", "P6", "P17")
+    ]
     for pid in ("P2", "P4", "P5", "P6", "P7", "P8", "P17", "P18"):
-        for tag in ("[dgrad budget]", "[norm_grad budget]", "[second_order budget]"):
-            if tag == "[second_order budget]" and pid != "P18":
-                continue
+        tags = ("[dgrad budget]", "[norm_grad budget]")
+        for tag in tags + (("[second_order budget]",) if pid == "P18" else ()):
             out.append(
                 Deviation(
                     pid,
@@ -771,172 +866,81 @@ def _torch_split_deviations() -> list[Deviation]:
                     strict=pid == "P2" and tag == "[dgrad budget]",
                 )
             )
-    for pid in ("P4", "P7"):
-        out.append(
-            Deviation(
-                pid,
-                "with every GEMM parameter frozen, the norm parameters' gradients still wait for "
-                "stage_backward_weight: one entry is queued per backward (SPEC §4: none)",
-                _PIPELINING,
-                applies=lambda case: case.config.has_norm and bool(case.frozen),
-                matches="pending_wgrad_count after ",
-                kinds=_NORM_KINDS,
-                strict=False,
-            )
+    return out + [
+        Deviation(
+            pid,
+            "with every GEMM parameter frozen, the norm parameters' gradients still wait for "
+            "stage_backward_weight: one entry is queued per backward (SPEC §4: none)",
+            _PIPELINING,
+            applies=lambda case: case.config.has_norm and bool(case.frozen),
+            matches="pending_wgrad_count after ",
+            kinds=_NORM_KINDS,
+            strict=False,
         )
-    out += [
-        Deviation(
-            "P7",
-            "one stage_backward_input call covers every use of the module in the graph: a "
-            "weight used twice queues one entry, not two (the gradients themselves are checked "
-            "first)",
-            _PIPELINING,
-            matches="pending_wgrad_count after one backward through two uses",
-        ),
-        Deviation(
-            "P7",
-            "a module chained on itself (y = m(m(x))) with a norm in front cannot be split: "
-            "stage_backward_weight fails with 'Trying to backward through the graph a second "
-            "time'",
-            _PIPELINING,
-            applies=lambda case: case.variant == "tied-chain",
-            matches="backward through the graph a second time",
-            kinds=_NORM_KINDS,
-            strict=False,
-        ),
-        Deviation(
-            "P11",
-            "with a norm in front (torch.nn.functional.layer_norm / rms_norm), the input and "
-            "saved activations of a micro-batch are still alive after stage_backward_weight",
-            _PIPELINING,
-            applies=lambda case: case.config.has_norm and case.delay,
-            matches="still alive",
-            kinds=_NORM_KINDS,
-            strict=False,
-        ),
-        Deviation(
-            "P17",
-            "backward(inputs=[parameters]) without a stage input, under delay: "
-            "stage_backward_input builds its parameter groups from the stage inputs' "
-            "gradients, so with none asked stage_backward_weight writes nothing and the asked "
-            "parameters never get their gradient",
-            _PIPELINING,
-            applies=lambda case: (
-                case.delay and case.variant.startswith("inputs") and "inp" not in case.asked
-            ),
-            matches="P17 inputs: ",
-            strict=False,
-        ),
-        Deviation(
-            "P10",
-            "no input validation: a wrong last dimension, dtype, device or m_splits fails "
-            "inside torch.nn.functional with RuntimeError, or not at all, instead of "
-            "ValueError/TypeError naming expected and actual",
-        ),
+        for pid in ("P4", "P7")
     ]
-    return out
 
 
-def _delayed(variant: str) -> Callable[[Case], bool]:
-    return lambda case: case.delay and case.variant == variant
+_TORCH_SPLIT_OTHERS = (
+    Deviation(
+        "P7",
+        "one stage_backward_input call covers every use of the module in the graph: a "
+        "weight used twice queues one entry, not two (the gradients themselves are checked "
+        "first)",
+        _PIPELINING,
+        matches="pending_wgrad_count after one backward through two uses",
+    ),
+    Deviation(
+        "P7",
+        "a module chained on itself (y = m(m(x))) with a norm in front cannot be split: "
+        "stage_backward_weight fails with 'Trying to backward through the graph a second "
+        "time'",
+        _PIPELINING,
+        applies=lambda case: case.variant == "tied-chain",
+        matches="backward through the graph a second time",
+        kinds=_NORM_KINDS,
+        strict=False,
+    ),
+    Deviation(
+        "P11",
+        "with a norm in front (torch.nn.functional.layer_norm / rms_norm), the input and "
+        "saved activations of a micro-batch are still alive after stage_backward_weight",
+        _PIPELINING,
+        applies=lambda case: case.config.has_norm and case.delay,
+        matches="still alive",
+        kinds=_NORM_KINDS,
+        strict=False,
+    ),
+    Deviation(
+        "P17",
+        "backward(inputs=[parameters]) without a stage input, under delay: "
+        "stage_backward_input builds its parameter groups from the stage inputs' "
+        "gradients, so with none asked stage_backward_weight writes nothing and the asked "
+        "parameters never get their gradient",
+        _PIPELINING,
+        applies=lambda case: (
+            case.delay
+            and isinstance(case.variant, PartialBackward)
+            and case.variant.mode == "inputs"
+            and "inp" not in case.asked
+        ),
+        matches="P17 inputs: ",
+        strict=False,
+    ),
+    Deviation(
+        "P10",
+        "no input validation: a wrong last dimension, dtype, device or m_splits fails "
+        "inside torch.nn.functional with RuntimeError, or not at all, instead of "
+        "ValueError/TypeError naming expected and actual",
+    ),
+)
 
 
-def _torch_split_p18_deviations() -> list[Deviation]:
-    """P18 (autograd fidelity) under delay: what stage_backward_input / stage_backward_weight
-    do with substituted, parametrized and hooked parameters and with a second backward."""
-    return [
-        Deviation(
-            "P18",
-            "leaves substituted by torch.func.functional_call never get their gradient under "
-            "delay: stage_backward_input / stage_backward_weight are handed the stage module's "
-            "own parameters() (as a PipelineStage hands them), and the substituted leaves are "
-            "not among them",
-            _PIPELINING,
-            applies=_delayed("functional_call"),
-            matches="P18 functional_call (delay",
-        ),
-        Deviation(
-            "P18",
-            "under delay a parametrized weight's original waits for stage_backward_weight like "
-            "every parameter: original.grad is not there after backward() and an entry is "
-            "queued for it (SPEC §3: a weight that is not a leaf gets its gradient during "
-            "backward, nothing queued)",
-            _PIPELINING,
-            applies=_delayed("parametrize"),
-            matches="P18 parametrize (delay",
-            strict=False,
-        ),
-        Deviation(
-            "P18",
-            "norm-parameter gradients are deferred too, so their tensor hooks run in "
-            "backward_dw() (stage_backward_weight) rather than in backward()",
-            _PIPELINING,
-            applies=lambda case: (
-                case.delay
-                and case.variant == "tensor_hook"
-                and any(n.startswith("layer_norm_") for n in case.asked)
-            ),
-            matches="P18 tensor_hook (delay",
-            strict=False,
-        ),
-        Deviation(
-            "P18",
-            "a W step that raises (a tensor hook returning a tensor of another size) has "
-            "consumed its entry: the parameter groups are popped before stage_backward_weight "
-            "runs them, as PipelineStage's backward_weight_one_chunk pops them",
-            _PIPELINING,
-            applies=_delayed("tensor_hook_wrong_size"),
-            matches="P18 tensor_hook_wrong_size (delay",
-            strict=False,
-        ),
-        Deviation(
-            "P18",
-            "post-accumulate hooks of deferred parameters never fire: stage_backward_weight "
-            "takes their gradients with torch.autograd.grad and adds them into .grad itself, "
-            "past autograd's accumulator (norm parameters, deferred too, never fire either)",
-            _PIPELINING,
-            applies=_delayed("post_accumulate_hook"),
-            matches="P18 post_accumulate_hook (delay",
-            strict=False,
-        ),
-        Deviation(
-            "P18",
-            "the backward of a penalty on gradients taken with create_graph=True goes through "
-            "stage_backward_input / stage_backward_weight like any backward under delay: no "
-            "stage input of that pass is left, and the second-order gradients are lost",
-            _PIPELINING,
-            applies=_delayed("grad_of_grad"),
-            matches="P18 grad_of_grad (delay",
-            strict=False,
-        ),
-        Deviation(
-            "P18",
-            "torch.func.vmap and jacrev of the twin's LayerNorm fail inside torch ('expected "
-            "scalar type BFloat16 but found Float'): with a zero-centred gamma the twin keeps "
-            "gamma + 1 and beta in float32 next to a bf16/fp16 input, as TE does, which "
-            "torch.nn.functional.layer_norm accepts on the CPU but its batching rule does not",
-            "torch.nn.functional.layer_norm",
-            applies=lambda case: (
-                case.config.zero_centered_gamma
-                and case.config.normalization == "LayerNorm"
-                and case.config.dtype in ("bfloat16", "float16")
-                and case.variant in ("func.vmap", "func.jacrev")
-            ),
-            matches="expected scalar type",
-            kinds=_NORM_KINDS,
-            strict=False,
-        ),
-        Deviation(
-            "P18",
-            "stage_backward_input has no create_graph: under delay the gradients it writes carry "
-            "no graph, so a second backward through them fails (no clear error naming the "
-            "module)",
-            _PIPELINING,
-            applies=_delayed("backward_create_graph"),
-            matches="P18 backward_create_graph (delay",
-            strict=False,
-        ),
-    ]
+def _torch_split_deviations() -> list[Deviation]:
+    """What PyTorch's generic split (as the ``torch-split`` adapter drives it) does differently
+    from SPEC.md. P18's own come first: a delayed substitution's failure may also be over a
+    budget, which a budget deviation would otherwise claim."""
+    return [*_TORCH_SPLIT_P18, *_torch_split_norm_deviations(), *_TORCH_SPLIT_OTHERS]
 
 
 def _low_precision_norm_case(case: Case) -> bool:
@@ -1174,105 +1178,91 @@ _TE_UNRUN = (
 )
 
 
-def _transformer_engine_p18_deviations() -> list[Deviation]:
-    """P18 (autograd fidelity) as TransformerEngine's source reads. Sources, from the search
-    index: ``TransformerEngineBaseModule.backward_dw`` (2025 ``module/base.py``): ``(wgrad,
-    bgrad), _ = self.wgrad_store.pop()``, then without fusion ``weight_tensor =
-    noop_cat(self._get_weight_tensors()); weight_tensor.grad = wgrad.to(...)``; ``_Linear.backward``
-    (a 2025 copy of ``module/linear.py``; the NVIDIA revisions indexed predate
-    ``delay_wgrad_compute``): under delay the wgrad GEMM goes to ``ctx.wgrad_store.put(...)`` and
-    the weight's gradient returned is ``wgrad = None``, or ``get_dummy_wgrad(...)`` when fused and
-    the weight has ``grad_added_to_main_grad``; ``_Linear`` is an ``autograd.Function`` with
-    ``forward(ctx, ...)`` and no ``setup_context`` (every indexed revision, and the module calls
-    ``_Linear.forward(None, ...)`` without grad). None of these was run here (no GPU), so each is
-    non-strict."""
-    return [
-        Deviation(
-            "P18",
-            "under delay backward_dw() sets .grad on the module's own weight attribute as it is "
-            "when backward_dw() runs (weight_tensor = noop_cat(self._get_weight_tensors()); "
-            "weight_tensor.grad = wgrad), not on the tensor the forward used: a leaf substituted "
-            "by torch.func.functional_call gets nothing, the module's own parameter gets its "
-            "gradient (and .grad is overwritten, issue #3437)" + _TE_UNRUN,
-            _TE_BACKWARD_DW,
-            applies=_delayed("functional_call"),
-            matches="P18 functional_call (delay",
-            strict=False,
+# P18 (autograd fidelity) as TransformerEngine's source reads, from the search index:
+# TransformerEngineBaseModule.backward_dw (2025 module/base.py): `(wgrad, bgrad), _ =
+# self.wgrad_store.pop()`, then without fusion `weight_tensor = noop_cat(
+# self._get_weight_tensors()); weight_tensor.grad = wgrad.to(...)`. _Linear.backward (a 2025 copy
+# of module/linear.py; the NVIDIA revisions indexed predate delay_wgrad_compute): under delay the
+# wgrad GEMM goes to ctx.wgrad_store.put(...) and the weight's gradient returned is None, or
+# get_dummy_wgrad(...) when fused and the weight has grad_added_to_main_grad. _Linear is an
+# autograd.Function with forward(ctx, ...) and no setup_context (every indexed revision; the
+# module calls _Linear.forward(None, ...) without grad). None was run here (no GPU): non-strict.
+_TE_P18 = (
+    _delayed_p18(
+        "functional_call",
+        "under delay backward_dw() sets .grad on the module's own weight attribute as it is "
+        "when backward_dw() runs (weight_tensor = noop_cat(self._get_weight_tensors()); "
+        "weight_tensor.grad = wgrad), not on the tensor the forward used: a leaf substituted "
+        "by torch.func.functional_call gets nothing, the module's own parameter gets its "
+        "gradient (and .grad is overwritten, issue #3437)" + _TE_UNRUN,
+        _TE_BACKWARD_DW,
+    ),
+    _delayed_p18(
+        "parametrize",
+        "under delay a parametrized weight is queued like a Parameter (_Linear.backward "
+        "returns None for it) and backward_dw() assigns .grad to the parametrization's output "
+        "recomputed at that moment, a non-leaf: original.grad stays None" + _TE_UNRUN,
+        _TE_BACKWARD_DW,
+    ),
+    Deviation(
+        "P18",
+        "under delay _Linear.backward returns None for the weight, so autograd's accumulator "
+        "calls the weight's tensor hooks with None in backward() (a hook that computes with "
+        "the gradient raises there), and backward_dw() writes .grad past the hooks: they "
+        "never see or replace the gradient, and a hook returning a wrong size raises "
+        "nothing" + _TE_UNRUN,
+        f"{_TE_LINEAR_BACKWARD}; {_TE_BACKWARD_DW}",
+        applies=lambda case: (
+            case.delay and case.variant in ("tensor_hook", "tensor_hook_wrong_size")
         ),
-        Deviation(
-            "P18",
-            "under delay a parametrized weight is queued like a Parameter (_Linear.backward "
-            "returns None for it) and backward_dw() assigns .grad to the parametrization's output "
-            "recomputed at that moment, a non-leaf: original.grad stays None" + _TE_UNRUN,
-            _TE_BACKWARD_DW,
-            applies=_delayed("parametrize"),
-            matches="P18 parametrize (delay",
-            strict=False,
+        matches="P18 tensor_hook",
+        strict=False,
+    ),
+    _delayed_p18(
+        "post_accumulate_hook",
+        "under delay a weight's post-accumulate hooks fire in backward() (autograd's "
+        "accumulator runs on the None gradient _Linear.backward returns), before the "
+        "deferred gradient exists, and not in backward_dw(), which sets .grad itself" + _TE_UNRUN,
+        f"{_TE_LINEAR_BACKWARD}; {_TE_BACKWARD_DW}",
+    ),
+    Deviation(
+        "P18",
+        "with fuse_wgrad_accumulation and a weight carrying grad_added_to_main_grad, "
+        "_Linear.backward returns a placeholder from get_dummy_wgrad(): a tensor hook on the "
+        "weight sees that placeholder instead of being refused, and its post-accumulate "
+        "hooks fire on it in backward(), before a delayed main_grad write" + _TE_UNRUN,
+        _TE_LINEAR_BACKWARD,
+        applies=lambda case: (
+            case.config.fuse_wgrad_accumulation
+            and case.variant in ("tensor_hook", "post_accumulate_hook")
         ),
-        Deviation(
-            "P18",
-            "under delay _Linear.backward returns None for the weight, so autograd's accumulator "
-            "calls the weight's tensor hooks with None in backward() (a hook that computes with "
-            "the gradient raises there), and backward_dw() writes .grad past the hooks: they "
-            "never see or replace the gradient, and a hook returning a wrong size raises "
-            "nothing" + _TE_UNRUN,
-            f"{_TE_LINEAR_BACKWARD}; {_TE_BACKWARD_DW}",
-            applies=lambda case: (
-                case.delay and case.variant in ("tensor_hook", "tensor_hook_wrong_size")
-            ),
-            matches="P18 tensor_hook",
-            strict=False,
-        ),
-        Deviation(
-            "P18",
-            "under delay a weight's post-accumulate hooks fire in backward() (autograd's "
-            "accumulator runs on the None gradient _Linear.backward returns), before the "
-            "deferred gradient exists, and not in backward_dw(), which sets .grad itself"
-            + _TE_UNRUN,
-            f"{_TE_LINEAR_BACKWARD}; {_TE_BACKWARD_DW}",
-            applies=_delayed("post_accumulate_hook"),
-            matches="P18 post_accumulate_hook (delay",
-            strict=False,
-        ),
-        Deviation(
-            "P18",
-            "with fuse_wgrad_accumulation and a weight carrying grad_added_to_main_grad, "
-            "_Linear.backward returns a placeholder from get_dummy_wgrad(): a tensor hook on the "
-            "weight sees that placeholder instead of being refused, and its post-accumulate "
-            "hooks fire on it in backward(), before a delayed main_grad write" + _TE_UNRUN,
-            _TE_LINEAR_BACKWARD,
-            applies=lambda case: (
-                case.config.fuse_wgrad_accumulation
-                and case.variant in ("tensor_hook", "post_accumulate_hook")
-            ),
-            matches="P18 ",
-            strict=False,
-        ),
-        Deviation(
-            "P18",
-            "torch.func transforms fail inside torch ('In order to use an autograd.Function with "
-            "functorch transforms ... it must override the setup_context staticmethod'), "
-            "without naming the module: TE's autograd Functions (_Linear, _LayerNormLinear, "
-            "_LayerNormMLP, _GroupedLinear) define forward(ctx, ...) and no setup_context"
-            + _TE_UNRUN,
-            _TE_LINEAR_BACKWARD,
-            applies=lambda case: case.variant.startswith("func."),
-            matches="P18 func.",
-            strict=False,
-        ),
-        Deviation(
-            "P18",
-            "a double backward (create_graph=True) differentiates nothing of TE's backward: it "
-            "runs TE's own GEMM and norm kernels, which autograd does not record, so the "
-            "second-order terms are missing or the second backward fails inside torch, without "
-            "naming the module (not confirmed: which of the two happens was not seen in the "
-            "source)" + _TE_UNRUN,
-            _TE_LINEAR_BACKWARD,
-            applies=lambda case: case.variant in ("grad_of_grad", "backward_create_graph"),
-            matches="P18 ",
-            strict=False,
-        ),
-    ]
+        matches="P18 ",
+        strict=False,
+    ),
+    Deviation(
+        "P18",
+        "torch.func transforms fail inside torch ('In order to use an autograd.Function with "
+        "functorch transforms ... it must override the setup_context staticmethod'), "
+        "without naming the module: TE's autograd Functions (_Linear, _LayerNormLinear, "
+        "_LayerNormMLP, _GroupedLinear) define forward(ctx, ...) and no setup_context" + _TE_UNRUN,
+        _TE_LINEAR_BACKWARD,
+        applies=lambda case: case.variant.startswith("func."),
+        matches="P18 func.",
+        strict=False,
+    ),
+    Deviation(
+        "P18",
+        "a double backward (create_graph=True) differentiates nothing of TE's backward: it "
+        "runs TE's own GEMM and norm kernels, which autograd does not record, so the "
+        "second-order terms are missing or the second backward fails inside torch, without "
+        "naming the module (not confirmed: which of the two happens was not seen in the "
+        "source)" + _TE_UNRUN,
+        _TE_LINEAR_BACKWARD,
+        applies=lambda case: case.variant in ("grad_of_grad", "backward_create_graph"),
+        matches="P18 ",
+        strict=False,
+    ),
+)
 
 
 _TE_LINEAR_MODULE = (
@@ -1280,37 +1270,34 @@ _TE_LINEAR_MODULE = (
     "_Linear.forward"
 )
 
-
-def _transformer_engine_protocol_deviations() -> list[Deviation]:
-    """P18's module-protocol kinds as TransformerEngine's source reads (a 2025
-    ``module/linear.py`` from the search index): ``Linear.__init__(..., device: Union[
-    torch.device, str] = "cuda", ...)`` creates ``weight_tensor = torch.empty(..., device=device,
-    ...)`` and calls ``self.reset_parameters(defer_init=device == "meta")``; ``_Linear.forward``
-    ends with ``return out.view(-1, *inp_shape[1:-1], out_features)``. Not run here (no GPU),
-    so each is non-strict."""
-    return [
-        Deviation(
-            "P18",
-            "the constructors default to device='cuda' rather than None: inside "
-            '`with torch.device("meta")` or after torch.set_default_device(...), a module '
-            "built without device= is created on CUDA (TE's own deferred initialization is "
-            "device='meta', then reset_parameters())" + _TE_UNRUN,
-            _TE_LINEAR_MODULE,
-            applies=lambda case: case.variant in ("module.placement", "module.reset_parameters"),
-            matches="P18 module.",
-            strict=False,
-        ),
-        Deviation(
-            "P18",
-            "_Linear.forward returns out.view(-1, *inp_shape[1:-1], out_features): the output "
-            "for a 2-D input is a view (DualPipe frees stage outputs in place and refuses "
-            "views)" + _TE_UNRUN,
-            _TE_LINEAR_MODULE,
-            applies=lambda case: case.variant == "module.output_not_view",
-            matches="P18 module.output_not_view",
-            strict=False,
-        ),
-    ]
+# P18's module-protocol kinds as TransformerEngine's source reads (a 2025 module/linear.py from
+# the search index): Linear.__init__(..., device: Union[torch.device, str] = "cuda", ...) creates
+# `weight_tensor = torch.empty(..., device=device, ...)` and calls
+# `self.reset_parameters(defer_init=device == "meta")`; _Linear.forward ends with
+# `return out.view(-1, *inp_shape[1:-1], out_features)`. Not run here (no GPU): non-strict.
+_TE_PROTOCOL = (
+    Deviation(
+        "P18",
+        "the constructors default to device='cuda' rather than None: inside "
+        '`with torch.device("meta")` or after torch.set_default_device(...), a module '
+        "built without device= is created on CUDA (TE's own deferred initialization is "
+        "device='meta', then reset_parameters())" + _TE_UNRUN,
+        _TE_LINEAR_MODULE,
+        applies=lambda case: case.variant in ("module.placement", "module.reset_parameters"),
+        matches="P18 module.",
+        strict=False,
+    ),
+    Deviation(
+        "P18",
+        "_Linear.forward returns out.view(-1, *inp_shape[1:-1], out_features): the output "
+        "for a 2-D input is a view (DualPipe frees stage outputs in place and refuses "
+        "views)" + _TE_UNRUN,
+        _TE_LINEAR_MODULE,
+        applies=lambda case: case.variant == "module.output_not_view",
+        matches="P18 module.output_not_view",
+        strict=False,
+    ),
+)
 
 
 class TransformerEngineBackend(LibraryBackend):
@@ -1353,8 +1340,8 @@ class TransformerEngineBackend(LibraryBackend):
             "SPEC.md §4",
             applies=lambda case: case.config.kind == "GroupedLinear",
         ),
-        *_transformer_engine_p18_deviations(),
-        *_transformer_engine_protocol_deviations(),
+        *_TE_P18,
+        *_TE_PROTOCOL,
     )
 
     def __init__(self) -> None:

@@ -2,8 +2,8 @@
 parameter's gradient writes nothing to it and queues nothing for it.
 
 A case runs 1-3 micro-batches on a module with prefilled ``.grad`` / ``main_grad``; one of them
-(``case.variant = "<mode>@<index>"``) gets a *partial* backward that asks only for
-``case.asked`` (``"inp"``, the input, and/or parameter names):
+(``case.variant``, a :class:`~.variants.PartialBackward`) gets a *partial* backward that asks
+only for ``case.asked`` (``"inp"``, the input, and/or parameter names):
 
 * ``grad``: ``torch.autograd.grad(y, asked, dy)``. Autograd returns the asked gradients and
   writes none: no parameter slot changes, nothing is queued, no hook fires, ``x.grad`` stays
@@ -25,6 +25,7 @@ micro-batch is the last (its forward moves the amax histories, which the twin wo
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 from hypothesis import strategies as st
@@ -35,117 +36,167 @@ from .results import CheckResult, PropertyViolation, Tracker
 from .runner import ModuleRun
 from .strategies import Case, cases
 from .truth import Step, judge_steps
+from .variants import INPUT_ONLY_MODES, PartialBackward
 
 __all__ = ["check_p17", "p17_cases", "MODES", "parse_variant"]
 
-MODES = ("grad", "inputs")
+MODES = INPUT_ONLY_MODES
 INPUT = "inp"
 
 
 def parse_variant(case: Case) -> tuple[str, int]:
-    """``(mode, index)`` of ``case.variant`` (``"grad@1"``); raises ``ValueError`` naming it."""
-    mode, _, index = case.variant.partition("@")
-    if mode not in MODES or not index.isdigit() or int(index) >= len(case.micro_batches):
+    """``(mode, index)`` of ``case.variant`` (a :class:`~.variants.PartialBackward`, string
+    form ``"grad@1"``); raises ``ValueError`` naming it when it is not one on a micro-batch of
+    the case."""
+    variant = case.variant
+    if not isinstance(variant, PartialBackward) or variant.micro_batch >= len(case.micro_batches):
         raise ValueError(
             f"P17 variant must be '<mode>@<micro-batch>' with mode in {MODES} and a micro-batch "
-            f"of the case, got {case.variant!r}"
+            f"of the case, got {str(variant)!r}"
         )
-    return mode, int(index)
+    return variant.mode, variant.micro_batch
 
 
 def _param(key: str) -> str:
     return key.split(".", 1)[0]
 
 
+@dataclasses.dataclass
+class _Partial:
+    """One P17 example under way: ``run`` gets the partial backward at micro-batch ``index``,
+    ``twin`` never runs that micro-batch; ``entries`` counts the queued (or hooked) entries,
+    ``xgrads`` the input gradients, ``returned`` what autograd.grad gave back."""
+
+    backend: Backend
+    case: Case
+    mode: str
+    index: int
+    t: Tracker
+    run: ModuleRun
+    twin: ModuleRun
+    entries: int = 0
+    xgrads: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
+    returned: dict[str, torch.Tensor | None] = dataclasses.field(default_factory=dict)
+
+    @property
+    def asked(self) -> set[str]:
+        return set(self.case.asked)
+
+    @property
+    def asked_params(self) -> list[str]:
+        return [n for n in self.run.params if n in self.asked]
+
+    @property
+    def asked_gemm(self) -> list[str]:
+        return [n for n in self.asked_params if n in self.run.gemm_names]
+
+    @property
+    def what(self) -> str:
+        return f"{self.mode} asking for {sorted(self.asked)} at micro-batch {self.index}"
+
+
 def check_p17(backend: Backend, case: Case) -> CheckResult:
     """P17 on ``case`` (see the module docstring)."""
     mode, index = parse_variant(case)
-    asked = set(case.asked)
-    t = Tracker()
     data = make_micro_batches(case)
     run = ModuleRun(backend, case, delay=case.delay, prefill_grads=True)
     twin = ModuleRun(backend, case, delay=case.delay, prefill_grads=True)
-    unknown = asked - set(run.params) - {INPUT}
+    p = _Partial(backend, case, mode, index, Tracker(), run, twin, xgrads=[None] * len(data))
+    unknown = p.asked - set(run.params) - {INPUT}
     if unknown:
         raise ValueError(f"P17 case asks for unknown tensors {sorted(unknown)}")
-    asked_params = [n for n in run.params if n in asked]
-    asked_gemm = [n for n in asked_params if n in run.gemm_names]
-    what = f"{mode} asking for {sorted(asked)} at micro-batch {index}"
-    hooks_per_entry = run.hook_count
-    entries = 0
-    xgrads: list[torch.Tensor | None] = [None] * len(data)
-    returned: dict[str, torch.Tensor | None] = {}
     for i, d in enumerate(data):
         if i != index:
-            x, _ = run.fb(d)
-            xt, _ = twin.fb(d)
-            xgrads[i] = None if x.grad is None else x.grad.detach().clone()
-            t.bitwise(f"inp.grad[micro-batch {i}] (full backward) vs twin", x.grad, xt.grad)
-            entries += 1
-            continue
-        before = run.all_snapshot()
-        pending, calls = run.pending(), len(run.hook_calls)
-        x = d.fresh_input()
-        y = run.forward(x, d.spec.m_splits, d.spec.is_first_microbatch)
-        inputs = ([x] if INPUT in asked else []) + [run.params[n] for n in asked_params]
-        if mode == "grad":
-            got = backend.grad(run.module, [y], [d.dy], inputs)
-            if len(got) != len(inputs):
-                raise PropertyViolation(
-                    f"{what}: torch.autograd.grad returned {len(got)} gradients for "
-                    f"{len(inputs)} inputs"
-                )
-            names = ([INPUT] if INPUT in asked else []) + asked_params
-            returned = dict(zip(names, got))
-            xgrads[i] = returned.get(INPUT)
-            t.expect(x.grad is None, f"{what}: autograd.grad wrote x.grad")
-            t.bitwise_all(f"{what}: written by autograd.grad: ", run.all_snapshot(), before)
-            t.equal(f"{what}: pending_wgrad_count", run.pending(), pending)
-            t.equal(f"{what}: hook calls", len(run.hook_calls), calls)
+            _full_backward(p, i, d)
         else:
-            backend.backward(run.module, [y], [d.dy], inputs=inputs)
-            t.expect(
-                (x.grad is not None) == (INPUT in asked),
-                f"{what}: x.grad is {'None' if x.grad is None else 'set'}",
-            )
-            xgrads[i] = None if x.grad is None else x.grad.detach().clone()
-            queued = 1 if case.delay and asked_gemm else 0
-            t.equal(f"{what}: pending_wgrad_count", run.pending(), pending + queued)
-            fired = hooks_per_entry if asked_gemm and not case.delay else 0
-            t.equal(
-                f"{what}: hook calls right after the backward", len(run.hook_calls) - calls, fired
-            )
-            now = run.all_snapshot()
-            # Not asked: untouched. Asked GEMM parameters under delay: untouched until dw.
-            untouched = {
-                k: v
-                for k, v in now.items()
-                if _param(k) not in asked or (case.delay and _param(k) in run.gemm_names)
-            }
-            t.bitwise_all(
-                f"{what}: changed by the backward: ",
-                untouched,
-                {k: before[k] for k in untouched},
-            )
-            entries += 1 if asked_gemm else 0
-    run.drain()
-    twin.drain()
-    t.equal("pending_wgrad_count after draining", run.pending(), 0)
-    t.equal(
-        f"hook calls over the run ({what})",
-        len(run.hook_calls),
-        hooks_per_entry * entries,
+            # The state before the partial micro-batch's forward: what it may change.
+            before = _Before(run.all_snapshot(), run.pending(), len(run.hook_calls))
+            x = d.fresh_input()
+            y = run.forward(x, d.spec.m_splits, d.spec.is_first_microbatch)
+            (_by_autograd_grad if mode == "grad" else _by_backward_inputs)(p, d, x, y, before)
+    _after_draining(p)
+    _judge_asked(p.t, case, mode, index, p.asked, p.xgrads, p.returned, run)
+    return p.t.result
+
+
+def _full_backward(p: _Partial, i: int, d) -> None:
+    x, _ = p.run.fb(d)
+    xt, _ = p.twin.fb(d)
+    p.xgrads[i] = None if x.grad is None else x.grad.detach().clone()
+    p.t.bitwise(f"inp.grad[micro-batch {i}] (full backward) vs twin", x.grad, xt.grad)
+    p.entries += 1
+
+
+def _inputs_of(p: _Partial, x: torch.Tensor) -> list[torch.Tensor]:
+    return ([x] if INPUT in p.asked else []) + [p.run.params[n] for n in p.asked_params]
+
+
+class _Before(NamedTuple):
+    snapshot: dict[str, torch.Tensor | None]
+    pending: int
+    hook_calls: int
+
+
+def _by_autograd_grad(p: _Partial, d, x: torch.Tensor, y: torch.Tensor, b: _Before) -> None:
+    """``torch.autograd.grad``: the asked gradients come back, nothing is written or queued."""
+    run, t, what = p.run, p.t, p.what
+    before, pending, calls = b
+    inputs = _inputs_of(p, x)
+    got = p.backend.grad(run.module, [y], [d.dy], inputs)
+    if len(got) != len(inputs):
+        raise PropertyViolation(
+            f"{what}: torch.autograd.grad returned {len(got)} gradients for {len(inputs)} inputs"
+        )
+    names = ([INPUT] if INPUT in p.asked else []) + p.asked_params
+    p.returned = dict(zip(names, got))
+    p.xgrads[p.index] = p.returned.get(INPUT)
+    t.expect(x.grad is None, f"{what}: autograd.grad wrote x.grad")
+    t.bitwise_all(f"{what}: written by autograd.grad: ", run.all_snapshot(), before)
+    t.equal(f"{what}: pending_wgrad_count", run.pending(), pending)
+    t.equal(f"{what}: hook calls", len(run.hook_calls), calls)
+
+
+def _by_backward_inputs(p: _Partial, d, x: torch.Tensor, y: torch.Tensor, b: _Before) -> None:
+    """``backward(inputs=...)``: the asked gradients are written (or queued), nothing else."""
+    run, t, what, delay = p.run, p.t, p.what, p.case.delay
+    before, pending, calls = b
+    p.backend.backward(run.module, [y], [d.dy], inputs=_inputs_of(p, x))
+    t.expect(
+        (x.grad is not None) == (INPUT in p.asked),
+        f"{what}: x.grad is {'None' if x.grad is None else 'set'}",
     )
-    final, skipped = run.all_snapshot(), twin.all_snapshot()
+    p.xgrads[p.index] = None if x.grad is None else x.grad.detach().clone()
+    queued = 1 if delay and p.asked_gemm else 0
+    t.equal(f"{what}: pending_wgrad_count", run.pending(), pending + queued)
+    fired = run.hook_count if p.asked_gemm and not delay else 0
+    t.equal(f"{what}: hook calls right after the backward", len(run.hook_calls) - calls, fired)
+    # Not asked: untouched. Asked GEMM parameters under delay: untouched until dw.
+    untouched = {
+        k: v
+        for k, v in run.all_snapshot().items()
+        if _param(k) not in p.asked or (delay and _param(k) in run.gemm_names)
+    }
+    t.bitwise_all(
+        f"{what}: changed by the backward: ", untouched, {k: before[k] for k in untouched}
+    )
+    p.entries += 1 if p.asked_gemm else 0
+
+
+def _after_draining(p: _Partial) -> None:
+    """Every entry ran its hooks once; what was not asked equals the twin's, bitwise."""
+    run, t, what = p.run, p.t, p.what
+    run.drain()
+    p.twin.drain()
+    t.equal("pending_wgrad_count after draining", run.pending(), 0)
+    t.equal(f"hook calls over the run ({what})", len(run.hook_calls), run.hook_count * p.entries)
+    final, skipped = run.all_snapshot(), p.twin.all_snapshot()
     for key in sorted(final):
-        if mode == "grad" or _param(key) not in asked:
+        if p.mode == "grad" or _param(key) not in p.asked:
             t.bitwise(
-                f"{key} after draining, vs a twin that never ran micro-batch {index} ({what})",
+                f"{key} after draining, vs a twin that never ran micro-batch {p.index} ({what})",
                 final[key],
                 skipped.get(key),
             )
-    _judge_asked(t, case, mode, index, asked, xgrads, returned, run)
-    return t.result
 
 
 def _judge_asked(t, case, mode, index, asked, xgrads, returned, run) -> None:
@@ -189,7 +240,7 @@ def _judge_asked(t, case, mode, index, asked, xgrads, returned, run) -> None:
 @st.composite
 def p17_cases(draw, kinds, dtypes, devices, recipes):
     """1-3 micro-batches with prefills; one gets a partial backward (``variant``
-    ``"grad@i"``/``"inputs@i"``) asking for a drawn subset of the input and the parameters
+    ``PartialBackward(mode, i)``) asking for a drawn subset of the input and the parameters
     (``asked``; never empty)."""
     case = draw(cases(kinds, dtypes, devices, recipes=recipes))
     n = len(case.micro_batches)
@@ -204,4 +255,4 @@ def p17_cases(draw, kinds, dtypes, devices, recipes):
     with_x = draw(st.booleans()) if params else True
     asked = ((INPUT,) if with_x else ()) + params
     mode = draw(st.sampled_from(MODES))
-    return dataclasses.replace(case, variant=f"{mode}@{index}", asked=asked)
+    return dataclasses.replace(case, variant=PartialBackward(mode, index), asked=asked)

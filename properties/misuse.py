@@ -5,21 +5,23 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from hypothesis import strategies as st
 
 from .backends import Backend
-from .data import GEMM_WEIGHT, make_micro_batches, param_specs
+from .data import GEMM_WEIGHT, MicroBatchData, make_micro_batches, param_specs
 from .results import CheckResult, PropertyViolation, Tracker
 from .runner import ModuleRun
 from .strategies import KINDS, Case, ModuleConfig, boundary_cases, cases, make_recipe
+from .variants import MISUSES, Misuse
 
 __all__ = [
     "UB_MESSAGE",
@@ -148,7 +150,6 @@ def check_p9(backend: Backend, case: Case) -> CheckResult:
     return t.result
 
 
-# =============================================================================================
 # P10: bad input and misuse
 # =============================================================================================
 
@@ -209,26 +210,6 @@ def misuses(config: ModuleConfig, delay: bool) -> list[str]:
     return out
 
 
-MISUSES = (
-    "bad_last_dim",
-    "bad_dtype",
-    "bad_device",
-    "dw_empty",
-    "dw_no_delay",
-    "bad_ctor",
-    "hook_raises",
-    "m_splits_len",
-    "m_splits_negative",
-    "m_splits_sum",
-    "main_grad_missing",
-    "main_grad_shape",
-    "main_grad_dtype",
-    "main_grad_device",
-    "wgrad_fails",
-    "fp8_tokens",
-    "fp8_features",
-)
-
 # How a message may name the dimension a block recipe cannot quantize.
 _TOKEN_WORDS = ("tokens", "rows")
 _FEATURE_WORDS = ("in_features", "out_features", "hidden_size", "ffn_hidden_size")
@@ -251,215 +232,315 @@ class _HookError(Exception):
     pass
 
 
-def check_p10(backend: Backend, case: Case) -> CheckResult:
-    """P10: the misuse named by ``case.variant`` raises the SPEC error, with a message naming
-    the offending value, and leaves parameters, gradients, ``main_grad`` and the queue exactly
-    as they were (bitwise); a valid micro-batch afterwards still matches a fresh module."""
-    t = Tracker()
-    config, misuse = case.config, case.variant.split(":")[0]
-    target = case.variant.split(":")[1] if ":" in case.variant else None
-    data = make_micro_batches(case)
-    d = data[0]
-    run = ModuleRun(backend, case, delay=case.delay, prefill_grads=True)
-    before, pending = _state_snapshot(run), run.pending()
-    dt = config.torch_dtype
-    splits = d.spec.m_splits
-    inp = d.fresh_input()
+@dataclasses.dataclass
+class _Misused:
+    """One P10 example under way: the module the misuse is tried on (``run``), the state it
+    must keep (``before``, ``pending``), the micro-batch ``d`` and the input ``inp`` tried."""
 
-    flag = d.spec.is_first_microbatch
+    backend: Backend
+    case: Case
+    t: Tracker
+    run: ModuleRun
+    d: MicroBatchData
+    inp: torch.Tensor
+    before: dict[str, Any]
+    pending: int
 
-    def call(x, ms=splits):
-        return run.forward(x, ms, flag)
+    @classmethod
+    def start(cls, backend: Backend, case: Case) -> _Misused:
+        d = make_micro_batches(case)[0]
+        run = ModuleRun(backend, case, delay=case.delay, prefill_grads=True)
+        before, pending = _state_snapshot(run), run.pending()
+        return cls(backend, case, Tracker(), run, d, d.fresh_input(), before, pending)
 
-    if misuse == "bad_last_dim":
-        bad = torch.zeros(*d.spec.lead_shape, config.in_features + 1, dtype=dt, requires_grad=True)
-        _expect_raises(
-            t,
-            "wrong last dimension",
-            lambda: call(bad),
-            (ValueError,),
-            str(config.in_features),
-            str(config.in_features + 1),
-        )
-    elif misuse == "bad_dtype":
-        other = torch.float64 if dt != torch.float64 else torch.float32
-        _expect_raises(
-            t,
-            "wrong input dtype",
-            lambda: call(inp.detach().to(other)),
-            (TypeError, ValueError),
-            _dtype_name(dt),
-            _dtype_name(other),
-        )
-    elif misuse == "bad_device":
-        _expect_raises(
-            t,
-            "wrong input device",
-            lambda: call(inp.detach().to("meta")),
-            (ValueError, TypeError),
-            "meta",
-            config.device,
-        )
-    elif misuse in ("m_splits_len", "m_splits_negative", "m_splits_sum"):
-        s = list(splits or [])
-        if misuse == "m_splits_len":
-            ms = s + [0]
-        elif misuse == "m_splits_negative":
-            ms = [-1] + s[1:-1] + [s[-1] + 1 + s[0]] if len(s) > 1 else [-1]
-        else:
-            ms = s[:-1] + [s[-1] + 1]
-        _expect_raises(
-            t,
-            f"m_splits={ms}",
-            lambda: call(inp, ms),
-            (ValueError,),
-            str(ms[-1]) if misuse != "m_splits_negative" else "-1",
-        )
-    elif misuse == "fp8_tokens":
-        # One more half-block of rows (in the first group for GroupedLinear).
-        extra = config.alignment // 2
-        if config.kind == "GroupedLinear":
-            ms = [splits[0] + extra, *splits[1:]]
-            bad = torch.zeros(sum(ms), config.in_features, dtype=dt, requires_grad=True)
-            size = ms[0]
-        else:
-            bad = torch.zeros(d.spec.rows + extra, config.in_features, dtype=dt)
-            bad.requires_grad_(True)
-            ms, size = None, d.spec.rows + extra
-        _expect_fp8_shape_error(
-            t,
-            f"{size} tokens under {config.recipe}",
-            lambda: call(bad, ms),
-            config,
-            size,
-            _TOKEN_WORDS,
-        )
-    elif misuse == "fp8_features":
-        # A module whose in_features is half a block off; its forward must refuse, untouched.
-        size = config.in_features + config.alignment // 2
-        odd = ModuleRun(
-            backend, case, delay=run.delay, config=dataclasses.replace(config, in_features=size)
-        )
-        x = torch.zeros(*d.spec.lead_shape, size, dtype=dt, requires_grad=True)
-        odd_before = _state_snapshot(odd)
-        _expect_fp8_shape_error(
-            t,
-            f"in_features={size} under {config.recipe}",
-            lambda: odd.forward(x, splits, None),
-            config,
-            size,
-            _FEATURE_WORDS,
-        )
-        _unchanged(t, "the module that refused", odd, odd_before, 0)
-    elif misuse == "dw_empty":
-        if run.delay:
-            _expect_raises(
-                t, "backward_dw() with nothing pending", run.dw, (RuntimeError,), "pending"
-            )
-            run.fb(d)
-            run.dw()
-            before, pending = _state_snapshot(run), run.pending()
-            _expect_raises(
-                t, "backward_dw() after the queue drained", run.dw, (RuntimeError,), "pending"
-            )
-        else:
-            run.dw()  # must be a no-op on a module built without delay
-    elif misuse == "dw_no_delay":
-        run = ModuleRun(backend, case, delay=False, prefill_grads=True)
-        run.fb(d)
-        before, pending, calls = _state_snapshot(run), run.pending(), len(run.hook_calls)
-        run.dw()
-        t.equal("hook calls of backward_dw() without delay", len(run.hook_calls), calls)
-    elif misuse == "bad_ctor":
-        ctor = backend.constructor(config.kind)
-        bad_calls: list[tuple[str, Callable[[], Any]]] = [
-            ("in_features=0", lambda: ctor(*_ctor_args(config, in_features=0)))
-        ]
-        bad_calls.append(("negative out size", lambda: ctor(*_ctor_args(config, out_features=-3))))
-        if config.kind == "GroupedLinear":
-            bad_calls.append(("num_gemms=0", lambda: ctor(0, 4, 3)))
-        if config.has_norm:
-            bad_calls.append(
-                ("normalization='BatchNorm'", lambda: ctor(4, 3, normalization="BatchNorm"))
-            )
-        if config.kind == "LayerNormMLP":
-            bad_calls.append(("activation='tanh'", lambda: ctor(4, 3, activation="tanh")))
-        for what, fn in bad_calls:
-            _expect_raises(t, f"{config.kind}({what})", fn, (ValueError,))
-    elif misuse == "hook_raises":
-        t.expect(run.delay, "P10 hook_raises needs a delayed case")
-        eager = ModuleRun(backend, case, delay=False, prefill_grads=True)
+    @property
+    def config(self) -> ModuleConfig:
+        return self.case.config
 
-        def bad_hook() -> None:
-            raise _HookError("hook failed on purpose")
+    @property
+    def name(self) -> str:
+        return self.case.variant.name
 
-        backend.register_hook(run.module, bad_hook)
-        run.fb(d)
-        eager.fb(d)
-        _expect_raises(t, "backward_dw() with a raising hook", run.dw, (_HookError,))
-        t.equal("pending_wgrad_count after a hook raised (entry consumed)", run.pending(), 0)
-        t.bitwise_all("written before the hook raised: ", run.all_snapshot(), eager.all_snapshot())
-        return t.result
-    elif misuse.startswith("main_grad") or misuse == "wgrad_fails":
-        name = target or run.weight_names[0]
-        p = run.params[name]
-        good = p.main_grad
-        broken = {
-            "main_grad_missing": None,
-            "main_grad_shape": torch.zeros(p.shape[0] + 1, *p.shape[1:], dtype=torch.float32),
-            "main_grad_dtype": torch.zeros(p.shape, dtype=torch.bfloat16),
-            "main_grad_device": torch.zeros(p.shape, dtype=torch.float32, device="meta"),
-            "wgrad_fails": torch.zeros(p.shape[0] + 1, *p.shape[1:], dtype=torch.float32),
-        }[misuse]
-        if misuse == "wgrad_fails":
-            t.expect(run.delay, "P10 wgrad_fails needs a delayed case")
-            eager = ModuleRun(backend, case, delay=False, prefill_grads=True)
-            run.fb(d)
-            eager.fb(d)
-            before, pending = _state_snapshot(run), run.pending()
-            _set_main_grad(p, broken)
-            _expect_raises(
-                t, f"backward_dw() with a broken {name}.main_grad", run.dw, (RuntimeError,), name
-            )
-            _set_main_grad(p, good)
-            _unchanged(t, "failed backward_dw()", run, before, pending)
-            run.dw()
-            t.bitwise_all("retried entry: ", run.all_snapshot(), eager.all_snapshot())
-            return t.result
-        _set_main_grad(p, broken)
-        y = call(inp)
-        # The forward itself succeeded: under delayed scaling it moved the input and weight
-        # histories; the failing backward must move nothing more (not even grad_output's).
-        before.update(run.fp8_snapshot())
-        _expect_raises(
-            t,
-            f"backward with {misuse} on {name}",
-            lambda: run.backward_outputs([y], [d.dy]),
-            (RuntimeError,),
-            name,
-        )
-        _set_main_grad(p, good)
+    def call(self, x: torch.Tensor, m_splits: Any = None) -> Any:
+        """A forward of ``x`` with the micro-batch's flag (and its ``m_splits`` unless given)."""
+        splits = self.d.spec.m_splits if m_splits is None else m_splits
+        return self.run.forward(x, splits, self.d.spec.is_first_microbatch)
+
+    def settle(self) -> None:
+        """The module's state now is what the misuse must leave as it is."""
+        self.before, self.pending = _state_snapshot(self.run), self.run.pending()
+
+
+# ---- each misuse: provoke it and check the error ----------------------------------------------
+
+
+def _bad_last_dim(m: _Misused) -> None:
+    k = m.config.in_features
+    bad = torch.zeros(*m.d.spec.lead_shape, k + 1, dtype=m.config.torch_dtype, requires_grad=True)
+    _expect_raises(
+        m.t, "wrong last dimension", lambda: m.call(bad), (ValueError,), str(k), str(k + 1)
+    )
+
+
+def _bad_dtype(m: _Misused) -> None:
+    dt = m.config.torch_dtype
+    other = torch.float64 if dt != torch.float64 else torch.float32
+    _expect_raises(
+        m.t,
+        "wrong input dtype",
+        lambda: m.call(m.inp.detach().to(other)),
+        (TypeError, ValueError),
+        _dtype_name(dt),
+        _dtype_name(other),
+    )
+
+
+def _bad_device(m: _Misused) -> None:
+    _expect_raises(
+        m.t,
+        "wrong input device",
+        lambda: m.call(m.inp.detach().to("meta")),
+        (ValueError, TypeError),
+        "meta",
+        m.config.device,
+    )
+
+
+_BAD_SPLITS: dict[str, Callable[[list[int]], list[int]]] = {
+    "m_splits_len": lambda s: s + [0],
+    "m_splits_negative": lambda s: [-1] + s[1:-1] + [s[-1] + 1 + s[0]] if len(s) > 1 else [-1],
+    "m_splits_sum": lambda s: s[:-1] + [s[-1] + 1],
+}
+
+
+def _bad_m_splits(m: _Misused) -> None:
+    ms = _BAD_SPLITS[m.name](list(m.d.spec.m_splits or []))
+    named = "-1" if m.name == "m_splits_negative" else str(ms[-1])
+    _expect_raises(m.t, f"m_splits={ms}", lambda: m.call(m.inp, ms), (ValueError,), named)
+
+
+def _fp8_tokens(m: _Misused) -> None:
+    # One more half-block of rows (in the first group for GroupedLinear).
+    config, spec = m.config, m.d.spec
+    extra, dt = config.alignment // 2, config.torch_dtype
+    if config.kind == "GroupedLinear":
+        ms = [spec.m_splits[0] + extra, *spec.m_splits[1:]]
+        bad = torch.zeros(sum(ms), config.in_features, dtype=dt, requires_grad=True)
+        size = ms[0]
     else:
-        raise ValueError(f"unknown P10 misuse {case.variant!r}; expected one of {MISUSES}")
-    _unchanged(t, f"after {misuse}", run, before, pending)
-    t.expect(inp.grad is None, f"after {misuse}: the input got a gradient")
-    # The module must still work normally, and match a module that never saw the misuse.
-    fresh = ModuleRun(backend, case, delay=run.delay, prefill_grads=True)
-    if misuse in ("dw_empty",) and run.delay:
-        fresh.fb(d)
+        bad = torch.zeros(spec.rows + extra, config.in_features, dtype=dt)
+        bad.requires_grad_(True)
+        ms, size = None, spec.rows + extra
+    what = f"{size} tokens under {config.recipe}"
+    _expect_fp8_shape_error(m.t, what, lambda: m.call(bad, ms), config, size, _TOKEN_WORDS)
+
+
+def _fp8_features(m: _Misused) -> None:
+    # A module whose in_features is half a block off; its forward must refuse, untouched.
+    config = m.config
+    size = config.in_features + config.alignment // 2
+    odd = ModuleRun(
+        m.backend, m.case, delay=m.run.delay, config=dataclasses.replace(config, in_features=size)
+    )
+    x = torch.zeros(*m.d.spec.lead_shape, size, dtype=config.torch_dtype, requires_grad=True)
+    odd_before = _state_snapshot(odd)
+    _expect_fp8_shape_error(
+        m.t,
+        f"in_features={size} under {config.recipe}",
+        lambda: odd.forward(x, m.d.spec.m_splits, None),
+        config,
+        size,
+        _FEATURE_WORDS,
+    )
+    _unchanged(m.t, "the module that refused", odd, odd_before, 0)
+
+
+def _dw_empty(m: _Misused) -> None:
+    run = m.run
+    if not run.delay:
+        run.dw()  # must be a no-op on a module built without delay
+        return
+    _expect_raises(m.t, "backward_dw() with nothing pending", run.dw, (RuntimeError,), "pending")
+    run.fb(m.d)
+    run.dw()
+    m.settle()
+    _expect_raises(m.t, "backward_dw() after the queue drained", run.dw, (RuntimeError,), "pending")
+
+
+def _dw_no_delay(m: _Misused) -> None:
+    m.run = ModuleRun(m.backend, m.case, delay=False, prefill_grads=True)
+    m.run.fb(m.d)
+    m.settle()
+    calls = len(m.run.hook_calls)
+    m.run.dw()
+    m.t.equal("hook calls of backward_dw() without delay", len(m.run.hook_calls), calls)
+
+
+def _bad_ctor(m: _Misused) -> None:
+    config = m.config
+    ctor = m.backend.constructor(config.kind)
+    bad_calls: list[tuple[str, Callable[[], Any]]] = [
+        ("in_features=0", lambda: ctor(*_ctor_args(config, in_features=0))),
+        ("negative out size", lambda: ctor(*_ctor_args(config, out_features=-3))),
+    ]
+    if config.kind == "GroupedLinear":
+        bad_calls.append(("num_gemms=0", lambda: ctor(0, 4, 3)))
+    if config.has_norm:
+        bad_calls.append(
+            ("normalization='BatchNorm'", lambda: ctor(4, 3, normalization="BatchNorm"))
+        )
+    if config.kind == "LayerNormMLP":
+        bad_calls.append(("activation='tanh'", lambda: ctor(4, 3, activation="tanh")))
+    for what, fn in bad_calls:
+        _expect_raises(m.t, f"{config.kind}({what})", fn, (ValueError,))
+
+
+def _hook_raises(m: _Misused) -> None:
+    run, t = m.run, m.t
+    t.expect(run.delay, "P10 hook_raises needs a delayed case")
+
+    def bad_hook() -> None:
+        raise _HookError("hook failed on purpose")
+
+    eager = ModuleRun(m.backend, m.case, delay=False, prefill_grads=True)
+    m.backend.register_hook(run.module, bad_hook)
+    run.fb(m.d)
+    eager.fb(m.d)
+    _expect_raises(t, "backward_dw() with a raising hook", run.dw, (_HookError,))
+    t.equal("pending_wgrad_count after a hook raised (entry consumed)", run.pending(), 0)
+    t.bitwise_all("written before the hook raised: ", run.all_snapshot(), eager.all_snapshot())
+
+
+# What each main_grad misuse puts in place of a weight's main_grad (None: deleted).
+_BROKEN_MAIN_GRAD: dict[str, Callable[[torch.Tensor], torch.Tensor | None]] = {
+    "main_grad_missing": lambda p: None,
+    "main_grad_shape": lambda p: torch.zeros(p.shape[0] + 1, *p.shape[1:], dtype=torch.float32),
+    "main_grad_dtype": lambda p: torch.zeros(p.shape, dtype=torch.bfloat16),
+    "main_grad_device": lambda p: torch.zeros(p.shape, dtype=torch.float32, device="meta"),
+    "wgrad_fails": lambda p: torch.zeros(p.shape[0] + 1, *p.shape[1:], dtype=torch.float32),
+}
+
+
+def _main_grad(m: _Misused) -> None:
+    name = m.case.variant.weight or m.run.weight_names[0]
+    p = m.run.params[name]
+    good = p.main_grad
+    _set_main_grad(p, _BROKEN_MAIN_GRAD[m.name](p))
+    y = m.call(m.inp)
+    # The forward itself succeeded: under delayed scaling it moved the input and weight
+    # histories; the failing backward must move nothing more (not even grad_output's).
+    m.before.update(m.run.fp8_snapshot())
+    _expect_raises(
+        m.t,
+        f"backward with {m.name} on {name}",
+        lambda: m.run.backward_outputs([y], [m.d.dy]),
+        (RuntimeError,),
+        name,
+    )
+    _set_main_grad(p, good)
+
+
+def _wgrad_fails(m: _Misused) -> None:
+    run, t = m.run, m.t
+    name = m.case.variant.weight or run.weight_names[0]
+    p = run.params[name]
+    good = p.main_grad
+    t.expect(run.delay, "P10 wgrad_fails needs a delayed case")
+    eager = ModuleRun(m.backend, m.case, delay=False, prefill_grads=True)
+    run.fb(m.d)
+    eager.fb(m.d)
+    m.settle()
+    _set_main_grad(p, _BROKEN_MAIN_GRAD["wgrad_fails"](p))
+    what = f"backward_dw() with a broken {name}.main_grad"
+    _expect_raises(t, what, run.dw, (RuntimeError,), name)
+    _set_main_grad(p, good)
+    _unchanged(t, "failed backward_dw()", run, m.before, m.pending)
+    run.dw()
+    t.bitwise_all("retried entry: ", run.all_snapshot(), eager.all_snapshot())
+
+
+# ---- then: the module still works, as one that never saw the misuse ---------------------------
+
+
+def _catch_up_nothing(m: _Misused, fresh: ModuleRun) -> None:
+    pass
+
+
+def _catch_up_drained_queue(m: _Misused, fresh: ModuleRun) -> None:
+    if m.run.delay:
+        fresh.fb(m.d)
         fresh.dw()
-    if misuse == "dw_no_delay":
-        fresh.fb(d)
-    if misuse.startswith("main_grad"):
-        fresh.forward(d.fresh_input(), splits, flag)  # the same forwards moved its histories
-    run.fb(d)
-    fresh.fb(d)
-    run.drain()
+
+
+def _catch_up_backward(m: _Misused, fresh: ModuleRun) -> None:
+    fresh.fb(m.d)
+
+
+def _catch_up_forward(m: _Misused, fresh: ModuleRun) -> None:
+    # The misused module's forward moved its FP8 histories; the fresh one runs the same.
+    fresh.forward(m.d.fresh_input(), m.d.spec.m_splits, m.d.spec.is_first_microbatch)
+
+
+def _still_works(m: _Misused, catch_up: Callable[[_Misused, ModuleRun], None]) -> None:
+    """The misuse changed nothing, gave the input no gradient, and a valid micro-batch
+    afterwards matches a module that never saw it (after ``catch_up``)."""
+    t, name = m.t, m.name
+    _unchanged(t, f"after {name}", m.run, m.before, m.pending)
+    t.expect(m.inp.grad is None, f"after {name}: the input got a gradient")
+    fresh = ModuleRun(m.backend, m.case, delay=m.run.delay, prefill_grads=True)
+    catch_up(m, fresh)
+    m.run.fb(m.d)
+    fresh.fb(m.d)
+    m.run.drain()
     fresh.drain()
     t.bitwise_all(
-        f"after {misuse}, a valid micro-batch: ", run.all_snapshot(), fresh.all_snapshot()
+        f"after {name}, a valid micro-batch: ", m.run.all_snapshot(), fresh.all_snapshot()
     )
-    return t.result
+
+
+class _Handling(NamedTuple):
+    """How P10 checks one misuse: ``provoke`` it and check the error; then, unless ``judged``
+    (it checked the aftermath itself), :func:`_still_works` after ``catch_up``."""
+
+    provoke: Callable[[_Misused], None]
+    catch_up: Callable[[_Misused, ModuleRun], None] = _catch_up_nothing
+    judged: bool = False
+
+
+_HANDLING: dict[str, _Handling] = {
+    "bad_last_dim": _Handling(_bad_last_dim),
+    "bad_dtype": _Handling(_bad_dtype),
+    "bad_device": _Handling(_bad_device),
+    "dw_empty": _Handling(_dw_empty, _catch_up_drained_queue),
+    "dw_no_delay": _Handling(_dw_no_delay, _catch_up_backward),
+    "bad_ctor": _Handling(_bad_ctor),
+    "hook_raises": _Handling(_hook_raises, judged=True),
+    "m_splits_len": _Handling(_bad_m_splits),
+    "m_splits_negative": _Handling(_bad_m_splits),
+    "m_splits_sum": _Handling(_bad_m_splits),
+    "main_grad_missing": _Handling(_main_grad, _catch_up_forward),
+    "main_grad_shape": _Handling(_main_grad, _catch_up_forward),
+    "main_grad_dtype": _Handling(_main_grad, _catch_up_forward),
+    "main_grad_device": _Handling(_main_grad, _catch_up_forward),
+    "wgrad_fails": _Handling(_wgrad_fails, judged=True),
+    "fp8_tokens": _Handling(_fp8_tokens),
+    "fp8_features": _Handling(_fp8_features),
+}
+
+
+def check_p10(backend: Backend, case: Case) -> CheckResult:
+    """P10: the misuse ``case.variant`` (a :class:`~.variants.Misuse`) raises the SPEC error,
+    with a message naming the offending value, and leaves parameters, gradients, ``main_grad``
+    and the queue exactly as they were (bitwise); a valid micro-batch afterwards still matches
+    a fresh module."""
+    if not isinstance(case.variant, Misuse):
+        raise ValueError(f"unknown P10 misuse {case.variant!r}; expected one of {MISUSES}")
+    handling = _HANDLING[case.variant.name]
+    m = _Misused.start(backend, case)
+    handling.provoke(m)
+    if not handling.judged:
+        _still_works(m, handling.catch_up)
+    return m.t.result
 
 
 def _set_main_grad(p: torch.nn.Parameter, value: torch.Tensor | None) -> None:
@@ -476,26 +557,25 @@ def _ctor_args(config: ModuleConfig, **override: int) -> list[int]:
     return [config.num_gemms, k, m] if config.kind == "GroupedLinear" else [k, m]
 
 
+def _weights(config: ModuleConfig) -> list[str]:
+    return [s.name for s in param_specs(config) if s.role == GEMM_WEIGHT]
+
+
 @st.composite
 def p10_cases(draw, kinds, dtypes, devices, recipes):
     """One micro-batch (its ``is_first_microbatch`` flag passed to every forward) and a misuse
-    from :func:`misuses` as ``variant`` (``main_grad_*`` and ``wgrad_fails`` name the weight,
-    e.g. ``"main_grad_shape:fc2_weight"``)."""
+    from :func:`misuses` as ``variant`` (``main_grad_*`` and ``wgrad_fails`` on a drawn GEMM
+    weight, ``Misuse("main_grad_shape", "fc2_weight")``)."""
     case = draw(cases(kinds, dtypes, devices, n_micro_batches=(1, 1), recipes=recipes))
-    variant = draw(st.sampled_from(misuses(case.config, case.delay)))
-    if variant.startswith("main_grad") or variant == "wgrad_fails":
-        weights = [s.name for s in param_specs(case.config) if s.role == GEMM_WEIGHT]
-        variant = f"{variant}:{draw(st.sampled_from(weights))}"
-    return dataclasses.replace(case, variant=variant)
+    misuse = Misuse(draw(st.sampled_from(misuses(case.config, case.delay))))
+    if misuse.breaks_main_grad:
+        misuse = Misuse(misuse.name, draw(st.sampled_from(_weights(case.config))))
+    return dataclasses.replace(case, variant=misuse)
 
 
 # Misuses whose outcome the is_first_microbatch flag can change under fused accumulation (a
 # backward or backward_dw() runs with the overwrite flag); the others raise in the forward.
 _FLAGGED = ("main_grad", "wgrad_fails", "dw_empty", "dw_no_delay", "hook_raises")
-
-
-def _weights(config: ModuleConfig) -> list[str]:
-    return [s.name for s in param_specs(config) if s.role == GEMM_WEIGHT]
 
 
 def p10_explicit(kinds, dtypes, devices, recipes) -> list[Case]:
@@ -506,7 +586,7 @@ def p10_explicit(kinds, dtypes, devices, recipes) -> list[Case]:
     through :func:`~.strategies.boundary_cases` (a misuse of block recipes only on those)."""
     base = boundary_cases(kinds, dtypes, devices, n_micro_batches=(1, 1), recipes=recipes)
     out: list[Case] = []
-    counter = 0
+    turn = itertools.count()  # which of the boundary cases that fit a misuse it runs on next
     for kind in kinds:
         bases = [c for c in base if c.config.kind == kind] or [
             dataclasses.replace(c, config=dataclasses.replace(c.config, kind=kind))
@@ -521,41 +601,38 @@ def p10_explicit(kinds, dtypes, devices, recipes) -> list[Case]:
                 names: list[str] = []
                 for cfg in configs:
                     names += [v for v in misuses(cfg, delay) if v not in names]
-                for variant in names:
-                    fits = [i for i, cfg in enumerate(configs) if variant in misuses(cfg, delay)]
-                    if variant.startswith(("main_grad", "wgrad_fails")):
-                        # The configs with the most GEMM weights: every weight gets a case.
-                        most = max(len(_weights(configs[i])) for i in fits)
-                        fits = [i for i in fits if len(_weights(configs[i])) == most]
-                    flags = (
-                        (None, True, False) if fused and variant.startswith(_FLAGGED) else (None,)
-                    )
-                    weights = (
-                        [s.name for s in param_specs(configs[fits[0]]) if s.role == GEMM_WEIGHT]
-                        if variant.startswith(("main_grad", "wgrad_fails"))
-                        else [""]
-                    )
-                    for j in range(max(len(flags), len(weights))):
-                        i = fits[counter % len(fits)]
-                        counter += 1
-                        c = bases[i]
-                        if weights[0]:
-                            names_i = [
-                                s.name for s in param_specs(configs[i]) if s.role == GEMM_WEIGHT
-                            ]
-                            target = f"{variant}:{names_i[j % len(names_i)]}"
-                        else:
-                            target = variant
-                        (mb,) = c.micro_batches
-                        flag = flags[j % len(flags)] if len(flags) > 1 else mb.is_first_microbatch
-                        out.append(
-                            dataclasses.replace(
-                                c,
-                                config=configs[i],
-                                micro_batches=(dataclasses.replace(mb, is_first_microbatch=flag),),
-                                delay=delay,
-                                variant=target,
-                                seed=len(out),
-                            )
-                        )
+                for name in names:
+                    out += _enumerated(name, bases, configs, fused, delay, turn, len(out))
+    return out
+
+
+def _enumerated(name, bases, configs, fused, delay, turn, seed) -> list[Case]:
+    """The cases of misuse ``name`` for one (kind, fused, delay): each ``is_first_microbatch``
+    flag where it runs a backward under fused accumulation, each GEMM weight where it breaks a
+    ``main_grad``, each on the next of the boundary cases that fit it (seeds from ``seed``)."""
+    fits = [i for i, cfg in enumerate(configs) if name in misuses(cfg, delay)]
+    on_weights = Misuse(name).breaks_main_grad
+    if on_weights:
+        # The configs with the most GEMM weights: every weight gets a case.
+        most = max(len(_weights(configs[i])) for i in fits)
+        fits = [i for i in fits if len(_weights(configs[i])) == most]
+    flags = (None, True, False) if fused and name.startswith(_FLAGGED) else (None,)
+    count = max(len(flags), len(_weights(configs[fits[0]])) if on_weights else 1)
+    out = []
+    for j in range(count):
+        i = fits[next(turn) % len(fits)]
+        weights = _weights(configs[i])
+        misuse = Misuse(name, weights[j % len(weights)]) if on_weights else Misuse(name)
+        (mb,) = bases[i].micro_batches
+        flag = flags[j % len(flags)] if len(flags) > 1 else mb.is_first_microbatch
+        out.append(
+            dataclasses.replace(
+                bases[i],
+                config=configs[i],
+                micro_batches=(dataclasses.replace(mb, is_first_microbatch=flag),),
+                delay=delay,
+                variant=misuse,
+                seed=seed + j,
+            )
+        )
     return out

@@ -65,6 +65,7 @@ from .strategies import (
     cases,
     with_autocast,
 )
+from .variants import Misuse, PartialBackward
 
 __all__ = [
     "PROPERTIES",
@@ -416,7 +417,7 @@ def _explicit_p17(kinds, dtypes, devices, recipes) -> list[Case]:
         # The input alone, one parameter alone, the input and a parameter, all parameters.
         asked = ((INPUT,), (names[i % len(names)],), (INPUT, names[0]), tuple(names))[i % 4]
         mode = MODES[(i // 2) % len(MODES)]
-        out.append(dataclasses.replace(c, variant=f"{mode}@{index}", asked=asked))
+        out.append(dataclasses.replace(c, variant=PartialBackward(mode, index), asked=asked))
     return out
 
 
@@ -462,8 +463,8 @@ def restrict_case(case: Case, without: frozenset[str], fused: bool | None = None
         fused = False
     if fused is not None and case.config.fuse_wgrad_accumulation != fused:
         variant = case.variant
-        if variant.startswith(("main_grad", "wgrad_fails")):
-            variant = "bad_last_dim"
+        if isinstance(variant, Misuse) and variant.breaks_main_grad:
+            variant = Misuse("bad_last_dim")
         case = dataclasses.replace(
             case,
             config=dataclasses.replace(case.config, fuse_wgrad_accumulation=fused),

@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
+from .variants import Variant, parse_variant
+
 __all__ = [
     "KINDS",
     "DTYPES",
@@ -293,21 +295,29 @@ class MicroBatch:
 class Case:
     """One example of one property: a module, its micro-batches, a seed for every value, and the
     property-specific structure (``schedule`` for P6; ``variant`` for P5, P7, P10, P13, P17,
-    P18; ``frozen`` for P4 and P7; ``asked``, the tensors a partial backward asks for, for P17:
-    ``"inp"`` and parameter names; for P18 the parameters its substitution targets)."""
+    P18, typed for P10 and P17 (:mod:`.variants`; a string form given is parsed); ``frozen``
+    for P4 and P7; ``asked``, the tensors a partial backward asks for, for P17: ``"inp"`` and
+    parameter names; for P18 the parameters its substitution targets)."""
 
     config: ModuleConfig
     micro_batches: tuple[MicroBatch, ...]
     seed: int = 0
     schedule: tuple[str, ...] = ()
-    variant: str = ""
+    variant: Variant = ""
     frozen: tuple[str, ...] = ()
     delay: bool = True
     asked: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "variant", parse_variant(self.variant))
+
+    def as_dict(self) -> dict[str, Any]:
+        """The case as plain data, the variant in its string form."""
+        return {**dataclasses.asdict(self), "variant": str(self.variant)}
+
     def to_json(self) -> str:
         """One-line JSON that :meth:`from_json` turns back into this case."""
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"), sort_keys=True)
+        return json.dumps(self.as_dict(), separators=(",", ":"), sort_keys=True)
 
     @staticmethod
     def from_json(text: str | dict[str, Any]) -> Case:

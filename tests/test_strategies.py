@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from hypothesis import find as _find
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from splitgrad.properties import strategies as S
 from splitgrad.properties.data import make_micro_batches, make_state, param_specs
 from splitgrad.properties.registry import PROPERTIES, case_strategy
+from splitgrad.properties.variants import MISUSES, Misuse, PartialBackward, parse_variant
 
 
 @given(case=S.cases(dtypes=S.DTYPES))
@@ -133,8 +135,8 @@ def test_fp8_strategies_reach_every_recipe_and_two_busy_groups() -> None:
     assert find(grouped, lambda c: any(0 in mb.m_splits for mb in c.micro_batches))
     assert find(case_strategy("P13"), lambda c: c.variant == "specials")
     p10 = case_strategy("P10", recipes=("block",))
-    assert find(p10, lambda c: c.variant == "fp8_tokens")
-    assert find(p10, lambda c: c.variant == "fp8_features")
+    assert find(p10, lambda c: c.variant == Misuse("fp8_tokens"))
+    assert find(p10, lambda c: c.variant == Misuse("fp8_features"))
 
 
 def test_recipe_names_are_checked() -> None:
@@ -324,7 +326,7 @@ def test_p10_enumerates_misuse_x_fused_x_delay_x_first_microbatch() -> None:
             )
             for c in cases
         }
-        variants = {(f, d, v.split(":")[0]) for f, d, v, _ in got}
+        variants = {(f, d, v.name) for f, d, v, _ in got}
         for c in S.boundary_cases((kind,), n_micro_batches=(1, 1)):
             for fused in (False, True):
                 for delay in (False, True):
@@ -334,14 +336,13 @@ def test_p10_enumerates_misuse_x_fused_x_delay_x_first_microbatch() -> None:
         weights = {s.name for c in cases for s in param_specs(c.config) if s.role == "gemm_weight"}
         for delay in (False, True):
             for w in weights:
-                assert any(v == f"main_grad_shape:{w}" for f, d, v, _ in got if d == delay)
+                assert any(v == Misuse("main_grad_shape", w) for f, d, v, _ in got if d == delay)
             for flag in (None, True, False):
                 for name in ("wgrad_fails", "main_grad_missing", "dw_empty"):
                     if name == "wgrad_fails" and not delay:
                         continue
                     assert any(
-                        f and d == delay and v.startswith(name) and fl is flag
-                        for f, d, v, fl in got
+                        f and d == delay and v.name == name and fl is flag for f, d, v, fl in got
                     ), (kind, delay, name, flag)
 
 
@@ -381,3 +382,31 @@ def test_strategies_draw_every_layout() -> None:
         '"micro_batches":[{"lead_shape":[1]}]}'
     )
     assert old.micro_batches[0].x_layout == old.micro_batches[0].dy_layout == "contiguous"
+
+
+def test_typed_variants_keep_their_string_form_in_case_json() -> None:
+    """P10's and P17's variants are typed; their string form is what case JSON (``--case``)
+    carries, and a string form given to a case becomes the typed variant."""
+    from splitgrad.properties.fidelity import VARIANTS
+    from splitgrad.properties.fp8 import P13_VALUES
+    from splitgrad.properties.protocol import PROTOCOL_VARIANTS
+
+    assert str(Misuse("main_grad_shape", "fc2_weight")) == "main_grad_shape:fc2_weight"
+    assert str(Misuse("bad_dtype")) == "bad_dtype" and str(PartialBackward("grad", 1)) == "grad@1"
+    for text in ("main_grad_shape:fc2_weight", "bad_dtype", "inputs@2"):
+        assert str(parse_variant(text)) == text
+    names = ("", "prefill", "tied", "tied-chain", "frozen", *P13_VALUES, *VARIANTS)
+    for name in (*names, *PROTOCOL_VARIANTS):
+        assert parse_variant(name) == name  # a name stays a name
+    assert not set(MISUSES) & set(names + PROTOCOL_VARIANTS)
+    case = S.Case(
+        S.ModuleConfig("Linear", 2, 2), (S.MicroBatch((1,)),), variant="wgrad_fails:weight"
+    )
+    assert case.variant == Misuse("wgrad_fails", "weight") and case.variant.breaks_main_grad
+    assert '"variant":"wgrad_fails:weight"' in case.to_json()
+    assert S.Case.from_json(case.to_json()) == case
+    for bad in ("frobnicate@1", "grad@x", "grad@-1"):
+        with pytest.raises(ValueError, match="P17 variant must be"):
+            parse_variant(bad)
+    with pytest.raises(ValueError, match="unknown P10 misuse 'nope'"):
+        Misuse("nope")
