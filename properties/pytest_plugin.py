@@ -23,6 +23,7 @@ suite is asked for): the plugin costs nothing in a test run that does not collec
 
 from __future__ import annotations
 
+import functools
 import os
 
 __all__ = [
@@ -30,6 +31,8 @@ __all__ = [
     "pytest_configure",
     "pytest_report_header",
     "options_of",
+    "session_options",
+    "session_of",
     "expected_failures",
     "suite_requested",
 ]
@@ -79,8 +82,9 @@ _OPTIONS = (
     (
         "--splitgrad-xfails",
         "",
-        "file of cells expected to fail, one test id or verify label per line, '#' comments "
-        "with the reason; strict: a listed cell that passes fails as XPASS(strict)",
+        "file of cells expected to fail, one cell id per line (P4-Linear-bfloat16-none, as "
+        "the test ids show it), '#' comments with the reason; strict: a listed cell that "
+        "passes fails as XPASS(strict)",
     ),
 )
 
@@ -103,6 +107,75 @@ def options_of(config) -> dict[str, str]:
             value = config.getoption(theirs, default=None)
             out[key] = "" if value is None else str(value)
     return out
+
+
+def session_options(config):
+    """The suite's :class:`~.session.Options` from its ``--splitgrad-*`` options (a bad value
+    stops the run with a usage error naming the option)."""
+    import pytest
+
+    from .plan import AUTOCAST_CHOICES, PATH_CHOICES, RECIPE_CHOICES
+    from .registry import PROPERTIES
+    from .session import OptionError, Options, choose
+    from .strategies import DTYPES, KINDS
+
+    opts = options_of(config)
+    # What each list option may name, and what its error calls it.
+    choices = {
+        "module": (KINDS, "module"),
+        "dtype": (DTYPES, "dtype"),
+        "property": (list(PROPERTIES), "property"),
+        "recipe": (RECIPE_CHOICES, "recipe"),
+        "impl-path": (PATH_CHOICES, "impl path"),
+        "autocast": (AUTOCAST_CHOICES, "autocast dtype"),
+    }
+
+    def chosen(key: str) -> tuple[str, ...]:
+        allowed, what = choices[key]
+        try:
+            return tuple(choose([opts[key]], allowed, what))
+        except OptionError as exc:
+            raise pytest.UsageError(f"--splitgrad-{key}: {exc}") from None
+
+    def number(key: str) -> int | None:
+        try:
+            return int(opts[key]) if opts[key] else None
+        except ValueError:
+            raise pytest.UsageError(
+                f"--splitgrad-{key}: not a whole number: {opts[key]!r}"
+            ) from None
+
+    return Options(
+        backend=opts["backend"],
+        modules=chosen("module"),
+        dtypes=chosen("dtype"),
+        properties=chosen("property"),
+        recipes=chosen("recipe"),
+        impl_paths=chosen("impl-path"),
+        autocasts=chosen("autocast"),
+        examples=number("examples"),
+        profile=opts["profile"] or None,
+        seed=number("seed"),
+        device=opts["device"] or None,
+        threads=number("threads") or 1,
+    )
+
+
+def session_of(config):
+    """The :class:`~.session.Session` of this run's options (opened once per process)."""
+    return _open_session(session_options(config))
+
+
+@functools.cache
+def _open_session(options):
+    import pytest
+
+    from .session import OptionError, Session
+
+    try:
+        return Session.open(options)
+    except OptionError as exc:
+        raise pytest.UsageError(f"--splitgrad-backend: {exc}") from None
 
 
 def suite_requested(config) -> bool:
@@ -173,11 +246,12 @@ def pytest_report_header(config) -> list[str]:
     import torch
 
     from .profiles import active_profile_name
+    from .session import Options
 
     opts = options_of(config)
     backend = opts["backend"]
     where = _backend_location(backend)
-    device = opts["device"] or ("cuda" if backend == "transformer_engine" else "cpu")
+    device = Options(backend=backend, device=opts["device"] or None).device_name
     if device == "cuda" and torch.cuda.is_available():
         device += f" ({torch.cuda.get_device_name()})"
     elif device == "cuda":

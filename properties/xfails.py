@@ -3,16 +3,17 @@ for the pytest plugin, and ``--xfails FILE`` for ``splitgrad verify`` (:func:`ad
 :func:`apply_to_cells`).
 
 In the spirit of array-api-tests' ``--xfails-file`` and scikit-learn's
-``expected_failed_checks``. One cell per line, as its pytest id or as ``splitgrad verify``
-labels it; ``#`` starts a comment, and the comment on the line (else the comment lines just
-above it) is the reason shown with the result::
+``expected_failed_checks``. One cell per line, by its id (:func:`cell_id`: the same in
+``splitgrad verify``'s output and JUnit and in the pytest plugin's), bare or as pytest shows it;
+``#`` starts a comment, and the comment on the line (else the comment lines just above it) is
+the reason shown with the result::
 
     # our backward_dw() overwrites .grad (tracked in mypkg#12)
-    test_property[P4-Linear-bfloat16-none]
-    P6-Linear-bfloat16-none
-    P3 GroupedLinear float32            # bias of empty groups, mypkg#15
-    P1 Linear bfloat16 all path=scaled_mm
-    test_api_complete                   # no hooks yet
+    P4-Linear-bfloat16-none
+    test_conformance.py::test_property[P6-Linear-bfloat16-none]
+    P3-GroupedLinear-float32-none               # bias of empty groups, mypkg#15
+    P1-Linear-bfloat16-all-path=scaled_mm
+    test_api_complete                           # no hooks yet
 
 Strict: a listed cell that fails is an expected failure (XFAIL); one that passes is a failure
 (pytest's ``XPASS(strict)``), so a fixed deviation shows and its line gets removed. A listed cell
@@ -37,6 +38,7 @@ __all__ = [
     "load_xfails",
     "canonical_id",
     "cell_id",
+    "result_id",
     "apply_to_cells",
     "add_option",
 ]
@@ -86,6 +88,12 @@ def cell_id(
     return base if autocast is None else f"{base}-autocast={autocast}"
 
 
+def result_id(cell: Any) -> str:
+    """The id of a finished cell (:class:`~.campaign.CellResult`): its planned cell's
+    :attr:`~.plan.PlannedCell.test_id`."""
+    return cell_id(cell.property_id, cell.kind, cell.dtype, cell.recipe, cell.path, cell.autocast)
+
+
 def _names() -> dict[str, Any]:
     from .paths import IMPL_PATHS
     from .plan import RECIPE_CHOICES
@@ -97,77 +105,62 @@ def _names() -> dict[str, Any]:
         "kind": tuple(KINDS),
         "dtype": tuple(DTYPES),
         "recipe": tuple(RECIPE_CHOICES),
-        "path": tuple(IMPL_PATHS),
-        "autocast": AUTOCAST_DTYPES,
+        "forced path": tuple(IMPL_PATHS),
+        "autocast dtype": AUTOCAST_DTYPES,
     }
 
 
+_GRAMMAR = "PROPERTY-KIND-DTYPE-RECIPE[-path=NAME][-autocast=DTYPE]"
+
+
 def canonical_id(text: str) -> str:
-    """The canonical id of the cell ``text`` names, in any of the accepted spellings (a pytest
-    node id ``...::test_property[P4-Linear-bfloat16-none]``, the bare parameter, or a verify
-    label ``P4 Linear bfloat16 [recipe] [path=NAME]``); raises :class:`XfailsFileError` saying
-    what is wrong with it."""
+    """The id of the cell ``text`` names: the id itself (``P4-Linear-bfloat16-none``), or as
+    pytest shows it (``test_property[P4-Linear-bfloat16-none]``, with the file's node id in
+    front or not), or ``test_api_complete``; raises :class:`XfailsFileError` saying what is
+    wrong with it."""
     raw = text.strip()
     item = raw.rsplit("::", 1)[-1]
     if item == API_COMPLETE:
         return API_COMPLETE
     if item.startswith("test_property[") and item.endswith("]"):
         item = item[len("test_property[") : -1]
-    autocast = None
-    if " " in item:
-        parts = item.split()
-        path = "default"
-        if parts[-1].startswith("autocast="):
-            autocast = parts.pop()[len("autocast=") :]
-        if parts[-1].startswith("path="):
-            path = parts.pop()[len("path=") :]
-        recipe = parts.pop() if len(parts) == 4 else "none"
-        if len(parts) != 3:
-            raise XfailsFileError(
-                f"{raw!r} is not a cell: expected 'PROPERTY KIND DTYPE [RECIPE] [path=NAME]'"
-            )
-    else:
-        parts = item.split("-")
-        path = "default"
-        if len(parts) >= 5 and parts[-1].startswith("autocast="):
-            autocast = parts.pop()[len("autocast=") :]
-        if len(parts) == 5 and parts[4].startswith("path="):
-            path = parts.pop()[len("path=") :]
-        if len(parts) != 4:
-            raise XfailsFileError(
-                f"{raw!r} is not a cell: expected test_property[PROPERTY-KIND-DTYPE-RECIPE"
-                "[-path=NAME]], a verify label, or test_api_complete"
-            )
-        recipe = parts.pop()
-    property_id, kind, dtype = parts
+    parts = item.split("-")
+    named = {}
+    while len(parts) > 4 and "=" in parts[-1]:
+        key, _, value = parts.pop().partition("=")
+        named[key] = value
+    path, autocast = named.pop("path", "default"), named.pop("autocast", None)
+    if len(parts) != 4 or named or cell_id(*parts, path, autocast) != item:
+        raise XfailsFileError(
+            f"{raw!r} is not a cell id: expected {_GRAMMAR} (as splitgrad verify and pytest "
+            "print it), or test_api_complete"
+        )
+    _check_names(raw, *parts, path, autocast)
+    return item
+
+
+def _check_names(raw, property_id, kind, dtype, recipe, path, autocast) -> None:
+    from .paths import IMPL_PATHS
+    from .registry import applicable
+
     names = _names()
-    for what, value in (
+    given = (
         ("property", property_id),
         ("kind", kind),
         ("dtype", dtype),
         ("recipe", recipe),
-    ):
-        if value not in names[what]:
+        ("forced path", None if path == "default" else path),
+        ("autocast dtype", autocast),
+    )
+    for what, value in given:
+        if value is not None and value not in names[what]:
             raise XfailsFileError(
                 f"{raw!r}: unknown {what} {value!r}; expected one of {', '.join(names[what])}"
             )
-    if autocast is not None and autocast not in names["autocast"]:
-        raise XfailsFileError(
-            f"{raw!r}: unknown autocast dtype {autocast!r}; expected one of "
-            f"{', '.join(names['autocast'])}"
-        )
-    if path != "default" and path not in names["path"]:
-        raise XfailsFileError(
-            f"{raw!r}: unknown forced path {path!r}; expected one of {', '.join(names['path'])}"
-        )
-    from .paths import IMPL_PATHS
-    from .registry import applicable
-
     if not applicable(property_id, kind):
         raise XfailsFileError(f"{raw!r}: {property_id} does not apply to {kind}, no such cell")
     if path != "default" and not IMPL_PATHS[path].applies(kind):
         raise XfailsFileError(f"{raw!r}: forced path {path} does not apply to {kind}")
-    return cell_id(property_id, kind, dtype, recipe, path, autocast)
 
 
 def parse_xfails(text: str, source: str = "<xfails>") -> dict[str, ExpectedFailure]:
@@ -215,21 +208,19 @@ def apply_to_cells(cells: list[Any], expected: dict[str, ExpectedFailure]) -> li
 
     notes = []
     for cell in cells:
-        entry = expected.get(
-            cell_id(cell.property_id, cell.kind, cell.dtype, cell.recipe, cell.path, cell.autocast)
-        )
+        entry = expected.get(result_id(cell))
         if entry is None:
             continue
         if cell.status in (FAIL, ERROR, DEVIATION):
             cell.message = f"{entry.describe()} | {cell.status}: {cell.message}"
             cell.status = XFAIL
-            notes.append(f"XFAIL {cell.label}: {entry.describe()}")
+            notes.append(f"XFAIL {result_id(cell)}: {entry.describe()}")
         elif cell.status == PASS:
             cell.status = FAIL
             cell.message = (
                 f"XPASS(strict): listed as an {entry.describe()}, but it passed; remove the line"
             )
-            notes.append(f"XPASS(strict) {cell.label}: {entry.where}")
+            notes.append(f"XPASS(strict) {result_id(cell)}: {entry.where}")
     return notes
 
 
@@ -249,8 +240,7 @@ def add_option(parser: argparse.ArgumentParser, flag: str = "--xfails") -> None:
         metavar="FILE",
         type=_entries_of,
         default={},
-        help="cells expected to fail, one per line (a pytest id such as "
-        "test_property[P4-Linear-bfloat16-none], or a label such as 'P4 Linear bfloat16'), "
-        "'#' comments giving the reason; strict: a listed cell that passes fails as "
-        "XPASS(strict)",
+        help="cells expected to fail, one id per line (such as P4-Linear-bfloat16-none, as "
+        "this command and pytest print it), '#' comments giving the reason; strict: a listed "
+        "cell that passes fails as XPASS(strict)",
     )

@@ -364,7 +364,7 @@ XFAILS = """\
 # made up, so that it shows as XPASS(strict)
 test_conformance.py::test_property[P1-Linear-float32-none]
 
-P3 Linear float32      # the planted 2 % bias gradient
+P3-Linear-float32-none # the planted 2 % bias gradient
 test_api_complete      # no split API in this package yet
 # a cell this run does not select: ignored
 test_property[P4-GroupedLinear-bfloat16-none-path=grouped]
@@ -385,24 +385,28 @@ def test_xfails_file_spellings_and_reasons() -> None:
     assert entries["P3-Linear-float32-none"].describe() == (
         "expected failure (xf.txt:4): the planted 2 % bias gradient"
     )
-    for label, canonical in (
-        ("P1 Linear bfloat16 all path=scaled_mm", "P1-Linear-bfloat16-all-path=scaled_mm"),
-        ("P6 LayerNormMLP bfloat16 mxfp8", "P6-LayerNormMLP-bfloat16-mxfp8"),
-        ("P1 GroupedLinear float32 path=grouped", "P1-GroupedLinear-float32-none-path=grouped"),
+    for canonical in (
+        "P1-Linear-bfloat16-all-path=scaled_mm",
+        "P6-LayerNormMLP-bfloat16-mxfp8",
+        "P1-GroupedLinear-float32-none-path=grouped-autocast=bfloat16",
     ):
-        assert xfails.canonical_id(label) == canonical
+        assert xfails.canonical_id(canonical) == canonical
+        assert xfails.canonical_id(f"x.py::test_property[{canonical}]") == canonical
 
 
 @pytest.mark.parametrize(
     ("line", "names"),
     [
         ("P4-Linaer-bfloat16-none", ["xf.txt:3", "'P4-Linaer-bfloat16-none'", "kind 'Linaer'"]),
-        ("P44 Linear float32", ["xf.txt:3", "property 'P44'"]),
+        ("P44-Linear-float32-none", ["xf.txt:3", "property 'P44'"]),
         ("P4-Linear-float8-none", ["dtype 'float8'", "float32"]),
         ("P12-Linear-float32-none", ["P12 does not apply to Linear"]),
         ("P1-Linear-float32-none-path=fast", ["forced path 'fast'", "scaled_mm"]),
         ("P1-Linear-float32", ["is not a cell"]),
-        ("P3 Linear float32", ["xf.txt:3", "listed already at line 1"]),
+        # One grammar: the id as both runners print it, not a table row's words.
+        ("P4 Linear float32", ["xf.txt:3", "is not a cell id", "PROPERTY-KIND-DTYPE-RECIPE"]),
+        ("P4-Linear-float32-none-autocast=bfloat16-path=scaled_mm", ["is not a cell id"]),
+        ("P3-Linear-float32-none", ["xf.txt:3", "listed already at line 1"]),
     ],
 )
 def test_xfails_file_names_a_line_that_names_no_cell(line: str, names: list[str]) -> None:
@@ -414,7 +418,8 @@ def test_xfails_file_names_a_line_that_names_no_cell(line: str, names: list[str]
 
 def test_xfails_judge_verify_cells_strictly() -> None:
     entries = xfails.parse_xfails(
-        "P3 Linear float32  # known\nP1-Linear-bfloat16-all-path=scaled_mm\nP4 Linear float32\n",
+        "P3-Linear-float32-none  # known\nP1-Linear-bfloat16-all-path=scaled_mm\n"
+        "P4-Linear-float32-none\n",
         "xf.txt",
     )
     failed = CellResult("P3", "Linear", "float32", status=FAIL, message="bias.grad off")
@@ -428,8 +433,8 @@ def test_xfails_judge_verify_cells_strictly() -> None:
     assert "xf.txt:2" in fixed.message
     assert (na.status, other.status) == (NA, FAIL)
     assert notes == [
-        "XFAIL P3 Linear float32: expected failure (xf.txt:1): known",
-        "XPASS(strict) P1 Linear bfloat16 all path=scaled_mm: xf.txt:2",
+        "XFAIL P3-Linear-float32-none: expected failure (xf.txt:1): known",
+        "XPASS(strict) P1-Linear-bfloat16-all-path=scaled_mm: xf.txt:2",
     ]
 
 
@@ -437,15 +442,15 @@ def test_xfails_option_for_verify_checks_the_file_while_parsing(tmp_path: Path, 
     from splitgrad.properties.verify import build_parser
 
     good, bad = tmp_path / "good.txt", tmp_path / "bad.txt"
-    good.write_text("P3 Linear float32  # known\n")
-    bad.write_text("P3 Linear float32\nP3 Linear float33\n")
+    good.write_text("P3-Linear-float32-none  # known\n")
+    bad.write_text("P3-Linear-float32-none\nP3-Linear-float33-none\n")
     parser = build_parser()  # verify's own parser carries the option (xfails.add_option)
     assert parser.parse_args([]).xfails == {}
     assert list(parser.parse_args(["--xfails", str(good)]).xfails) == ["P3-Linear-float32-none"]
     with pytest.raises(Exception) as exc:  # verify's parser raises its usage error (exit 2)
         parser.parse_args(["--xfails", str(bad)])
     text = str(exc.value) + capsys.readouterr().err
-    assert f"{bad}:2: 'P3 Linear float33': unknown dtype 'float33'" in text
+    assert f"{bad}:2: 'P3-Linear-float33-none': unknown dtype 'float33'" in text
 
 
 def test_pytest_plugin_xfails_file_is_strict(outside: Path, tmp_path: Path) -> None:
@@ -487,7 +492,7 @@ def test_pytest_plugin_xfails_file_is_strict(outside: Path, tmp_path: Path) -> N
 
 def test_pytest_plugin_refuses_an_xfails_file_naming_no_cell(outside: Path, tmp_path: Path):
     listed = tmp_path / "xf.txt"
-    listed.write_text("P3 Linear float32\nP4-Linaer-bfloat16-none  # typo\n")
+    listed.write_text("P3-Linear-float32-none\nP4-Linaer-bfloat16-none  # typo\n")
     proc = _pytest(outside, "--splitgrad-xfails", str(listed), cwd=tmp_path)
     assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
     err = proc.stderr + proc.stdout

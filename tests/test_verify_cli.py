@@ -368,7 +368,7 @@ def test_xfails_file_turns_a_listed_failure_into_xfail_and_a_listed_pass_into_a_
     pkg.mkdir()
     (pkg / "__init__.py").write_text(BROKEN)
     listed = tmp_path / "xfails.txt"
-    listed.write_text("# planted: the output is wrong\nP1 Linear float32\n")
+    listed.write_text("# planted: the output is wrong\nP1-Linear-float32-none\n")
     base = ["--backend", f"path:{pkg}", "--module", "Linear", "--dtype", "float32", "--recipe"]
     base += ["none", "--impl-path", "none"]
     argv = [*base, "--property", "P1", "--examples", "3", "--xfails", str(listed)]
@@ -376,10 +376,10 @@ def test_xfails_file_turns_a_listed_failure_into_xfail_and_a_listed_pass_into_a_
     out = capsys.readouterr().out
     assert "1 expected failures" in out and "planted: the output is wrong" in out
     # Strict: the same file on a cell that passes (P9 does not run the wrong forward) fails.
-    listed.write_text("P9 Linear float32  # not a real expectation\n")
+    listed.write_text("P9-Linear-float32-none  # not a real expectation\n")
     argv = [*base, "--property", "P9", "--examples", "1", "--xfails", str(listed)]
     assert main(argv) == 1
     assert "XPASS(strict)" in capsys.readouterr().out
-    listed.write_text("P99 Linear float32\n")
+    listed.write_text("P99-Linear-float32-none\n")
     assert main([*base, "--xfails", str(listed)]) == 2
     assert "xfails.txt:1" in capsys.readouterr().err
