@@ -22,12 +22,11 @@ Every example runs under torch's deterministic mode with uninitialized memory fi
 replays under the same conditions. A failure that hypothesis' own replay did not repeat is a
 failure marked ``nondeterministic``.
 
-Without ``--recipe`` and ``--impl-path`` the run is the high-precision campaign plus two small
-slices (:mod:`.plan`): FP8 (bf16, the recipe drawn from all of them per example) and each fast
-path that is the default only on a GPU, forced on the CPU, for every module it applies to.
-``--recipe`` / ``--impl-path`` replace the slices with full cells for the families / paths named
-(``none``: leave them out). A third slice runs float32 modules under ``torch.autocast`` to bf16
-(``--autocast`` picks the dtypes and replaces the slice with full cells).
+Without ``--recipe``, ``--impl-path`` and ``--autocast`` the run is the high-precision campaign
+plus three small slices (:mod:`.plan`): FP8 (bf16, the recipe drawn from all of them per
+example), each fast path that is the default only on a GPU, forced on the CPU, for every module
+it applies to, and float32 modules under ``torch.autocast`` to bf16. Each of the three options
+chooses the whole run instead (see ``EPILOG``).
 """
 
 from __future__ import annotations
@@ -95,13 +94,24 @@ with torch.utils.deterministic.fill_uninitialized_memory, so a read of uninitial
 fails every run; a failure that does not repeat on replay is reported as nondeterministic. The
 reproduce line replays under the same conditions (backend, --impl-path, --device, --threads).
 
-default run: the high-precision campaign, plus small slices under FP8 (bf16, every recipe),
-under torch.autocast (float32 modules, bf16) and on each fast path that is the default only on
-a GPU, forced on the CPU (grouped GEMM, _scaled_mm FP8 GEMMs, recomputed MLP activation).
---recipe / --impl-path / --autocast replace the slices.
+default run ({default_cells} cells): the high-precision campaign, plus small slices under
+FP8 (bf16, every recipe), under torch.autocast (float32 modules, bf16) and on each fast path
+that is the default only on a GPU, forced on the CPU (grouped GEMM, _scaled_mm FP8 GEMMs,
+recomputed MLP activation). The header counts the cells of each kind and the hypothesis
+examples each cell draws after its explicit cases (fewer for P10 and P18, whose explicit cases
+enumerate their variants).
+
+--recipe, --impl-path and --autocast do not add to the default run; each chooses it whole:
+  --recipe F[,F...]   every property under each FP8 family named, and nothing else (name none
+                      too to keep the high-precision cells); --recipe none: high precision only
+  --impl-path P[,P..] every property on each forced path named, and nothing else; --impl-path
+                      none: high precision and the FP8 slice only
+  --autocast D[,D..]  every autocast property on float32 modules under torch.autocast to each
+                      dtype named, and nothing else; --autocast none: the default run without
+                      its autocast slice
 
 examples:
-  splitgrad verify                                   # impl, default run (about a minute)
+  splitgrad verify                                   # impl, the default run
   splitgrad verify --backend module:mypkg --junit out.xml
   splitgrad verify --impl-path grouped --module GroupedLinear
   splitgrad verify --recipe delayed,mxfp8 --property P1,P4
@@ -120,6 +130,8 @@ class _Parser(argparse.ArgumentParser):
 def _split_list(values: Sequence[str] | None, allowed: Sequence[str], what: str) -> list[str]:
     if not values:
         return []
+    if not any(item.strip() for v in values for item in v.split(",")):
+        raise _UsageError(f"no {what} in {values[-1]!r}; expected one of {', '.join(allowed)}")
     out: list[str] = []
     for v in values:
         for item in v.split(","):
@@ -135,11 +147,29 @@ def _split_list(values: Sequence[str] | None, allowed: Sequence[str], what: str)
     return out
 
 
+def _output_path(text: str) -> Path:
+    """argparse type: a file the run writes at its end, checked before it starts (a directory, or
+    a parent that does not exist, is refused; none is created)."""
+    path = Path(text)
+    if not text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file path")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        what = "does not exist" if not parent.exists() else "is not a directory"
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {parent} {what}")
+    return path
+
+
+def _default_cells() -> int:
+    """How many cells the default run has."""
+    return len(plan_cells(list(KINDS), ["float32", "bfloat16"], list(PROPERTIES)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="splitgrad verify",
         description=DESCRIPTION,
-        epilog=EPILOG,
+        epilog=EPILOG.format(default_cells=_default_cells()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -168,21 +198,23 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="FAMILY",
         help=f"FP8 recipe famil(ies) among {', '.join(RECIPE_CHOICES)}, repeatable or "
-        "comma-separated (default: high precision plus a small FP8 slice; none: no FP8)",
+        "comma-separated: run only these (none: high precision) instead of the default run",
     )
     p.add_argument(
         "--impl-path",
         action="append",
         metavar="PATH",
         help=f"force a fast path on the backend's modules: {', '.join(PATH_CHOICES)}, "
-        "repeatable or comma-separated (default: a small slice of each; none: leave them out)",
+        "repeatable or comma-separated: run only these instead of the default run (none: the "
+        "default run without its forced-path and autocast slices)",
     )
     p.add_argument(
         "--autocast",
         action="append",
         metavar="DTYPE",
         help=f"run float32 modules under torch.autocast to: {', '.join(AUTOCAST_CHOICES)}, "
-        "repeatable or comma-separated (default: a small bfloat16 slice; none: leave it out)",
+        "repeatable or comma-separated: run only these instead of the default run (none: the "
+        "default run without its autocast slice)",
     )
     p.add_argument(
         "--property",
@@ -211,8 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch intra-op threads (default 1: the campaign's tensors are tiny, and more "
         "threads than free cores slow a shared CI machine down several times)",
     )
-    p.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
-    p.add_argument("--junit", type=Path, metavar="PATH", help="write the results as JUnit XML")
+    p.add_argument("--json", type=_output_path, metavar="PATH", help="write the results as JSON")
+    p.add_argument(
+        "--junit", type=_output_path, metavar="PATH", help="write the results as JUnit XML"
+    )
     p.add_argument("--case", metavar="JSON", help="replay one case (needs exactly one --property)")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first failing cell")
     xfails.add_option(p)
@@ -313,7 +347,6 @@ def _write_junit(path: Path, backend: str, cells: list[CellResult], elapsed: flo
             ).text = f"examples={c.examples} worst_ratio={c.ratio_text}"
     root = ET.Element("testsuites")
     root.append(suite)
-    path.parent.mkdir(parents=True, exist_ok=True)
     ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
 
 
@@ -327,7 +360,9 @@ def _replay(backend, properties: list[str], text: str, device: str | None) -> in
     try:
         case = Case.from_json(text)
     except ValueError as exc:
-        raise _UsageError(str(exc)) from None
+        raise _UsageError(f"--case: {exc}") from None
+    except (KeyError, TypeError, AttributeError) as exc:  # JSON of another shape
+        raise _UsageError(f"--case: not a splitgrad case ({type(exc).__name__}: {exc})") from None
     pid = properties[0]
     if device is not None and device != case.config.device:
         raise _UsageError(f"--device {device}, but the case runs on {case.config.device}")
@@ -387,6 +422,8 @@ def _load_backend(name: str):
             f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}, path:DIR, "
             "module:NAME or class:MODULE:ATTR"
         )
+    if name.startswith("path:") and not Path(name[len("path:") :]).exists():
+        return None, f"{name[len('path:') :]} does not exist"
     try:
         backend = get_backend(name)
         return backend, backend.unavailable_reason()
@@ -396,25 +433,48 @@ def _load_backend(name: str):
         raise _UsageError(str(exc)) from None
 
 
+def _nothing_to_run(kinds: list[str], impl_paths: list[str]) -> str:
+    """Why the options select no cell."""
+    from .paths import IMPL_PATHS
+
+    for name in impl_paths:
+        path = IMPL_PATHS.get(name)
+        if path is not None and not any(path.applies(k) for k in kinds):
+            return (
+                f"nothing to run: --impl-path {name} applies to {', '.join(path.kinds)} only, "
+                f"not to --module {','.join(kinds)}"
+            )
+    return "nothing to run: these options select no cell (see --help)"
+
+
+def _cell_kind(cell) -> str:
+    if cell.path != "default":
+        return "on forced paths"
+    if cell.recipe_label != "none":
+        return "under FP8"
+    if cell.autocast is not None:
+        return "under torch.autocast"
+    return "high precision"
+
+
 def _header(backend, device: str, profile: str, cells) -> str:
-    """What the run is: backend, device, profile, and how many examples each kind of cell runs."""
-    groups: dict[str, dict] = {}
+    """What the run is: backend, device, profile, and how many hypothesis examples each kind of
+    cell draws after its explicit cases (a count only some properties use is named with them:
+    P10 and P18 enumerate their variants in explicit cases and draw fewer)."""
+    groups: dict[str, dict[str, list[str]]] = {}
     for c in cells:
-        if c.path != "default":
-            key = "on forced paths"
-        elif c.recipe_label != "none":
-            key = "under FP8"
-        elif c.autocast is not None:
-            key = "under torch.autocast"
-        else:
-            key = "high precision"
-        g = groups.setdefault(key, {"n": 0, "examples": set()})
-        g["n"] += 1
-        g["examples"].add("profile default" if c.examples is None else str(c.examples))
-    parts = [
-        f"{g['n']} {key} at {'/'.join(sorted(g['examples']))} examples each"
-        for key, g in groups.items()
-    ]
+        n = "the profile's" if c.examples is None else str(c.examples)
+        groups.setdefault(_cell_kind(c), {}).setdefault(n, []).append(c.property_id)
+    parts = []
+    for kind, counts in groups.items():
+        usual = max(counts, key=lambda n: len(counts[n]))
+        others = "; ".join(
+            f"{n} for {', '.join(sorted(set(pids)))}" for n, pids in counts.items() if n != usual
+        )
+        n_cells = sum(len(pids) for pids in counts.values())
+        parts.append(
+            f"{n_cells} {kind} at {usual} examples each" + (f" ({others})" if others else "")
+        )
     return (
         f"splitgrad verify: backend {backend.name}, device {device}, profile {profile}; "
         f"{len(cells)} cells: " + ", ".join(parts)
@@ -429,6 +489,11 @@ def _main(argv: list[str], paths=None) -> int:
     families = _split_list(args.recipe, RECIPE_CHOICES, "recipe")
     impl_paths = _split_list(args.impl_path, PATH_CHOICES, "impl path")
     autocasts = _split_list(args.autocast, AUTOCAST_CHOICES, "autocast dtype")
+    if args.dtype and set(dtypes) != {"float32"} and set(autocasts) - {"none"}:
+        raise _UsageError(
+            f"--autocast {','.join(autocasts)} runs float32 modules under torch.autocast, so "
+            f"--dtype {','.join(dtypes)} would be ignored; leave --dtype out"
+        )
     if args.examples is not None and args.examples < 1:
         raise _UsageError(f"--examples must be at least 1, got {args.examples}")
     if args.threads < 1:
@@ -493,6 +558,8 @@ def _main(argv: list[str], paths=None) -> int:
         reasons = "; ".join(f"{p}: {w}" for p, w in unforceable.items())
         raise _UsageError(f"--impl-path on backend {backend.name!r}: {reasons}")
     plan = kept
+    if not plan:
+        raise _UsageError(_nothing_to_run(kinds, impl_paths))
     fp8_asked = any(f != "none" for f in families) or any(
         c.recipe_label != "none" for c in plan if c.path != "default"
     )
@@ -643,7 +710,6 @@ def _main(argv: list[str], paths=None) -> int:
         "fast_paths_missed": _missed_fast_paths(),
     }
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2, default=_json_default))
     if args.junit:
         _write_junit(args.junit, backend.name, cells, elapsed)
