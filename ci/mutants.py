@@ -213,13 +213,13 @@ MUTANTS = (
     ),
     Mutant(
         "grouped-mm-expanded-dy",
-        "grouped GEMM path: dgrad hands torch._grouped_mm the dy autograd gave, unmade "
+        "grouped GEMM path: dgrad hands the grouped GEMM the dy autograd gave, unmade "
         "contiguous (the stride-0 dy of loss.sum() is refused)",
         (
             (
                 "gemm.py",
-                "    return torch._grouped_mm(_row_major(dy), stacked_weights, offs=offs)",
-                "    return torch._grouped_mm(dy, stacked_weights, offs=offs)",
+                "    return _torch_compat.grouped_mm(_row_major(dy), stacked_weights, offs)",
+                "    return _torch_compat.grouped_mm(dy, stacked_weights, offs)",
             ),
         ),
     ),

@@ -10,13 +10,14 @@ Every private torch API (``torch._C``, private ops, private modules and attribut
 one function below that names what it reads, checked on the torch versions in
 :data:`CHECKED_ON`. Where it is missing, calling the function raises
 :class:`~splitgrad.reference._torch_private.TorchMoved` naming the running torch version; nothing
-falls back quietly. The test tier's fake CUDA device (:mod:`.fake_cuda`) reads torch's
-fake-tensor and dispatcher internals itself.
+falls back quietly. ``tests/test_private_torch.py`` keeps every other module of the package off
+torch's private names.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections.abc import Callable
 
@@ -44,6 +45,9 @@ __all__ = [
     "tree_leaves",
     "returns_alias",
     "fake_tensor_mode",
+    "fake_tensor_logger",
+    "op_overload_type",
+    "out_arguments",
     "pipelining_split",
     "compiled_original",
     "dynamo_counters",
@@ -253,14 +257,41 @@ def returns_alias(func) -> bool:
     return any(r.alias_info is not None for r in returns)
 
 
-def fake_tensor_mode() -> contextlib.AbstractContextManager:
-    """A new ``torch._subclasses.fake_tensor.FakeTensorMode()``: tensors with sizes and no
-    storage."""
+def _fake_tensor_mode_type() -> type:
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode
     except ImportError:
         raise _moved("torch._subclasses.fake_tensor.FakeTensorMode", _TOOLS) from None
-    return FakeTensorMode()
+    return FakeTensorMode
+
+
+def fake_tensor_mode(**options) -> contextlib.AbstractContextManager:
+    """A new ``torch._subclasses.fake_tensor.FakeTensorMode(**options)``: tensors with sizes and
+    no storage."""
+    return _fake_tensor_mode_type()(**options)
+
+
+def fake_tensor_logger() -> logging.Logger:
+    """The logger of the module defining ``FakeTensorMode``, where fake kernels log a refused
+    meta check before raising it."""
+    return logging.getLogger(_fake_tensor_mode_type().__module__)
+
+
+def op_overload_type() -> type:
+    """``torch._ops.OpOverload``: one overload of an operator, as a dispatch mode sees it."""
+    try:
+        return torch._ops.OpOverload
+    except AttributeError:
+        raise _moved("torch._ops.OpOverload", _TOOLS) from None
+
+
+def out_arguments(func) -> list[str]:
+    """The names of the operator overload ``func``'s ``out=`` arguments (``func._schema``)."""
+    try:
+        arguments = func._schema.arguments
+    except AttributeError:
+        raise _moved("OpOverload._schema", _TOOLS) from None
+    return [a.name for a in arguments if a.is_out]
 
 
 def pipelining_split() -> tuple[Callable, Callable]:

@@ -37,7 +37,7 @@ from splitgrad.reference.contract import (
 )
 from splitgrad.reference.routing import differentiated, route_differentiable
 
-from . import compiled, gemm, twin
+from . import _torch_compat, compiled, gemm, twin
 from .fp8 import Float8Tensor
 from .fp8_gemm import fp8_wgrad_write, pack, unpack
 from .store import WeightGradStore, WgradEntry
@@ -106,9 +106,6 @@ def take_fp8(ctx) -> tuple[torch.nn.Module, object]:
     return ctx.module, fp8
 
 
-_C_APPLY = torch._C._FunctionBase.__dict__["apply"]
-
-
 def fast_apply(function: type[torch.autograd.Function]) -> Callable[..., torch.Tensor]:
     """``function.apply`` for impl's Functions, whose first argument is the input and the rest
     are parameters and plain values. Eagerly it calls autograd's C++ ``apply`` directly: the
@@ -117,7 +114,7 @@ def fast_apply(function: type[torch.autograd.Function]) -> Callable[..., torch.T
     Function itself at small shapes; only the input can be such a wrapper. Under
     ``torch.compile`` it is ``function.apply``; a module under a ``torch.func`` transform runs
     :class:`.twin.TwinFunction` instead (see :meth:`SplitBackwardModule._twin_forward`)."""
-    c_apply = _C_APPLY.__get__(None, function)
+    c_apply = _torch_compat.function_c_apply(function)
 
     def apply(x: torch.Tensor, *args) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -129,7 +126,8 @@ def fast_apply(function: type[torch.autograd.Function]) -> Callable[..., torch.T
     return apply
 
 
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_unwrap_if_dead = _torch_compat.unwrap_if_dead
+_set_grad_enabled = _torch_compat.set_grad_enabled
 
 
 @dataclasses.dataclass
@@ -242,7 +240,7 @@ class SplitBackwardModule(ModuleContract):
         # context manager costs more than a small Linear's bias gradient.
         enabled = torch.is_grad_enabled()
         if enabled:
-            torch._C._set_grad_enabled(False)
+            _set_grad_enabled(False)
         try:
             if hooked is None:
                 for _, leaf in written:
@@ -260,7 +258,7 @@ class SplitBackwardModule(ModuleContract):
                 self._collected = None
         finally:
             if enabled:
-                torch._C._set_grad_enabled(True)
+                _set_grad_enabled(True)
         names = {id(leaf): name for name, leaf in written}
         kind = type(self).__name__
         with torch.no_grad():

@@ -86,9 +86,7 @@ def effectful(op):
     torch older than compile support needs, nothing is registered: :func:`check_supported`
     refuses the compiled backward there instead."""
     if SUPPORTED:
-        from torch._library.effects import EffectType
-
-        torch.library._register_effectful_op(op._qualname, EffectType.ORDERED)
+        _torch_compat.register_ordered_effect(op)
     return op
 
 
@@ -144,12 +142,7 @@ def destinations(*params: torch.Tensor | None) -> list[str | None]:
     inside a custom op's kernel. The dispatcher runs a kernel with autograd's keys excluded,
     and finding a leaf's ``AccumulateGrad`` node needs them (it records a view), so they are
     re-enabled for the lookup only."""
-    include = torch._C._dispatch_tls_local_include_set()
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    # Removing one backend's autograd key clears autograd's functionality bit for all of them.
-    for key in (torch._C.DispatchKey.AutogradCPU, torch._C.DispatchKey.ADInplaceOrView):
-        exclude = exclude.remove(key)
-    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
+    with _torch_compat.autograd_dispatch_keys_enabled(), torch.enable_grad():
         return gradient_destinations(*params)
 
 

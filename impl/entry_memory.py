@@ -37,8 +37,15 @@ import sys
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from ._torch_compat import (
+    dispatch_mode_base,
+    fake_tensor_mode,
+    pipelining_split,
+    returns_alias,
+    storage_key,
+    tree_leaves,
+)
 
 __all__ = ["Scale", "SCALE", "measure", "rows", "main", "markdown"]
 
@@ -58,7 +65,7 @@ KINDS = ("Linear", "LayerNormMLP", "GroupedLinear")
 PRECISIONS = ("bf16", "delayed", "current", "mxfp8", "block")
 
 
-class _LiveStorages(TorchDispatchMode):
+class _LiveStorages(dispatch_mode_base()):
     """Every storage an operator creates inside the block, by weak reference."""
 
     def __init__(self) -> None:
@@ -67,20 +74,21 @@ class _LiveStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not any(r.alias_info is not None for r in func._schema.returns):
-            for t in tree_flatten(out)[0]:
+        if not returns_alias(func):
+            for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self.track(t)
         return out
 
     def track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
-        if storage._cdata not in self.refs:
-            self.refs[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        key = storage_key(storage)
+        if key not in self.refs:
+            self.refs[key] = (StorageWeakRef(storage), storage.nbytes())
 
     def alive_bytes(self, leave_out: tuple[torch.Tensor, ...] = ()) -> int:
         """Bytes of the tracked storages still alive, but for those of ``leave_out``."""
-        skip = {t.untyped_storage()._cdata for t in leave_out}
+        skip = {storage_key(t.untyped_storage()) for t in leave_out}
         return sum(n for k, (ref, n) in self.refs.items() if not ref.expired() and k not in skip)
 
 
@@ -100,7 +108,7 @@ def _entry_bytes(module: torch.nn.Module) -> int:
         for t in entry.saved:
             if t is not None:
                 storage = t.untyped_storage()
-                seen[storage._cdata] = storage.nbytes()
+                seen[storage_key(storage)] = storage.nbytes()
     return sum(seen.values())
 
 
@@ -223,12 +231,10 @@ def measure(kind: str, precision: str, s: Scale = SCALE, device: str = "fake") -
 def generic_split_held(kind: str, s: Scale = SCALE) -> int:
     """Bytes torch's generic split keeps alive between its B and W steps on the ``torch.nn``
     twin (bf16), measured like :func:`measure` on fake CPU tensors."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.pipelining._backward import stage_backward_input
-
+    stage_backward_input, _ = pipelining_split()
     nn = torch.nn
     kw = {"dtype": torch.bfloat16}
-    with FakeTensorMode():
+    with fake_tensor_mode():
         if kind == "Linear":
             twin = nn.Linear(s.hidden, s.ffn, **kw)
         elif kind == "LayerNormMLP":

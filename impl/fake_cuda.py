@@ -36,12 +36,17 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from splitgrad.reference.contract import ACCUMULATE
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode, resolve_name
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from . import gemm_paths
+from ._torch_compat import (
+    dispatch_mode_base,
+    fake_tensor_logger,
+    fake_tensor_mode,
+    op_overload_type,
+    out_arguments,
+    tree_leaves,
+)
 
 __all__ = [
     "CallLog",
@@ -106,7 +111,7 @@ def _is_cuda(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == "cuda"
 
 
-class CallLog(TorchDispatchMode):
+class CallLog(dispatch_mode_base()):
     """Records the GEMM calls made inside it and raises :class:`HostSync` on a host read of a
     CUDA tensor or a device-to-host copy."""
 
@@ -117,7 +122,7 @@ class CallLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         packet = func.overloadpacket
-        flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        flat = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if packet in _HOST_READS and any(_is_cuda(t) for t in flat):
             raise HostSync(f"{func} on a CUDA tensor: {_HOST_READS[packet]} makes the host wait")
         out = func(*args, **kwargs)
@@ -185,9 +190,9 @@ class _GuardShim(TorchFunctionMode):
             # The text only: keeping the exception would tie its traceback's frames (and their
             # tensors) into a reference cycle that outlives the call.
             failure = str(exc)
-        if isinstance(func, torch._ops.OpOverload):
+        if isinstance(func, op_overload_type()):
             name, packet = str(func), func.overloadpacket
-            outs = [a.name for a in func._schema.arguments if a.is_out]
+            outs = out_arguments(func)
         else:
             name = resolve_name(func) or getattr(func, "__name__", repr(func))
             short = name.rsplit(".", 1)[-1]
@@ -216,7 +221,7 @@ class _GuardShim(TorchFunctionMode):
 def fake_cuda(capability: tuple[int, int] = (9, 0)) -> Iterator[CallLog]:
     """A block where ``device="cuda"`` tensors are fake and impl decides as on a GPU of
     ``capability`` (see the module docstring). Yields the :class:`CallLog`."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger = fake_tensor_logger()
     level = logger.level
     # A refused meta check is logged at ERROR before it is raised; the raise is what we read.
     logger.setLevel(logging.CRITICAL)
@@ -225,7 +230,7 @@ def fake_cuda(capability: tuple[int, int] = (9, 0)) -> Iterator[CallLog]:
         with contextlib.ExitStack() as stack:
             stack.enter_context(gemm_paths.capability_probes(capability))
             stack.enter_context(torch.no_grad())
-            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=False))
+            stack.enter_context(fake_tensor_mode(allow_non_fake_inputs=False))
             stack.enter_context(log)
             if not torch.cuda.is_available():
                 stack.enter_context(_GuardShim())

@@ -56,7 +56,7 @@ import functools
 
 import torch
 
-from . import gemm_paths
+from . import _torch_compat, gemm_paths
 from .fp8 import (
     PER_TENSOR,
     Float8Tensor,
@@ -142,7 +142,7 @@ def _scaled_mm(a: Float8Tensor, a_t: bool, b: Float8Tensor, b_t: bool, out_dtype
     epilogue_bias = bias if fused_bias else None
     if kind == "tensor":
         sa, sb = a.scale_inv.reshape(()), b.scale_inv.reshape(())
-        y = torch._scaled_mm(A, B, sa, sb, bias=epilogue_bias, out_dtype=out_dtype)
+        y = _torch_compat.scaled_mm(A, B, sa, sb, bias=epilogue_bias, out_dtype=out_dtype)
     else:
         y = _blockwise_scaled_mm(a, a_t, b, b_t, A, B, kind, out_dtype, epilogue_bias)
     if bias is not None and not fused_bias:

@@ -37,7 +37,7 @@ import functools
 
 import torch
 
-from . import gemm_paths
+from . import _torch_compat, gemm_paths
 from .gemm_paths import RECORDERS
 
 __all__ = [
@@ -212,14 +212,14 @@ def _grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type == "cuda" and gemm_paths.probe_mode() == "capability":
         runs, why = gemm_paths.expected("grouped_mm", device, dtype)
         return gemm_paths.probe_verdict("grouped_mm", device, dtype, runs, why)
-    if not hasattr(torch, "_grouped_mm"):
+    if not _torch_compat.has_grouped_mm():
         why = f"torch {torch.__version__} has no _grouped_mm"
         return gemm_paths.probe_verdict("grouped_mm", device, dtype, False, why)
     try:
         x = torch.zeros(16, 16, dtype=dtype, device=device)
         w = torch.zeros(2, 16, 16, dtype=dtype, device=device)
         offs = torch.tensor([8, 16], dtype=torch.int32, device=device)
-        torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+        _torch_compat.grouped_mm(x, w.transpose(1, 2), offs)
     except (RuntimeError, NotImplementedError) as exc:
         why = f"16x16 probe raised {type(exc).__name__}: {str(exc)[:200]}"
         return gemm_paths.probe_verdict("grouped_mm", device, dtype, False, why)
@@ -288,7 +288,7 @@ def grouped_mm_forward(
     (``_grouped_mm`` has no bias epilogue), in place on the output rows.
     """
     offs = _offsets(m_splits, x.device)
-    y = torch._grouped_mm(_row_major(x), stacked_weights.transpose(1, 2), offs=offs)
+    y = _torch_compat.grouped_mm(_row_major(x), stacked_weights.transpose(1, 2), offs)
     if biases is not None:
         for y_g, b in zip(y.split(m_splits), biases):
             if y_g.shape[0]:
@@ -301,4 +301,4 @@ def grouped_mm_dgrad(
 ) -> torch.Tensor:
     """``dx_g = dy_g W_g`` for all groups in one grouped GEMM. dy: (N, M) -> (N, K)."""
     offs = _offsets(m_splits, dy.device)
-    return torch._grouped_mm(_row_major(dy), stacked_weights, offs=offs)
+    return _torch_compat.grouped_mm(_row_major(dy), stacked_weights, offs)

@@ -35,6 +35,8 @@ from collections.abc import Iterator
 
 import torch
 
+from . import _torch_compat
+
 __all__ = [
     "Decision",
     "PathLog",
@@ -251,7 +253,7 @@ def expected(feature: str, device: torch.device, what: object) -> tuple[bool, st
             return True, f"{_dtype_name(what)} operands, fp32 output: cuBLAS on {sm}"
         return False, f"{_dtype_name(what)} operands on {sm}: no fp32-output GEMM"
     if feature == "grouped_mm":
-        if not hasattr(torch, "_grouped_mm"):
+        if not _torch_compat.has_grouped_mm():
             return False, f"torch {torch.__version__} has no _grouped_mm"
         if what != torch.bfloat16:
             return False, f"{_dtype_name(what)}: the grouped GEMM serves bf16 only"

@@ -33,6 +33,7 @@ import torch
 from splitgrad.reference.contract import ACCUMULATE, RETURN, GroupedLinearContract
 
 from . import compiled, gemm, gemm_paths
+from ._torch_compat import storage_key
 from .base import (
     FP8WgradPart,
     SplitBackwardModule,
@@ -77,10 +78,10 @@ def _stacked(weights: list[torch.Tensor]) -> torch.Tensor:
     slot = _slot_elements(m, k, w0.dtype)
     # Storage identity and element offsets rather than data pointers: the same test holds for
     # fake tensors (the CUDA trace tier), whose storages have no address.
-    storage, start = w0.untyped_storage()._cdata, w0.storage_offset()
+    storage, start = storage_key(w0.untyped_storage()), w0.storage_offset()
     if all(
         w.is_contiguous()
-        and w.untyped_storage()._cdata == storage
+        and storage_key(w.untyped_storage()) == storage
         and w.storage_offset() == start + i * slot
         for i, w in enumerate(weights)
     ):

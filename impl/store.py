@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from ._torch_compat import set_grad_enabled
+
 __all__ = ["WgradEntry", "WeightGradStore"]
 
 
@@ -40,11 +42,11 @@ class WgradEntry:
         """Compute and write this entry's gradients (with grad mode off, as ``torch.no_grad``
         does; set directly, which costs a tenth of the context manager)."""
         enabled = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
+        set_grad_enabled(False)
         try:
             self.closure(*self.saved)
         finally:
-            torch._C._set_grad_enabled(enabled)
+            set_grad_enabled(enabled)
 
     def release(self) -> None:
         """Drop every tensor the entry holds; its storage is freed unless referenced elsewhere."""

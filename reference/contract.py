@@ -58,7 +58,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ._fsdp_guard import check_not_under_fsdp
-from ._torch_private import TorchMoved, functorch_active, will_engine_execute_node
+from ._torch_private import (
+    TorchMoved,
+    active_ddp_module,
+    ddp_parameters,
+    functorch_active,
+    will_engine_execute_node,
+)
 from .accumulate import check_no_tensor_hooks
 from .fp8 import Float8BlockScaling, MXFP8BlockScaling, Recipe, fp8_active_recipe
 
@@ -239,10 +245,10 @@ def check_not_under_ddp(module: ModuleContract) -> None:
     """
     if not (module.delay_wgrad_compute or module.fuse_wgrad_accumulation):
         return
-    ddp = torch.nn.parallel.DistributedDataParallel._active_ddp_module
+    ddp = active_ddp_module()
     if ddp is None:
         return
-    reduced = {id(p) for p in getattr(ddp, "_module_parameters", ())}
+    reduced = {id(p) for p in ddp_parameters(ddp)}
     names = [
         name
         for name, p in module.named_parameters(recurse=False)

@@ -51,19 +51,14 @@ from collections.abc import Callable
 
 import torch
 
+from ._torch_private import module_hooks_registered
+
 __all__ = ["make_convert_linears"]
 
 #: Devices the packages' modules run on, and ``meta``: a model not yet materialized.
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda", "meta")
 #: Constructor options that come from the layer being replaced, never from the caller.
 _FROM_THE_LAYER = ("bias", "params_dtype", "device")
-
-_HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_pre_hooks",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-)
 
 ModuleFilter = Callable[[torch.nn.Module, str], bool]
 
@@ -125,10 +120,10 @@ def _check_layer(fqn: str, layer: torch.nn.Linear) -> None:
             f"{where}: its bias ({bias.dtype} on {bias.device}) differs from its weight "
             f"({weight.dtype} on {weight.device}); one Linear holds both in one dtype and device"
         )
-    hooks = [d for d in _HOOK_DICTS if getattr(layer, d, None)]
+    hooks = module_hooks_registered(layer)
     if hooks:
         raise ValueError(
-            f"{where} has hooks registered ({', '.join(h.strip('_') for h in hooks)}), which "
+            f"{where} has hooks registered ({', '.join(hooks)}), which "
             "would be lost; convert before registering them"
         )
 
