@@ -682,24 +682,9 @@ def _grad_of_grad(run: ModuleRun, d: MicroBatchData, case: Case) -> dict:
     y = run.forward(x, d.spec.m_splits, None)
     inputs = [x, *params.values()]
     gs = run.backend.grad(run.module, [y], [d.dy], inputs, create_graph=True)
-    names = ["inp", *params]
-    out: dict = {f"first order {n}.grad": _grad(g) for n, g in zip(names, gs)}
-    penalty = [
-        (g * _vector(case, g, j)).sum()
-        for j, g in enumerate(gs)
-        if g is not None and g.requires_grad
-    ]
-    if not penalty:
-        raise RuntimeError(
-            "P18: no gradient returned with create_graph=True carries a graph (nothing to "
-            "differentiate twice)"
-        )
-    run.backend.backward(run.module, [torch.stack(penalty).sum()], [torch.ones((), dtype=y.dtype)])
-    run.drain()
-    out["second order inp.grad"] = _grad(x.grad)
-    for n, p in params.items():
-        out[f"second order {n}.grad"] = _grad(p.grad)
-    return out
+    firsts = dict(zip(["inp", *params], gs))
+    source = "returned with create_graph=True"
+    return _differentiate_twice(run, case, x, params, firsts, y.dtype, source)
 
 
 def _backward_create_graph(run: ModuleRun, d: MicroBatchData, case: Case) -> dict:
@@ -712,6 +697,14 @@ def _backward_create_graph(run: ModuleRun, d: MicroBatchData, case: Case) -> dic
         run.backend.backward(run.module, [y], [d.dy], create_graph=True)
     run.drain()
     firsts = {"inp": x.grad, **{n: p.grad for n, p in params.items()}}
+    # Accumulated: first order plus the penalty's gradient, as autograd leaves them.
+    source = "written by backward(create_graph=True)"
+    return _differentiate_twice(run, case, x, params, firsts, y.dtype, source)
+
+
+def _differentiate_twice(run, case, x, params, firsts, dtype, source) -> dict:
+    """The first-order gradients ``firsts``, then what a backward of a penalty on them (a
+    random vector's dot product with each) leaves on ``x`` and ``params``: the second order."""
     out: dict = {f"first order {n}.grad": _grad(g) for n, g in firsts.items()}
     penalty = [
         (g * _vector(case, g, j)).sum()
@@ -720,12 +713,10 @@ def _backward_create_graph(run: ModuleRun, d: MicroBatchData, case: Case) -> dic
     ]
     if not penalty:
         raise RuntimeError(
-            "P18: no gradient written by backward(create_graph=True) carries a graph (nothing "
-            "to differentiate twice)"
+            f"P18: no gradient {source} carries a graph (nothing to differentiate twice)"
         )
-    run.backend.backward(run.module, [torch.stack(penalty).sum()], [torch.ones((), dtype=y.dtype)])
+    run.backend.backward(run.module, [torch.stack(penalty).sum()], [torch.ones((), dtype=dtype)])
     run.drain()
-    # Accumulated: first order plus the penalty's gradient, as autograd leaves them.
     out["second order inp.grad"] = _grad(x.grad)
     for n, p in params.items():
         out[f"second order {n}.grad"] = _grad(p.grad)

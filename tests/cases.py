@@ -1,7 +1,11 @@
 """Building blocks for the contract tests: build a module of any kind from either source, fill it
-with seeded values, run micro-batches, snapshot its gradients."""
+with seeded values, run micro-batches, snapshot its gradients; and ``ci/mutants.py`` as a
+module, for the tests that check its mutants."""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import torch
 
@@ -125,3 +129,13 @@ def twin_pair(lib, kind, *, seed=0, **options):
         fill(m, seed)
         prefill_grads(m, seed + 1, fused=fused)
     return plain, delayed
+
+
+def ci_mutants():
+    """``ci/mutants.py``, imported (its mutants and how they are applied)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ci"))
+    try:
+        import mutants
+    finally:
+        sys.path.pop(0)
+    return mutants

@@ -76,15 +76,19 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize(("backend_name", "property_id", "kind"), CELLS)
-def test_property(backend_name: str, property_id: str, kind: str) -> None:
-    backend = get_backend(backend_name)
+def _available(name: str):
+    backend = get_backend(name)
     why = backend.unavailable_reason()
     if why:
         pytest.skip(why)
-    cell = run_cell(backend, property_id, kind, "any", dtypes=DTYPES, profile=active_profile_name())
+    return backend
+
+
+def _judge(cell, na: str, backend_name: str) -> None:
+    """Skip an n/a cell (``na`` says which), xfail a deviation the backend declares; any other
+    cell must pass, with examples judged."""
     if cell.status == NA:
-        pytest.skip(f"{property_id} n/a on {backend_name}: {cell.message}")
+        pytest.skip(f"{na}: {cell.message}")
     if cell.status == DEVIATION:
         pytest.xfail(
             f"known deviation of {backend_name}: {cell.deviation} | observed: {cell.message[:300]}"
@@ -93,14 +97,17 @@ def test_property(backend_name: str, property_id: str, kind: str) -> None:
     assert cell.examples > 0
 
 
+@pytest.mark.parametrize(("backend_name", "property_id", "kind"), CELLS)
+def test_property(backend_name: str, property_id: str, kind: str) -> None:
+    backend = _available(backend_name)
+    cell = run_cell(backend, property_id, kind, "any", dtypes=DTYPES, profile=active_profile_name())
+    _judge(cell, f"{property_id} n/a on {backend_name}", backend_name)
+
+
 @pytest.mark.parametrize(("backend_name", "property_id", "kind"), FP8_CELLS)
 def test_property_fp8(backend_name: str, property_id: str, kind: str) -> None:
-    backend = get_backend(backend_name)
-    why = backend.unavailable_reason()
-    if why:
-        pytest.skip(why)
     cell = run_cell(
-        backend,
+        _available(backend_name),
         property_id,
         kind,
         "any",
@@ -110,26 +117,14 @@ def test_property_fp8(backend_name: str, property_id: str, kind: str) -> None:
         recipes=tuple(RECIPES),
         recipe_label="all",
     )
-    if cell.status == NA:
-        pytest.skip(f"{property_id} under FP8 n/a on {backend_name}: {cell.message}")
-    if cell.status == DEVIATION:
-        pytest.xfail(
-            f"known deviation of {backend_name}: {cell.deviation} | observed: {cell.message[:300]}"
-        )
-    assert cell.status == PASS, f"{cell.message}\nreproduce: {cell.repro}"
-    assert cell.examples > 0
+    _judge(cell, f"{property_id} under FP8 n/a on {backend_name}", backend_name)
 
 
 @pytest.mark.parametrize(("path", "property_id", "kind"), PATH_CELLS)
 def test_property_forced_path(path: str, property_id: str, kind: str) -> None:
-    impl = get_backend("impl")
-    why = impl.unavailable_reason()
-    if why:
-        pytest.skip(why)
-    backend = ForcedPathBackend(impl, path)
     forced = IMPL_PATHS[path]
     cell = run_cell(
-        backend,
+        ForcedPathBackend(_available("impl"), path),
         property_id,
         kind,
         "any",
@@ -139,17 +134,13 @@ def test_property_forced_path(path: str, property_id: str, kind: str) -> None:
         recipes=forced.recipes or (None,),
         recipe_label="all" if forced.recipes else None,
     )
-    if cell.status == NA:
-        pytest.skip(f"{property_id} on path {path} n/a: {cell.message}")
-    assert cell.status == PASS, f"{cell.message}\nreproduce: {cell.repro}"
-    assert cell.examples > 0
+    _judge(cell, f"{property_id} on path {path} n/a", "impl")
 
 
 @pytest.mark.parametrize(("backend_name", "property_id", "kind"), AUTOCAST_CELLS)
 def test_property_autocast(backend_name: str, property_id: str, kind: str) -> None:
-    backend = get_backend(backend_name)
     cell = run_cell(
-        backend,
+        get_backend(backend_name),
         property_id,
         kind,
         "float32",
@@ -157,7 +148,4 @@ def test_property_autocast(backend_name: str, property_id: str, kind: str) -> No
         profile=active_profile_name(),
         autocast="bfloat16",
     )
-    if cell.status == NA:
-        pytest.skip(f"{property_id} under autocast n/a on {backend_name}: {cell.message}")
-    assert cell.status == PASS, f"{cell.message}\nreproduce: {cell.repro}"
-    assert cell.examples > 0
+    _judge(cell, f"{property_id} under autocast n/a on {backend_name}", backend_name)

@@ -5,12 +5,12 @@ TransformerEngine's source does (``tests/outside_fidelity.py``)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import outside_fidelity
 import pytest
 import torch
+from cases import ci_mutants
 from splitgrad.properties import budgets as B
 from splitgrad.properties.backends import Backend, LibraryBackend, get_backend
 from splitgrad.properties.campaign import run_case
@@ -23,17 +23,6 @@ from splitgrad.properties.fidelity import (
 from splitgrad.properties.protocol import PROTOCOL_VARIANTS
 from splitgrad.properties.registry import case_strategy, explicit_cases
 from splitgrad.properties.strategies import Case, MicroBatch, ModuleConfig
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _mutants():
-    sys.path.insert(0, str(ROOT / "ci"))
-    try:
-        import mutants
-    finally:
-        sys.path.pop(0)
-    return mutants
 
 
 def _case(
@@ -88,7 +77,7 @@ def _fails(backend: Backend, case: Case, *fragments: str) -> str:
 
 
 def _mutated(tmp_path: Path, name: str, bug: str, edits) -> Backend:
-    mutants = _mutants()
+    mutants = ci_mutants()
     mutant = mutants.Mutant(name, bug, tuple(edits))
     dest = tmp_path / name.replace("-", "_")
     why = mutants.apply(mutant, dest)
@@ -97,7 +86,7 @@ def _mutated(tmp_path: Path, name: str, bug: str, edits) -> Backend:
 
 
 def _ci_mutant(tmp_path: Path, name: str) -> Backend:
-    mutant = next(m for m in _mutants().P18_MUTANTS if m.name == name)
+    mutant = next(m for m in ci_mutants().P18_MUTANTS if m.name == name)
     return _mutated(tmp_path, mutant.name, mutant.bug, mutant.edits)
 
 

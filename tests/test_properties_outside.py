@@ -138,7 +138,10 @@ def test_planted_bug_in_an_outside_package_fails(outside: Path, capsys) -> None:
     assert "bias.grad" in out and "reproduce: splitgrad verify --backend module:biased_bias" in out
 
 
-def _pytest(outside: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+def _pytest(outside: Path, *args: str, cwd: Path, **suite: object) -> subprocess.CompletedProcess:
+    """``pytest --pyargs splitgrad.properties`` with ``args``, and each keyword of ``suite`` as
+    its ``--splitgrad-KEY VALUE`` option (``impl_path`` for ``--splitgrad-impl-path``)."""
+    options = [a for k, v in suite.items() for a in (f"--splitgrad-{k.replace('_', '-')}", str(v))]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(outside), os.environ.get("PYTHONPATH", "")]),
@@ -153,6 +156,7 @@ def _pytest(outside: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess
             "splitgrad.properties",
             "-p",
             "no:cacheprovider",
+            *options,
             *args,
         ],
         capture_output=True,
@@ -185,20 +189,15 @@ def test_pytest_plugin_on_an_outside_package_with_xdist_and_junit(
     xml = tmp_path / "conformance.xml"
     proc = _pytest(
         outside,
-        "--splitgrad-backend",
-        "module:renamed_ref",
-        "--splitgrad-module",
-        "Linear,GroupedLinear",
-        "--splitgrad-property",
-        "P1,P4,P12,P17",
-        "--splitgrad-examples",
-        "3",
-        "--splitgrad-profile",
-        "ci",
         "-n",
         "2",
         f"--junitxml={xml}",
         cwd=tmp_path,
+        backend="module:renamed_ref",
+        module="Linear,GroupedLinear",
+        property="P1,P4,P12,P17",
+        examples=3,
+        profile="ci",
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     results = _junit(xml)
@@ -222,21 +221,15 @@ def test_pytest_plugin_reports_missing_api_once_and_a_planted_bug(
     xml = tmp_path / "gaps.xml"
     proc = _pytest(
         outside,
-        "--splitgrad-backend",
-        "module:gappy_buggy",
-        "--splitgrad-module",
-        "Linear",
-        "--splitgrad-property",
-        "P1,P3,P4",
-        "--splitgrad-dtype",
-        "float32",
-        "--splitgrad-recipe",
-        "none",
-        "--splitgrad-examples",
-        "20",
         f"--junitxml={xml}",
         "-rN",  # no short summary: it repeats the message in full where COLUMNS is wide
         cwd=tmp_path,
+        backend="module:gappy_buggy",
+        module="Linear",
+        property="P1,P3,P4",
+        dtype="float32",
+        recipe="none",
+        examples=20,
     )
     assert proc.returncode == 1, proc.stdout[-3000:]
     results = _junit(xml)
@@ -255,20 +248,14 @@ def test_pytest_plugin_declared_deviations_are_strict_xfails(outside: Path, tmp_
     XPASS(strict)."""
     proc = _pytest(
         outside,
-        "--splitgrad-backend",
-        "class:declares:Backend",
-        "--splitgrad-module",
-        "Linear",
-        "--splitgrad-property",
-        "P1,P3",
-        "--splitgrad-dtype",
-        "float32",
-        "--splitgrad-recipe",
-        "none",
-        "--splitgrad-examples",
-        "20",
         "-rxX",
         cwd=tmp_path,
+        backend="class:declares:Backend",
+        module="Linear",
+        property="P1,P3",
+        dtype="float32",
+        recipe="none",
+        examples=20,
     )
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert "XFAIL" in proc.stdout and "bias gradient 2 % too large" in proc.stdout
@@ -286,23 +273,16 @@ def test_pytest_plugin_passes_a_plain_reexport_and_names_it_in_the_header(
     xml = tmp_path / "reexport.xml"
     proc = _pytest(
         outside,
-        "--splitgrad-backend",
-        "module:impl_star",
-        "--splitgrad-module",
-        "Linear",
-        "--splitgrad-property",
-        "P1,P13",
-        "--splitgrad-dtype",
-        "bfloat16",
-        "--splitgrad-examples",
-        "2",
-        "--splitgrad-profile",
-        "ci",
-        "--splitgrad-seed",
-        "7",
         f"--junitxml={xml}",
         "-rs",
         cwd=tmp_path,
+        backend="module:impl_star",
+        module="Linear",
+        property="P1,P13",
+        dtype="bfloat16",
+        examples=2,
+        profile="ci",
+        seed=7,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     results = _junit(xml)
@@ -327,17 +307,13 @@ def test_missing_fp8_fails_test_api_complete_as_verify_exits_2(
     xml = tmp_path / "no_fp8.xml"
     proc = _pytest(
         outside,
-        "--splitgrad-backend",
-        "module:impl_no_fp8",
-        "--splitgrad-module",
-        "Linear",
-        "--splitgrad-property",
-        "P13",
-        "--splitgrad-dtype",
-        "bfloat16",
         f"--junitxml={xml}",
         "-rN",
         cwd=tmp_path,
+        backend="module:impl_no_fp8",
+        module="Linear",
+        property="P13",
+        dtype="bfloat16",
     )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
     results = _junit(xml)
@@ -461,23 +437,16 @@ def test_pytest_plugin_xfails_file_is_strict(outside: Path, tmp_path: Path) -> N
     xml = tmp_path / "xfails.xml"
     proc = _pytest(
         outside,
-        "--splitgrad-backend",
-        "module:gappy_buggy",
-        "--splitgrad-module",
-        "Linear",
-        "--splitgrad-property",
-        "P1,P3",
-        "--splitgrad-dtype",
-        "float32",
-        "--splitgrad-recipe",
-        "none",
-        "--splitgrad-examples",
-        "20",
-        "--splitgrad-xfails",
-        listed.name,
         f"--junitxml={xml}",
         "-rxX",
         cwd=tmp_path,
+        backend="module:gappy_buggy",
+        module="Linear",
+        property="P1,P3",
+        dtype="float32",
+        recipe="none",
+        examples=20,
+        xfails=listed.name,
     )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert _junit(xml) == {

@@ -5,13 +5,13 @@ kinds are n/a on torch-split, said once, never run there."""
 
 from __future__ import annotations
 
-import sys
 import types
 from pathlib import Path
 
 import outside_protocol
 import pytest
 import torch
+from cases import ci_mutants
 from splitgrad.properties.backends import (
     Backend,
     BackendUnavailable,
@@ -26,20 +26,9 @@ from splitgrad.properties.registry import MODULE_PROTOCOL, explicit_cases
 from splitgrad.properties.strategies import KINDS, Case, MicroBatch, ModuleConfig
 from splitgrad.properties.verify import main as verify
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _mutants():
-    sys.path.insert(0, str(ROOT / "ci"))
-    try:
-        import mutants
-    finally:
-        sys.path.pop(0)
-    return mutants
-
 
 def _ci_mutant(tmp_path: Path, name: str) -> Backend:
-    mutants = _mutants()
+    mutants = ci_mutants()
     mutant = next(m for m in mutants.PROTOCOL_MUTANTS if m.name == name)
     dest = tmp_path / name.replace("-", "_")
     assert mutants.apply(mutant, dest) is None
