@@ -12,7 +12,7 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -63,8 +63,11 @@ class ActionRecorder:
         for attr, kind in _ACTION_METHODS:
             setattr(stage, attr, self._recording(getattr(stage, attr), kind, stage_index))
 
-    def step(self, run: Callable[[], object], *, memory: bool = False) -> tuple[list[dict], float]:
-        """Run one schedule step (``run()``): its spans and its wall-clock seconds."""
+    def step(
+        self, schedule, inputs=None, *, target=None, losses=None, memory: bool = False
+    ) -> tuple[list[dict], float]:
+        """Run one ``schedule.step`` (``inputs``, ``target`` and ``losses`` where this rank holds
+        the first or last stage, else ``None``): its spans and its wall-clock seconds."""
         self._memory = memory
         prof = None
         if memory and self.device.type != "cuda":
@@ -76,7 +79,7 @@ class ActionRecorder:
         self._start_step()
         t0 = time.perf_counter()
         with quiet_stderr() if prof is not None else contextlib.nullcontext():
-            run()
+            schedule.step(*(() if inputs is None else (inputs,)), target=target, losses=losses)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         wall = time.perf_counter() - t0

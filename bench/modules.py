@@ -252,7 +252,9 @@ def _bare_gemms(kind: str, module, x: torch.Tensor, dy: torch.Tensor, s: Shapes)
 # ---- one (module, dtype) case ------------------------------------------------------------
 
 
-def _case(kind: str, dtype: torch.dtype, s: Shapes, reps: int) -> dict:
+def _setup(kind: str, s: Shapes, dtype: torch.dtype):
+    """(non-delayed impl, delayed impl, torch.nn twin, x, dy), same parameter values, every
+    gradient prefilled (the steady state of accumulation)."""
     torch.manual_seed(0)
     nd = _build_impl(kind, s, dtype, delay=False, fused=False)
     dl = _build_impl(kind, s, dtype, delay=True, fused=False)
@@ -262,11 +264,16 @@ def _case(kind: str, dtype: torch.dtype, s: Shapes, reps: int) -> dict:
         _prefill(m, fused=False)
     for p in twin.parameters():
         p.grad = torch.full_like(p, 1e-3)
-    splits = s.splits()
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(s.tokens, s.hidden, generator=gen).to(dtype).to(_DEVICE).requires_grad_()
     out_features = s.hidden if kind == "LayerNormMLP" else s.ffn
     dy = torch.randn(s.tokens, out_features, generator=gen).to(dtype).to(_DEVICE)
+    return nd, dl, twin, x, dy
+
+
+def _case(kind: str, dtype: torch.dtype, s: Shapes, reps: int) -> dict:
+    nd, dl, twin, x, dy = _setup(kind, s, dtype)
+    splits = s.splits()
     x_in = x.detach()
     bare = _bare_gemms(kind, nd, x_in, dy, s)
 
@@ -505,21 +512,17 @@ def _print_fp8_table(rows: list[dict], s: Shapes) -> None:
         f"\nFP8 — bf16 Linear {s.hidden}->{s.ffn}, {s.tokens} tokens, delay_wgrad_compute; "
         "backward_dw() time and what one queued entry holds, vs the same module without FP8"
     )
-    header = (
+    _print_rows(
         f"{'recipe':<10}{'wgrad ms':>10}{'vs bf16':>9}{'fused ms':>10}{'vs bf16':>9}"
-        f"{'entry MB':>10}{'vs bf16':>9}"
-    )
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(
+        f"{'entry MB':>10}{'vs bf16':>9}",
+        [
             f"{r['recipe']:<10}{r['wgrad_ms']:10.1f} {_fmt(r['wgrad_vs_bf16']):>8}"
             f"{r['wgrad_fused_ms']:10.1f} {_fmt(r['wgrad_fused_vs_bf16']):>8}"
             f"{r['entry_mb']:10.2f} {_fmt(r['entry_vs_bf16']):>8}"
-        )
-    print(
+            for r in rows
+        ],
         "wgrad = backward_dw() into .grad (bf16); fused = into fp32 main_grad; entry = bytes of "
-        "the tensors one queued entry holds (FP8: column-wise q(dy), q(x), scale_inv, db)"
+        "the tensors one queued entry holds (FP8: column-wise q(dy), q(x), scale_inv, db)",
     )
 
 
@@ -541,23 +544,10 @@ SMALL_CASES = (
 
 
 def _small_setup(kind: str, tokens: int, hidden: int, out: int, groups: int, dtype):
-    """(non-delayed impl, delayed impl, torch.nn twin, x, dy, splits), same parameter values,
-    every gradient prefilled (the steady state of accumulation)."""
-    torch.manual_seed(0)
+    """:func:`_setup` at a small shape, equal groups, ``x.grad`` prefilled; and the splits."""
     s = Shapes(tokens, hidden, out, groups, even=True)
-    nd = _build_impl(kind, s, dtype, delay=False, fused=False)
-    dl = _build_impl(kind, s, dtype, delay=True, fused=False)
-    _copy_params(dl, nd)
-    twin = _build_twin(kind, nd, s, dtype)
-    for m in (nd, dl):
-        _prefill(m, fused=False)
-    for p in twin.parameters():
-        p.grad = torch.full_like(p, 1e-3)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(_DEVICE).requires_grad_()
+    nd, dl, twin, x, dy = _setup(kind, s, dtype)
     x.grad = torch.zeros_like(x)
-    dy = torch.randn(tokens, hidden if kind == "LayerNormMLP" else out, generator=gen)
-    dy = dy.to(dtype).to(_DEVICE)
     return nd, dl, twin, x, dy, s.splits()
 
 
@@ -620,31 +610,22 @@ def _print_small_table(rows: list[dict], reps: int) -> None:
         "\nPer-call cost at small shapes — impl / torch.nn twin (same dtype, autograd), median of "
         f"{reps} interleaved reps; < 1 means impl is faster"
     )
-    header = (
+    _print_rows(
         f"{'module':<16}{'shape':<28}{'dtype':<10}{'fwd':>6}{'fwd+bwd':>9}{'+dw':>7}"
-        f"{'nn fwd+bwd us':>15}"
-    )
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(
+        f"{'nn fwd+bwd us':>15}",
+        [
             f"{r['module']:<16}{r['shape']:<28}{r['dtype']:<10}{_fmt(r['fwd'])}"
             f"   {_fmt(r['fwd_bwd'])} {_fmt(r['fwd_bwd_dw'])}{r['us']['nn_fb']:15.0f}"
-        )
-    print(
+            for r in rows
+        ],
         "fwd = forward / twin forward; fwd+bwd = forward + backward (non-delayed) / twin's; "
         "+dw = forward + backward + backward_dw() (delayed) / twin's forward + backward "
-        "(target <= 1.00)"
+        "(target <= 1.00)",
     )
 
 
 #: Where the compiled-vs-eager rows are measured (the larger small shapes).
-COMPILE_CASES = (
-    ("Linear", 256, 256, 512, 1),
-    ("LayerNormLinear", 256, 256, 512, 1),
-    ("LayerNormMLP", 256, 256, 512, 1),
-    ("GroupedLinear", 1024, 128, 128, 64),
-)
+COMPILE_CASES = tuple(case for case in SMALL_CASES if case[1] >= 256)
 
 
 def compiled_vs_eager(kind, tokens, hidden, out, groups, dtype, reps: int) -> dict:
@@ -713,20 +694,16 @@ def _print_compiled_table(rows: list[dict], reps: int) -> None:
         "\ntorch.compile (inductor) / eager, forward + backward, median of "
         f"{reps} interleaved reps; breaks = graph breaks while compiling impl (delay on and off)"
     )
-    header = (
+    _print_rows(
         f"{'module':<16}{'shape':<28}{'dtype':<10}{'impl':>6}{'delayed':>9}{'nn':>7}"
-        f"{'impl/nn':>9}{'breaks':>8}"
-    )
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(
+        f"{'impl/nn':>9}{'breaks':>8}",
+        [
             f"{r['module']:<16}{r['shape']:<28}{r['dtype']:<10}{_fmt(r['impl'])}   "
             f"{_fmt(r['delayed'])} {_fmt(r['nn'])}   {_fmt(r['vs_nn'])}{r['graph_breaks']:8d}"
-        )
-    print(
+            for r in rows
+        ],
         "impl / delayed / nn = compiled / eager of the same module (delayed: + backward_dw()); "
-        "impl/nn = compiled impl / compiled torch.nn twin"
+        "impl/nn = compiled impl / compiled torch.nn twin",
     )
 
 
@@ -754,6 +731,24 @@ def _fmt(v: float) -> str:
     return "   n/a" if v != v else f"{v:6.2f}"
 
 
+def _print_rows(header: str, lines: list[str], note: str) -> None:
+    """A table: its header, a rule, its lines and the note under it."""
+    print(header)
+    print("-" * len(header))
+    for line in lines:
+        print(line)
+    print(note)
+
+
+def _main_row(r: dict) -> str:
+    kept = f"{r['kept_impl_mb']:.1f}/{r['kept_generic_mb']:.1f}"
+    return (
+        f"{r['module']:<16}{r['dtype']:<9}{r['ms']['nd']:8.1f}{_fmt(r['split'])}"
+        f" {_fmt(r['bare'])} {_fmt(r['nn'])} {_fmt(r['generic_time'])}"
+        f" {_fmt(r['generic_peak'])}{kept:>15}{_fmt(r['fused_peak'])}"
+    )
+
+
 def _print_table(rows: list[dict], shapes: Shapes, reps: int) -> None:
     print(f"splitgrad bench — {_machine()}")
     if not rows:
@@ -762,27 +757,17 @@ def _print_table(rows: list[dict], shapes: Shapes, reps: int) -> None:
         f"tokens={shapes.tokens} hidden={shapes.hidden} ffn={shapes.ffn} groups={shapes.groups} "
         f"(splits {shapes.splits()}); median of {reps} reps; ratios < 1 mean impl is better"
     )
-    header = (
+    _print_rows(
         f"{'module':<16}{'dtype':<9}{'bwd ms':>8}{'split':>7}{'bare':>7}{'nn':>7}"
-        f"{'gen.t':>7}{'gen.pk':>7}{'kept MB':>15}{'fused.pk':>9}"
-    )
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        kept = f"{r['kept_impl_mb']:.1f}/{r['kept_generic_mb']:.1f}"
-        print(
-            f"{r['module']:<16}{r['dtype']:<9}{r['ms']['nd']:8.1f}{_fmt(r['split'])}"
-            f" {_fmt(r['bare'])} {_fmt(r['nn'])} {_fmt(r['generic_time'])}"
-            f" {_fmt(r['generic_peak'])}{kept:>15}{_fmt(r['fused_peak'])}"
-        )
-    print(
+        f"{'gen.t':>7}{'gen.pk':>7}{'kept MB':>15}{'fused.pk':>9}",
+        [_main_row(r) for r in rows],
         "\nsplit  = (backward + backward_dw) / non-delayed backward          (target <= 1.03)\n"
         "bare   = impl backward / bare dgrad+wgrad torch.mm calls          (target <= 1.10)\n"
         "nn     = impl backward / torch.nn twin backward (autograd)        (target <= 1.00)\n"
         "gen.t  = impl delayed time / stage_backward_input+weight on twin\n"
         "gen.pk = impl delayed peak memory / generic split peak memory\n"
         "kept   = MB alive between backward and backward_dw: impl / generic split\n"
-        "fused.pk = peak memory, fused fp32 main_grad / plain .grad accumulation"
+        "fused.pk = peak memory, fused fp32 main_grad / plain .grad accumulation",
     )
     extra = [r for r in rows if "grouped" in r or "recompute_time" in r]
     for r in extra:
@@ -852,9 +837,25 @@ def _choices(parser: argparse.ArgumentParser, flag: str, text: str, allowed) -> 
     return items
 
 
-#: The sizes' and counts' defaults, and those of ``--quick``.
-_DEFAULTS = {"tokens": 2048, "hidden": 1024, "ffn": 4096, "reps": 5, "small_reps": 301}
-_QUICK = {"tokens": 256, "hidden": 128, "ffn": 512, "reps": 2, "small_reps": 21}
+#: The sizes and counts: option -> (what it is, default, default under ``--quick``).
+_SIZES = {
+    "tokens": ("rows of each input", 2048, 256),
+    "hidden": ("in_features, hidden_size for LayerNormMLP", 1024, 128),
+    "ffn": ("out_features, ffn_hidden_size for LayerNormMLP", 4096, 512),
+    "reps": ("repetitions, medians printed", 5, 2),
+    "small-reps": (
+        "interleaved repetitions of the small-shape and torch.compile sections",
+        301,
+        21,
+    ),
+}
+#: The sections of a run, each skipped by ``--no-NAME``.
+_SECTIONS = {
+    "main": "the main table (the realistic shapes)",
+    "fp8": "the FP8 section",
+    "small": "the small-shape (per-call cost) section",
+    "compile": "the torch.compile vs eager section",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -865,42 +866,16 @@ def build_parser() -> argparse.ArgumentParser:
         "run (split vs non-delayed backward, vs bare torch.mm GEMMs, vs torch.nn with autograd, "
         "vs PyTorch's generic split; grouped GEMM, recomputed activation, fused main_grad, FP8).",
     )
+    quick = " ".join(f"--{name} {q}" for name, (_, _, q) in _SIZES.items())
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a smoke run: the defaults become "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in _QUICK.items())
-        + " (options given explicitly still apply)",
+        help=f"a smoke run: the defaults become {quick} (options given explicitly still apply)",
     )
+    for name, (what, default, _) in _SIZES.items():
+        parser.add_argument(f"--{name}", type=positive_int, help=f"{what} (default: {default})")
     parser.add_argument(
-        "--tokens",
-        type=positive_int,
-        default=None,
-        help=f"rows of each input (default: {_DEFAULTS['tokens']})",
-    )
-    parser.add_argument(
-        "--hidden",
-        type=positive_int,
-        default=None,
-        help=f"in_features, hidden_size for LayerNormMLP (default: {_DEFAULTS['hidden']})",
-    )
-    parser.add_argument(
-        "--ffn",
-        type=positive_int,
-        default=None,
-        help=f"out_features, ffn_hidden_size for LayerNormMLP (default: {_DEFAULTS['ffn']})",
-    )
-    parser.add_argument(
-        "--groups",
-        type=positive_int,
-        default=8,
-        help="GroupedLinear's num_gemms (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--reps",
-        type=positive_int,
-        default=None,
-        help=f"repetitions, medians printed (default: {_DEFAULTS['reps']})",
+        "--groups", type=positive_int, default=8, help="GroupedLinear's num_gemms (default: 8)"
     )
     parser.add_argument(
         "--dtypes",
@@ -912,27 +887,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="Linear,LayerNormLinear,LayerNormMLP,GroupedLinear",
         help=f"comma-separated, of {', '.join(MODULE_CHOICES)} (default: all four)",
     )
-    parser.add_argument("--no-fp8", action="store_true", help="skip the FP8 section")
-    parser.add_argument(
-        "--small-reps",
-        type=positive_int,
-        default=None,
-        help="interleaved repetitions of the small-shape and torch.compile sections "
-        f"(default: {_DEFAULTS['small_reps']})",
-    )
-    parser.add_argument(
-        "--no-main", action="store_true", help="skip the main table (the realistic shapes)"
-    )
-    parser.add_argument(
-        "--no-small", action="store_true", help="skip the small-shape (per-call cost) section"
-    )
-    parser.add_argument(
-        "--no-compile", action="store_true", help="skip the torch.compile vs eager section"
-    )
+    for name, what in _SECTIONS.items():
+        parser.add_argument(f"--no-{name}", action="store_true", help=f"skip {what}")
     parser.add_argument(
         "--threads",
         type=positive_int,
-        default=None,
         help="torch.set_num_threads before measuring (default: torch's own choice)",
     )
     parser.add_argument(
@@ -960,13 +919,13 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     ``kinds`` added; a bad value exits with status 2 and a message naming it (nothing runs)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name, value in (_QUICK if args.quick else _DEFAULTS).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    for name, (_, default, quick) in _SIZES.items():
+        if getattr(args, name.replace("-", "_")) is None:
+            setattr(args, name.replace("-", "_"), quick if args.quick else default)
     args.shapes = Shapes(args.tokens, args.hidden, args.ffn, args.groups)
-    sections = ("--no-main", "--no-fp8", "--no-small", "--no-compile")
-    if all(getattr(args, flag[2:].replace("-", "_")) for flag in sections):
-        parser.error(f"{' '.join(sections)}: every section is off, nothing to measure")
+    if all(getattr(args, f"no_{name}") for name in _SECTIONS):
+        flags = " ".join(f"--no-{name}" for name in _SECTIONS)
+        parser.error(f"{flags}: every section is off, nothing to measure")
     args.dtype_list = [
         getattr(torch, d) for d in _choices(parser, "--dtypes", args.dtypes, DTYPE_CHOICES)
     ]

@@ -239,11 +239,10 @@ def _bench_variant(lib, name: str, variant: str, cfg, rank: int, world: int, dev
         losses: list[torch.Tensor] = []
         dist.barrier()
         spans, wall = recorder.step(
-            lambda: schedule.step(
-                *((x,) if first else ()),
-                target=target if last else None,
-                losses=losses if last else None,
-            ),
+            schedule,
+            x if first else None,
+            target=target if last else None,
+            losses=losses if last else None,
             memory=memory,
         )
         if variant == "splitgrad":

@@ -117,11 +117,10 @@ def _variant(rank: int, variant: str, steps: int, n_mb: int, batch: int, seq: in
         losses: list[torch.Tensor] = []
         dist.barrier()
         spans, wall = recorder.step(
-            lambda: schedule.step(
-                *((ids,) if holds_first else ()),
-                target=ids if holds_first else None,
-                losses=losses if holds_first else None,
-            ),
+            schedule,
+            ids if holds_first else None,
+            target=ids if holds_first else None,  # rank 0 holds the first and the last stage
+            losses=losses if holds_first else None,
             memory=memory,
         )
         opt.step()
