@@ -67,7 +67,6 @@ import torch
 from hypothesis import strategies as st
 
 from . import budgets as B
-from .accuracy import AccuracyRun, reference_backend
 from .backends import Backend
 from .data import (
     GEMM_BIAS,
@@ -84,9 +83,9 @@ from .data import (
 from .kink import CaseRejected, has_relu_kink, kink_sites
 from .protocol import PROTOCOL_VARIANTS, check_protocol, protocol_explicit
 from .results import CheckResult, PropertyViolation, Tracker
-from .runner import ModuleRun, Snapshot
+from .runner import AccuracyRun, ModuleRun, Snapshot, Step, fb_steps
 from .strategies import LOW_PRECISION_DTYPES, Case, cases
-from .truth import Step, fb_steps, judge_steps
+from .truth import judge_steps, reference_backend
 
 __all__ = [
     "VARIANTS",

@@ -8,7 +8,7 @@ gradients by O(1). No budget built on rounding steps can absorb that, so the che
 compare against *every* truth the ambiguous elements allow instead:
 
 * :func:`kink_sites` finds the ambiguous elements: ``|h_true| <= bound`` with the rigorous bound
-  of :func:`~.budgets.kink_bound` (float64, from :mod:`splitgrad.reference.functional`).
+  of :func:`kink_bound` (float64, from :mod:`splitgrad.reference.functional`).
 * Gradients are linear in each ``relu'`` value, so :func:`kink_deltas` computes, per site, what
   switching its derivative from 0 to 1 adds to every compared tensor (again with the reference's
   float64 formulas: the dgrad row through the norm backward, one row of fc1's weight gradient, one
@@ -19,18 +19,17 @@ compare against *every* truth the ambiguous elements allow instead:
   nor counted.
 
 Under FP8 (:func:`has_fp8_relu_kink`) the band is an FP8 step of fc1's operands wide
-(:func:`~.budgets.fp8_kink_bound`), about a quarter of the pre-activations lie in it, and the
-naive FP8 run flips ``relu'`` inside it as well, so its error against the truth (the FP8
-budget's yardstick) already carries flips of its own. What that yardstick cannot carry is a
-flip the implementation makes where the naive run happened not to, in a tensor too small for
-the two runs' flips to even out (found by the nightly campaign on impl: a 2-row MLP's
-``fc1_bias.grad`` moved by 0.88 at one element). So the FP8 candidates are the truth, then the
-truth with one site's ``relu'`` switched (each site in turn), then with two (when there are at
-most :data:`~.budgets.FP8_KINK_PAIRS_UP_TO` sites); the first that passes is taken; the naive
-yardstick stays measured against the truth itself; past :data:`~.budgets.FP8_KINK_MAX_SITES`
-sites the example is judged against the truth alone, as before (nothing is rejected).
+(:func:`fp8_kink_bound`), about a quarter of the pre-activations lie in it, and the naive FP8
+run flips ``relu'`` inside it as well, so its error (the FP8 budget's yardstick) already carries
+flips of its own; what it cannot carry is a flip the implementation makes where the naive run
+did not, in a tensor too small for the flips to even out. So the FP8 candidates are the truth,
+then the truth with one site's ``relu'`` switched (each site in turn), then with two (when there
+are at most :data:`~.budgets.FP8_KINK_PAIRS_UP_TO` sites); the first that passes is taken; the
+naive yardstick stays measured against the truth itself; past
+:data:`~.budgets.FP8_KINK_MAX_SITES` sites the example is judged against the truth alone
+(nothing is rejected). docs/budgets.md has the derivation of both bands.
 
-Everything else stays as strict as before: away from the sites the candidates are the truth
+Everything else stays strict: away from the sites the candidates are the truth
 itself, and one choice must hold for every compared tensor of the property at once.
 """
 
@@ -54,6 +53,8 @@ __all__ = [
     "has_fp8_relu_kink",
     "kink_choices",
     "kink_sites",
+    "kink_bound",
+    "fp8_kink_bound",
     "site_at",
     "kink_deltas",
     "choices",
@@ -107,6 +108,62 @@ def has_fp8_relu_kink(case: Case) -> bool:
     return c.kind == "LayerNormMLP" and c.activation == "relu" and c.recipe is not None
 
 
+def kink_bound(
+    ln_out: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """Per fc1 pre-activation (N, F): how far from its float64 truth a correct ``dtype`` run may
+    compute it, ``(steps * eps(dtype) + K * eps(fp32)) * (|ln_out| @ |W1|^T + |b1|)`` (float64
+    operands; see :data:`~.budgets.KINK_ROUNDING_STEPS`)."""
+    k = ln_out.shape[-1]
+    scale = (
+        B.KINK_ROUNDING_STEPS[dtype] * torch.finfo(dtype).eps + k * torch.finfo(torch.float32).eps
+    )
+    size = ln_out.abs() @ w1.abs().t()
+    if b1 is not None:
+        size = size + b1.abs()
+    return scale * size
+
+
+def fp8_kink_bound(
+    recipe: str, ln_outs: list[torch.Tensor], w1: torch.Tensor, bounds: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Per micro-batch, the band of fc1 pre-activations (N, F) whose ``relu'`` an FP8 run under
+    ``recipe`` may legally take on either side: the high-precision band ``bounds``
+    (:func:`kink_bound`) plus :data:`~.budgets.ROUNDING_SIGMAS` root sums of squares of one FP8
+    step per operand element, ``sqrt(step(ln_out)**2 @ (W1**2)^T + ln_out**2 @ step(W1)**2^T)``. A
+    correct run's fc1 GEMM sees each operand element up to half a step from its value
+    (quantization) and, where the module computes it (``ln_out``), possibly on the neighbouring
+    FP8 value (a crossing: half a step more); the signs are independent (the rounding model of
+    :mod:`.rounding`). The step's subnormal floor is taken at the largest scale the
+    recipe can use: twice the amax-based one (block scales round to a power of two), and at
+    least 1 for delayed scaling (its initial scale)."""
+    from splitgrad.reference import fp8 as R
+    from splitgrad.reference.fp8_quant import format_for
+
+    from .strategies import make_recipe
+
+    r = make_recipe(recipe)
+    margin = getattr(r, "margin", 0)
+    delayed = isinstance(r, R.DelayedScaling)
+
+    def scale_inv(amax: float, role: str) -> float:
+        s = 2.0 * amax * 2.0**margin / B.FP8_MAX[format_for(r, role)]
+        return max(s, 1.0) if delayed else s
+
+    nonempty = [x for x in ln_outs if x.numel()]
+    amax_ln = max((float(x.abs().max()) for x in nonempty), default=0.0)
+    w_step = B.fp8_step(w1, format_for(r, "weight"), scale_inv(float(w1.abs().max()), "weight"))
+    out = []
+    for ln, hp in zip(ln_outs, bounds):
+        if ln.numel() == 0:
+            out.append(hp)
+            continue
+        ln_step = B.fp8_step(ln, format_for(r, "input"), scale_inv(amax_ln, "input"))
+        rss = (ln_step**2 @ (w1**2).t() + ln**2 @ (w_step**2).t()).sqrt()
+        out.append(hp + B.ROUNDING_SIGMAS * rss)
+    return out
+
+
 @dataclasses.dataclass
 class _Forward:
     """The float64 pieces of one micro-batch that the sites and deltas need."""
@@ -123,9 +180,9 @@ def _forwards(case: Case) -> tuple[dict[str, torch.Tensor], list[_Forward]]:
     state, mbs = float64_internals(case)
     w1, b1 = state["fc1_weight"], state.get("fc1_bias")
     dtype = case.config.compute_dtype
-    bounds = [B.kink_bound(m.ln_out, w1, b1, dtype) for m in mbs]
+    bounds = [kink_bound(m.ln_out, w1, b1, dtype) for m in mbs]
     if case.config.recipe is not None:
-        bounds = B.fp8_kink_bound(case.config.recipe, [m.ln_out for m in mbs], w1, bounds)
+        bounds = fp8_kink_bound(case.config.recipe, [m.ln_out for m in mbs], w1, bounds)
     return state, [
         _Forward(m.x, m.ln_out, m.stats, m.h, m.d_act, bound) for m, bound in zip(mbs, bounds)
     ]

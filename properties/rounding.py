@@ -1,182 +1,53 @@
-"""The float64 intermediates of a case, from ``splitgrad.reference.functional``.
+"""A rounding-error interpreter: how far a correct low-precision run may be from the float64
+truth, element by element, for any summation order.
 
-Some budgets depend on values inside a module, not only on what it returns: the relu kink
-(:mod:`.kink`) needs fc1's pre-activations, the wgrad operand allowance
-(:func:`wgrad_operand_floors`) the magnitudes of the operands a weight-gradient GEMM multiplies.
-They are recomputed here in float64 from the case's values (rounded to its dtype, as the truth
-run sees them) with the reference's own formulas, so they equal the truth run's intermediates.
+:func:`rounding_bounds` replays a case (one forward and backward per micro-batch, or a
+differential check's :class:`~.runner.Step`\\ s) along the reference's formulas in float64 on
+:class:`Bounded` values: each carries its float64 value and the variance-like sum ``s`` of the
+rounding errors a correct run may have accumulated on it. :class:`Arith` holds the rules: a
+stored result or an fp32 elementwise operation adds half an ulp of its value; a reduction adds
+its worst case in any order (Higham's ``sum_gamma(k) * sum|terms|``); a quantized operand the
+module computed adds one FP8 step; errors travel to later results through the exact Jacobian
+of each formula. The budgets use the result as a per-element floor
+(:func:`~.budgets.with_rounding_bound`); docs/budgets.md derives each rule.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 
 import torch
 
 from . import budgets as B
-from .data import make_micro_batches, make_state
+from .data import (
+    GEMM_WEIGHT,
+    make_grad_prefill,
+    make_main_grads,
+    make_micro_batches,
+    make_state,
+    param_specs,
+)
+from .internals import NORM_EPS, norm_projection
+from .runner import Step, fb_steps
 from .strategies import Case
 
-__all__ = [
-    "MicroBatchInternals",
-    "float64_internals",
-    "wgrad_operand_floors",
-    "dgrad_operand_floors",
-]
-
-EPS = 1e-5  # the modules' default norm epsilon (ModuleConfig has no eps)
+__all__ = ["unit_roundoff", "sum_gamma", "Bounded", "Arith", "rounding_bounds"]
 
 
-@dataclasses.dataclass
-class MicroBatchInternals:
-    """One micro-batch, flattened to rows. ``ln_out``/``stats`` for norm modules; ``h`` (fc1's
-    pre-activation), ``act`` (the activation output), ``d_act`` (``dy @ W2``) and ``d_fc1``
-    (the gradient at ``h``) for ``LayerNormMLP``."""
-
-    x: torch.Tensor
-    dy: torch.Tensor
-    ln_out: torch.Tensor | None = None
-    stats: tuple[torch.Tensor, ...] = ()
-    h: torch.Tensor | None = None
-    act: torch.Tensor | None = None
-    d_act: torch.Tensor | None = None
-    d_fc1: torch.Tensor | None = None
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Round-to-nearest unit roundoff of ``dtype``: half its epsilon."""
+    return torch.finfo(dtype).eps / 2
 
 
-def float64_internals(case: Case) -> tuple[dict[str, torch.Tensor], list[MicroBatchInternals]]:
-    """(float64 parameter values, per-micro-batch intermediates) of ``case`` (high precision:
-    the intermediates of an FP8 run are not these)."""
-    from splitgrad.reference import functional as F
-
-    c = case.config
-    state = {k: v.detach().double().cpu() for k, v in make_state(c, case.seed).items()}
-    out = []
-    for d in make_micro_batches(case):
-        m = MicroBatchInternals(
-            d.x.detach().double().cpu().reshape(-1, c.in_features),
-            d.dy.detach().double().cpu().reshape(-1, c.output_features),
-        )
-        if c.has_norm:
-            gamma = state["layer_norm_weight"]
-            if c.normalization == "LayerNorm":
-                ln_out, mean, rstd = F.layer_norm_fwd(
-                    m.x, gamma, state["layer_norm_bias"], EPS, c.zero_centered_gamma
-                )
-                m.ln_out, m.stats = ln_out, (mean, rstd)
-            else:
-                ln_out, rstd = F.rms_norm_fwd(m.x, gamma, EPS, c.zero_centered_gamma)
-                m.ln_out, m.stats = ln_out, (rstd,)
-        if c.kind == "LayerNormMLP":
-            m.h = F.linear_fwd(m.ln_out, state["fc1_weight"], state.get("fc1_bias"))
-            m.act = F.activation_fwd(m.h, c.activation)
-            m.d_act = F.linear_dgrad(m.dy, state["fc2_weight"])
-            m.d_fc1 = F.activation_bwd(m.d_act, m.h, c.activation)
-        out.append(m)
-    return state, out
-
-
-def wgrad_operand_floors(case: Case) -> dict[str, torch.Tensor]:
-    """Per-element allowance for fused weight gradients (``main_grad``) whose GEMM operands the
-    module computes (see :data:`~.budgets.WGRAD_OPERAND_STEPS`), keyed like the harness's
-    snapshots (``"fc2_weight.main_grad"``...); empty for ``Linear``/``GroupedLinear`` (their
-    operands are the inputs themselves), without fused accumulation (``.grad`` in the module
-    dtype has WGRAD's floor of that dtype's steps) and under FP8 (judged by the FP8 budgets)."""
-    c = case.config
-    if (
-        c.kind not in ("LayerNormLinear", "LayerNormMLP")
-        or c.recipe is not None
-        or not c.fuse_wgrad_accumulation
-    ):
-        return {}
-    _, mbs = float64_internals(case)
-    steps = B.WGRAD_OPERAND_STEPS * torch.finfo(c.torch_dtype).eps
-    # Contributions before the last is_first_microbatch=True are overwritten (SPEC §3).
-    flags = [mb.is_first_microbatch for mb in case.micro_batches]
-    kept = mbs[max((i for i, f in enumerate(flags) if f), default=0) :]
-    # (weight, dy-side operand, x-side operand, how many of the two the module computes)
-    if c.kind == "LayerNormLinear":
-        gemms = [("weight", lambda m: m.dy, lambda m: m.ln_out, 1)]
-    else:
-        gemms = [
-            ("fc2_weight", lambda m: m.dy, lambda m: m.act, 1),
-            ("fc1_weight", lambda m: m.d_fc1, lambda m: m.ln_out, 2),
-        ]
-    return {
-        f"{name}.main_grad": computed
-        * steps
-        * sum((dy_of(m).abs().t() @ x_of(m).abs() for m in kept), torch.zeros(()))
-        for name, dy_of, x_of, computed in gemms
-    }
-
-
-def dgrad_operand_floors(case: Case) -> dict[str, torch.Tensor]:
-    """Per-element allowance for ``LayerNormMLP``'s input and norm-parameter gradients under a
-    smooth activation (see :data:`~.budgets.DGRAD_OPERAND_STEPS`): keys
-    ``"inp.grad[micro-batch i]"`` (shaped like that gradient) and the norm parameters'
-    ``".grad"`` keys. Empty for other modules, for relu (whose derivative jumps: see
-    :mod:`.kink`) and under FP8."""
-    from splitgrad.reference import functional as F
-
-    c = case.config
-    if c.kind != "LayerNormMLP" or c.activation == "relu" or c.recipe is not None:
-        return {}
-    state, mbs = float64_internals(case)
-    w1, b1 = state["fc1_weight"], state.get("fc1_bias")
-    gamma = state["layer_norm_weight"] + (1.0 if c.zero_centered_gamma else 0.0)
-    eps = B.DGRAD_OPERAND_STEPS * torch.finfo(c.torch_dtype).eps
-    floors: dict[str, torch.Tensor] = {}
-    d_gamma_sq = torch.zeros_like(gamma)
-    d_beta_sq = torch.zeros_like(gamma)
-    gated = c.activation in ("swiglu", "geglu")
-    for i, m in enumerate(mbs):
-        # How far a correct run's saved h may be from the reference's: fc1's result rounded
-        # once where the reference rounds the GEMM, then the bias sum (see budgets.py).
-        dh = eps * (1.5 * m.h.abs() + (0.5 * b1.abs() if b1 is not None else 0.0))
-        # What that moves d_fc1 by (finite differences of the reference's own backward).
-        base = m.d_fc1
-        moved = torch.zeros_like(base)
-        if gated:
-            half = m.h.shape[-1] // 2
-            for sa in (-1.0, 1.0):
-                for sb in (-1.0, 1.0):
-                    shift = torch.cat([sa * dh[:, :half], sb * dh[:, half:]], dim=-1)
-                    alt = F.activation_bwd(m.d_act, m.h + shift, c.activation)
-                    moved = torch.maximum(moved, (alt - base).abs())
-        else:
-            for s in (-1.0, 1.0):
-                alt = F.activation_bwd(m.d_act, m.h + s * dh, c.activation)
-                moved = torch.maximum(moved, (alt - base).abs())
-        # dx = rstd * P diag(gamma) d_ln with P = I - (11^T + xhat xhat^T) / K (LayerNorm) or
-        # I - xhat xhat^T / K (RMSNorm) and d_ln = W1^T d_fc1: the exact per-row Jacobian J of
-        # dx in d_fc1 (the projection's cancellations included). The elements of the d_fc1
-        # change have independent signs, so they add as a root sum of squares.
-        k = m.x.shape[-1]
-        if c.normalization == "LayerNorm":
-            mean, rstd = m.stats
-            xhat = (m.x - mean) * rstd
-            proj = (
-                torch.eye(k, dtype=torch.float64) - (1.0 + xhat[:, :, None] * xhat[:, None, :]) / k
-            )
-        else:
-            (rstd,) = m.stats
-            xhat = m.x * rstd
-            proj = torch.eye(k, dtype=torch.float64) - xhat[:, :, None] * xhat[:, None, :] / k
-        jac = (rstd[:, :, None] * proj * gamma[None, None, :]) @ w1.t()  # (N, K, F)
-        dx = B.DGRAD_OPERAND_SIGMAS * ((jac * moved[:, None, :]) ** 2).sum(-1).sqrt()
-        # d gamma_k = sum_n xhat_nk sum_f W1_fk d_fc1_nf, d beta_k = sum_n sum_f W1_fk d_fc1_nf.
-        sq = (moved**2) @ (w1**2)  # (N, K): sum_f (W1_fk u_nf)^2
-        d_gamma_sq = d_gamma_sq + (sq * xhat**2).sum(0)
-        d_beta_sq = d_beta_sq + sq.sum(0)
-        lead = case.micro_batches[i].lead_shape
-        floors[f"inp.grad[micro-batch {i}]"] = dx.reshape(*lead, c.in_features)
-    floors["layer_norm_weight.grad"] = B.DGRAD_OPERAND_SIGMAS * d_gamma_sq.sqrt()
-    if c.normalization == "LayerNorm":
-        floors["layer_norm_bias.grad"] = B.DGRAD_OPERAND_SIGMAS * d_beta_sq.sqrt()
-    return floors
-
-
-# ---- the rounding bound (budgets.py: "the rounding bound") ----------------------------------
+def sum_gamma(k: int, u: float) -> float:
+    """Higham's ``gamma_k = k u / (1 - k u)``: a sum of ``k`` terms in any order, with unit
+    roundoff ``u``, is within ``gamma_k * sum|terms|`` of the exact sum. Raises for ``k u >= 1``
+    (no bound exists)."""
+    if k * u >= 1.0:
+        raise ValueError(f"sum_gamma: no rounding bound for a sum of k={k} terms at u={u}")
+    return k * u / (1.0 - k * u)
 
 
 @dataclasses.dataclass
@@ -196,10 +67,6 @@ class Bounded:
         """A value every run holds bit for bit (an input, a parameter, ``dy``)."""
         v = v.detach().double().cpu()
         return Bounded(v, torch.zeros_like(v))
-
-    def like(self, other: torch.Tensor) -> Bounded:
-        """Broadcast to ``other``'s shape (one shared error: a row's mean or rstd)."""
-        return Bounded(self.v.expand_as(other), self.s.expand_as(other))
 
     def rows(self, sl: slice) -> Bounded:
         return Bounded(self.v[sl], self.s[sl])
@@ -229,7 +96,7 @@ def _cat(parts: list[Bounded], dim: int, empty: torch.Tensor) -> Bounded:
     return Bounded(*(torch.cat([getattr(p, f) for p in parts], dim) for f in "vs"))
 
 
-class _Arith:
+class Arith:
     """Operations on :class:`Bounded` values, rounding where the reference rounds: ``u`` the
     unit roundoff of the module dtype (a stored result), ``uc`` that of the compute dtype (fp32
     GEMM accumulation, norms, activations)."""
@@ -237,8 +104,8 @@ class _Arith:
     def __init__(
         self, dtype: torch.dtype, cast_operands: bool = False, recipe: str | None = None
     ) -> None:
-        self.u = B.unit_roundoff(dtype)
-        self.uc = B.unit_roundoff(torch.float32 if dtype != torch.float64 else dtype)
+        self.u = unit_roundoff(dtype)
+        self.uc = unit_roundoff(torch.float32 if dtype != torch.float64 else dtype)
         self.cast_operands = cast_operands
         self.recipe = None
         if recipe is not None:
@@ -299,26 +166,18 @@ class _Arith:
     def mm(self, a: Bounded, b: Bounded) -> Bounded:
         """``a @ b`` accumulated in fp32 in any order."""
         k = a.v.shape[-1]
-        site = B.sum_gamma(k, self.uc) * (a.v.abs() @ b.v.abs())
+        site = sum_gamma(k, self.uc) * (a.v.abs() @ b.v.abs())
         return Bounded(a.v @ b.v, a.v**2 @ b.s + a.s @ b.v**2 + _worst(site))
 
     def sum0(self, a: Bounded) -> Bounded:
         """Sum over rows in any order."""
         n = a.v.shape[0]
-        site = B.sum_gamma(n, self.uc) * a.v.abs().sum(0)
+        site = sum_gamma(n, self.uc) * a.v.abs().sum(0)
         return Bounded(a.v.sum(0), a.s.sum(0) + _worst(site))
 
-    def mean1(self, a: Bounded) -> Bounded:
-        """Mean over the last dimension (keepdim): the sum in any order, then a division."""
-        k = a.v.shape[-1]
-        mean = a.v.mean(-1, keepdim=True)
-        site = B.sum_gamma(k, self.uc) * a.v.abs().mean(-1, keepdim=True)
-        s = a.s.sum(-1, keepdim=True) / k**2 + (self.uc * mean) ** 2 + _worst(site)
-        return Bounded(mean, s)
-
-    def add(self, a: Bounded, b: Bounded, sign: float = 1.0) -> Bounded:
-        """``a + sign * b`` in the compute dtype."""
-        v = a.v + sign * b.v
+    def add(self, a: Bounded, b: Bounded) -> Bounded:
+        """``a + b`` in the compute dtype."""
+        v = a.v + b.v
         return Bounded(v, a.s + b.s + (self.uc * v) ** 2)
 
     def mul(self, a: Bounded, b: Bounded) -> Bounded:
@@ -335,23 +194,13 @@ class _Arith:
         return Bounded(f(a.v), d**2 * a.s + own)
 
 
-def _projection(xhat: torch.Tensor, layer_norm: bool) -> torch.Tensor:
-    """Per row, ``P = I - (11^T + xhat xhat^T) / K`` (LayerNorm) or ``I - xhat xhat^T / K``
-    (RMSNorm): ``d xhat = rstd P dx`` and ``dx = rstd P (gamma * d_ln)``."""
-    k = xhat.shape[-1]
-    outer = xhat[:, :, None] * xhat[:, None, :]
-    if layer_norm:
-        outer = outer + 1.0
-    return torch.eye(k, dtype=torch.float64) - outer / k
-
-
 def _through(jac: torch.Tensor, a: Bounded) -> torch.Tensor:
     """``s`` of ``a``'s error through the per-row Jacobian ``jac`` (N, K_out, K_in): the exact
     Jacobian, so the projection's cancellations are kept."""
     return (jac**2 @ a.s[:, :, None]).squeeze(-1)
 
 
-def _norm_fwd(ar: _Arith, x: Bounded, state, c) -> tuple[Bounded, dict]:
+def _norm_fwd(ar: Arith, x: Bounded, state, c) -> tuple[Bounded, dict]:
     """The norm of ``x`` (``layer_norm_fwd`` / ``rms_norm_fwd``). The input's error goes through
     the norm's exact Jacobian ``rstd P``. LayerNorm's conditioning is the mean's summation error,
     ``sum_gamma(K) * mean|x|``: it shifts every ``x - mean`` of the row and is multiplied by
@@ -364,12 +213,13 @@ def _norm_fwd(ar: _Arith, x: Bounded, state, c) -> tuple[Bounded, dict]:
     mean = x.v.mean(-1, keepdim=True) if layer_norm else torch.zeros_like(x.v[:, :1])
     d = x.v - mean
     var = (d * d).mean(-1, keepdim=True)
-    rstd = (var + EPS).rsqrt()
+    rstd = (var + NORM_EPS).rsqrt()
     xhat = d * rstd
-    jac = rstd[:, :, None] * _projection(xhat, layer_norm)
+    proj = norm_projection(xhat, layer_norm)
+    jac = rstd[:, :, None] * proj
     sq = _through(jac, x)
-    gk = B.sum_gamma(k + 1, ar.uc)
-    rel_var = var / (var + EPS)
+    gk = sum_gamma(k + 1, ar.uc)
+    rel_var = var / (var + NORM_EPS)
     if layer_norm:
         sq = sq + _worst(rstd * gk * x.v.abs().mean(-1, keepdim=True))
     sq = sq + _worst(xhat.abs() * 0.5 * gk * rel_var)
@@ -389,11 +239,11 @@ def _norm_fwd(ar: _Arith, x: Bounded, state, c) -> tuple[Bounded, dict]:
     yb = Bounded(y, ys)
     if layer_norm:
         yb = ar.add(yb, Bounded.exact(state["layer_norm_bias"].expand_as(y)))
-    saved = {"xhat": xh, "rstd": rstd_b, "gamma": gamma, "proj": _projection(xhat, layer_norm)}
+    saved = {"xhat": xh, "rstd": rstd_b, "gamma": gamma, "proj": proj}
     return ar.store(yb), saved
 
 
-def _norm_bwd(ar: _Arith, dy: Bounded, saved: dict, c) -> tuple[Bounded, Bounded, Bounded | None]:
+def _norm_bwd(ar: Arith, dy: Bounded, saved: dict, c) -> tuple[Bounded, Bounded, Bounded | None]:
     """dx, dgamma, dbeta along ``layer_norm_bwd`` / ``rms_norm_bwd`` (dgamma, dbeta before the
     slot's rounding). ``d_ln``'s error goes through the exact Jacobian ``rstd P diag(gamma)``;
     the saved ``xhat`` / ``rstd`` errors through ``dx``'s derivatives in them; the formula's own
@@ -413,7 +263,7 @@ def _norm_bwd(ar: _Arith, dy: Bounded, saved: dict, c) -> tuple[Bounded, Bounded
     # Through rstd: dx is proportional to it.
     sq = sq + (dx / r) ** 2 * rstd.s
     # The formula's own work: its two means (any order) and five roundings of its terms.
-    gk = B.sum_gamma(k + 1, ar.uc)
+    gk = sum_gamma(k + 1, ar.uc)
     means = g.abs().mean(-1, keepdim=True) + xh.v.abs() * (g * xh.v).abs().mean(-1, keepdim=True)
     terms = g.abs() + mg.abs() + (xh.v * mgx).abs()
     sq = sq + _worst(r * gk * means) + (ar.uc * r * terms) ** 2 * 5
@@ -425,7 +275,7 @@ def _norm_bwd(ar: _Arith, dy: Bounded, saved: dict, c) -> tuple[Bounded, Bounded
 
 
 def _linear_fwd(
-    ar: _Arith, x: Bounded, w: torch.Tensor, b: torch.Tensor | None, gemm: str
+    ar: Arith, x: Bounded, w: torch.Tensor, b: torch.Tensor | None, gemm: str
 ) -> Bounded:
     """``x W^T + b``: the GEMM rounded to the module dtype, then the bias sum rounded again."""
     xq = ar.quant(ar.operand(x), gemm, "input")
@@ -452,7 +302,7 @@ def _second_derivative(fprime, v: torch.Tensor) -> torch.Tensor:
     return (fprime(v + step) - fprime(v - step)) / (2 * step)
 
 
-def _module_bounds(ar: _Arith, c, state, x: Bounded, dy_of) -> tuple[Bounded, dict]:
+def _module_bounds(ar: Arith, c, state, x: Bounded, dy_of) -> tuple[Bounded, dict]:
     """One use of a Linear / LayerNormLinear / LayerNormMLP on the rows ``x``: its forward, then
     its backward from ``dy_of(y)``: ``(y, grads)`` with grads keyed ``"x"`` and by parameter
     name (this use's contribution, before the slot's rounding)."""
@@ -505,7 +355,7 @@ def _module_bounds(ar: _Arith, c, state, x: Bounded, dy_of) -> tuple[Bounded, di
     return y, grads
 
 
-def _use(ar: _Arith, c, state, x: Bounded, dy_of, splits) -> tuple[Bounded, dict]:
+def _use(ar: Arith, c, state, x: Bounded, dy_of, splits) -> tuple[Bounded, dict]:
     """One use of the module on the rows ``x``; a GroupedLinear is a Linear per group of rows
     (``m_splits``), its forward taken whole before ``dy_of`` sees it."""
     if c.kind != "GroupedLinear":
@@ -529,115 +379,132 @@ def _use(ar: _Arith, c, state, x: Bounded, dy_of, splits) -> tuple[Bounded, dict
     return _cat(ys, 0, x.v.new_zeros(0, c.out_features)), grads
 
 
-@dataclasses.dataclass(frozen=True)
-class _Fb:
-    op: str
-    index: int
+class _Replay:
+    """The gradient slots of one module across a sequence of steps, as :class:`Bounded`
+    values, and the per-micro-batch bounds of its outputs and input gradients."""
 
-
-def rounding_bounds(
-    case: Case, steps=None, prefill_grads: bool = False, frozen=()
-) -> dict[str, torch.Tensor]:
-    """Per compared tensor, the elementwise bound on a correct run's rounding error after
-    ``steps`` (``properties.truth.Step``\\ s; default one forward and backward per micro-batch
-    in order), for any summation order of its fp32 reductions (budgets.py, "the rounding
-    bound"): keys ``"output[micro-batch i]"`` (its last forward), ``"inp.grad[micro-batch i]"``
-    and the snapshot keys of the gradient slots (``"fc1_weight.main_grad"``...); a module
-    chained on itself (``"chain"``) carries its first use's output bound into the second use.
-    Under FP8 (``case.config.recipe``) each GEMM operand the module computes also gets a
-    legal FP8 rounding-boundary crossing (:meth:`_Arith.quant`): the bound is then on how far
-    two correct FP8 runs can be apart, the FP8 budget's per-element allowance beside the naive
-    run's error. Empty in float64 (no wider truth)."""
-    from .data import GEMM_WEIGHT, make_grad_prefill, make_main_grads, param_specs
-
-    c = case.config
-    if c.torch_dtype == torch.float64:
-        return {}
-    ar = _Arith(c.compute_dtype, cast_operands=c.autocast is not None, recipe=c.recipe)
-    u32 = B.unit_roundoff(torch.float32)
-    state = {k: v.detach().double().cpu() for k, v in make_state(c, case.seed).items()}
-    data = make_micro_batches(case)
-    steps = [_Fb("fb", i) for i in range(len(data))] if steps is None else steps
-    main = {s.name for s in param_specs(c) if s.role == GEMM_WEIGHT and c.fuse_wgrad_accumulation}
-    prefill_main = make_main_grads(c, case.seed)
-    prefill_grad = make_grad_prefill(c, case.seed) if prefill_grads else {}
-    slots: dict[str, Bounded | None] = {}
-    for spec in param_specs(c):
-        if spec.name in frozen:
-            continue
-        if spec.name in main:
-            slots[spec.name] = Bounded.exact(prefill_main[spec.name])
-        elif prefill_grads:
-            slots[spec.name] = Bounded.exact(prefill_grad[spec.name])
-        else:
-            slots[spec.name] = None
-    out: dict[str, torch.Tensor] = {}
-    flags = [mb.is_first_microbatch for mb in case.micro_batches]
-
-    def accumulate(grads: dict[str, Bounded], rows: int, flag: bool | None) -> None:
-        for name, g in grads.items():
-            if name not in slots:
+    def __init__(self, case: Case, prefill_grads: bool, frozen: Sequence[str]) -> None:
+        c = self.config = case.config
+        self.case = case
+        self.ar = Arith(c.compute_dtype, cast_operands=c.autocast is not None, recipe=c.recipe)
+        self.state = {k: v.detach().double().cpu() for k, v in make_state(c, case.seed).items()}
+        self.data = make_micro_batches(case)
+        self.flags = [mb.is_first_microbatch for mb in case.micro_batches]
+        fused = c.fuse_wgrad_accumulation
+        self.main = {s.name for s in param_specs(c) if s.role == GEMM_WEIGHT and fused}
+        self.prefill_main = make_main_grads(c, case.seed)
+        prefill_grad = make_grad_prefill(c, case.seed) if prefill_grads else {}
+        self.slots: dict[str, Bounded | None] = {}
+        for spec in param_specs(c):
+            if spec.name in frozen:
                 continue
-            prev = slots[name]
-            if name in main:
-                # fp32: a flagged contribution overwrites (SPEC §3); otherwise the slot may
-                # enter the GEMM's own reduction and meet each of its terms.
+            if spec.name in self.main:
+                self.slots[spec.name] = Bounded.exact(self.prefill_main[spec.name])
+            elif prefill_grads:
+                self.slots[spec.name] = Bounded.exact(prefill_grad[spec.name])
+            else:
+                self.slots[spec.name] = None
+        self.out: dict[str, torch.Tensor] = {}
+
+    def accumulate(self, grads: dict[str, Bounded], rows: int, flag: bool | None) -> None:
+        """One use's parameter gradients into their slots (``main_grad`` in fp32, where a
+        flagged contribution overwrites (SPEC §3) and otherwise may enter the GEMM's own
+        reduction and meet each of its terms; ``.grad`` in the module dtype)."""
+        ar, u32 = self.ar, unit_roundoff(torch.float32)
+        for name, g in grads.items():
+            if name not in self.slots:
+                continue
+            prev = self.slots[name]
+            if name in self.main:
                 if flag or prev is None:
-                    slots[name] = ar.store(g, u32)
+                    self.slots[name] = ar.store(g, u32)
                     continue
-                site = B.sum_gamma(rows + 1, u32) * (prev.v.abs() + g.v.abs())
-                slots[name] = ar.store(Bounded(prev.v + g.v, prev.s + g.s + _worst(site)), u32)
+                site = sum_gamma(rows + 1, u32) * (prev.v.abs() + g.v.abs())
+                summed = Bounded(prev.v + g.v, prev.s + g.s + _worst(site))
+                self.slots[name] = ar.store(summed, u32)
             elif prev is None:
-                slots[name] = ar.store(g)
+                self.slots[name] = ar.store(g)
             else:
                 g = ar.store(g)
-                slots[name] = ar.store(Bounded(prev.v + g.v, prev.s + g.s))
+                self.slots[name] = ar.store(Bounded(prev.v + g.v, prev.s + g.s))
 
-    def record(i: int, y: Bounded, dx: Bounded) -> None:
-        lead = case.micro_batches[i].lead_shape
-        out[f"output[micro-batch {i}]"] = y.bound().reshape(*lead, c.output_features)
-        out[f"inp.grad[micro-batch {i}]"] = dx.bound().reshape(*lead, c.in_features)
+    def record(self, i: int, y: Bounded, dx: Bounded) -> None:
+        lead = self.case.micro_batches[i].lead_shape
+        c = self.config
+        self.out[f"output[micro-batch {i}]"] = y.bound().reshape(*lead, c.output_features)
+        self.out[f"inp.grad[micro-batch {i}]"] = dx.bound().reshape(*lead, c.in_features)
 
-    def rows_of(i: int) -> tuple[Bounded, Bounded, tuple[int, ...] | None]:
-        d = data[i]
-        x = Bounded.exact(d.x.reshape(-1, c.in_features))
-        return x, Bounded.exact(d.dy.reshape(-1, c.output_features)), d.spec.m_splits
+    def use(self, i: int, dy_of=None, x: Bounded | None = None) -> tuple[Bounded, dict]:
+        """Micro-batch ``i`` (or the rows ``x`` in its place) through the module once, its
+        backward from ``dy_of(y)`` (default: the micro-batch's ``dy``)."""
+        d, c = self.data[i], self.config
+        if x is None:
+            x = Bounded.exact(d.x.reshape(-1, c.in_features))
+        dy = Bounded.exact(d.dy.reshape(-1, c.output_features))
+        return _use(self.ar, c, self.state, x, dy_of or (lambda _y: dy), d.spec.m_splits)
 
-    for step in steps:
+    def zero(self) -> None:
+        """Every gradient to ``None``; a fused weight's ``main_grad`` to zeros."""
+        for name in self.slots:
+            zero = torch.zeros_like(self.prefill_main[name]) if name in self.main else None
+            self.slots[name] = None if zero is None else Bounded.exact(zero)
+
+    def step(self, step: Step) -> None:
         i = step.index
         if step.op == "zero":
-            for name in slots:
-                # Only fused weights have a main_grad prefill (and a zeroed main_grad).
-                zero = Bounded.exact(torch.zeros_like(prefill_main[name])) if name in main else None
-                slots[name] = zero
-            continue
-        x, dy, splits = rows_of(i)
-        n = x.v.shape[0]
+            return self.zero()
+        rows = self.data[i].x.reshape(-1, self.config.in_features).shape[0]
         if step.op == "fb":
-            y, g = _use(ar, c, state, x, lambda _y, dy=dy: dy, splits)
-            record(i, y, g.pop("x"))
-            accumulate(g, n, flags[i])
+            y, g = self.use(i)
+            self.record(i, y, g.pop("x"))
+            self.accumulate(g, rows, self.flags[i])
         elif step.op == "tied":
-            x1, dy1, splits1 = rows_of(i + 1)
-            y0, g0 = _use(ar, c, state, x, lambda _y, dy=dy: dy, splits)
-            y1, g1 = _use(ar, c, state, x1, lambda _y, dy=dy1: dy, splits1)
-            record(i, y0, g0.pop("x"))
-            record(i + 1, y1, g1.pop("x"))
-            accumulate(g1, x1.v.shape[0], None)  # the second use's wgrad runs first
-            accumulate(g0, n, flags[i])
+            y0, g0 = self.use(i)
+            y1, g1 = self.use(i + 1)
+            self.record(i, y0, g0.pop("x"))
+            self.record(i + 1, y1, g1.pop("x"))
+            rows1 = self.data[i + 1].x.reshape(-1, self.config.in_features).shape[0]
+            self.accumulate(g1, rows1, None)  # the second use's wgrad runs first
+            self.accumulate(g0, rows, self.flags[i])
         else:  # chain: y = m(m(x)), one backward
             inner: dict[str, Bounded] = {}
 
-            def second(y0: Bounded, dy=dy, splits=splits, inner=inner) -> Bounded:
-                y1, g1 = _use(ar, c, state, y0, lambda _y: dy, splits)
+            def second(y0: Bounded) -> Bounded:
+                y1, g1 = self.use(i, x=y0)
                 inner.update(g1, y=y1)
                 return inner.pop("x")
 
-            _, g0 = _use(ar, c, state, x, second, splits)
-            record(i, inner.pop("y"), g0.pop("x"))
-            accumulate(inner, n, None)
-            accumulate(g0, n, flags[i])
-    for name, slot in slots.items():
-        if slot is not None:
-            out[f"{name}.{'main_grad' if name in main else 'grad'}"] = slot.bound()
-    return out
+            _, g0 = self.use(i, second)
+            self.record(i, inner.pop("y"), g0.pop("x"))
+            self.accumulate(inner, rows, None)
+            self.accumulate(g0, rows, self.flags[i])
+
+    def bounds(self) -> dict[str, torch.Tensor]:
+        out = dict(self.out)
+        for name, slot in self.slots.items():
+            if slot is not None:
+                out[f"{name}.{'main_grad' if name in self.main else 'grad'}"] = slot.bound()
+        return out
+
+
+def rounding_bounds(
+    case: Case,
+    steps: Sequence[Step] | None = None,
+    prefill_grads: bool = False,
+    frozen: Sequence[str] = (),
+) -> dict[str, torch.Tensor]:
+    """Per compared tensor, the elementwise bound on a correct run's rounding error after
+    ``steps`` (default: one forward and backward per micro-batch in order), for any summation
+    order of its fp32 reductions: keys ``"output[micro-batch i]"`` (its last forward),
+    ``"inp.grad[micro-batch i]"`` and the snapshot keys of the gradient slots
+    (``"fc1_weight.main_grad"``...), prepared as the check prepared its module
+    (``prefill_grads``, ``frozen``). A module chained on itself (``"chain"``) carries its first
+    use's output bound into the second use. Under FP8 each GEMM operand the module computes
+    also gets a legal FP8 rounding-boundary crossing (:meth:`Arith.quant`): the bound is then
+    on how far two correct FP8 runs can be apart. Empty in float64 (no wider truth)."""
+    if case.config.torch_dtype == torch.float64:
+        return {}
+    replay = _Replay(case, prefill_grads, frozen)
+    for step in fb_steps(len(replay.data)) if steps is None else steps:
+        replay.step(step)
+    return replay.bounds()

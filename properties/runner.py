@@ -3,6 +3,8 @@
 :class:`ModuleRun` wraps a backend module: it loads the case's weights, attaches ``main_grad``
 prefills, optionally prefills ``.grad``, registers two recording hooks (which snapshot the GEMM
 gradients at the moment they fire), and runs micro-batches. Checks compare two or three runs.
+A check describes what it did to a module as :class:`Step`\\ s; :func:`play` runs them and
+returns what they produced (an :class:`AccuracyRun`), so the truth can replay the same steps.
 """
 
 from __future__ import annotations
@@ -24,7 +26,16 @@ from .data import (
 )
 from .strategies import Case, ModuleConfig
 
-__all__ = ["ModuleRun", "Snapshot", "torch_autocast"]
+__all__ = [
+    "ModuleRun",
+    "Snapshot",
+    "torch_autocast",
+    "AccuracyRun",
+    "Step",
+    "fb_steps",
+    "tied_fb",
+    "play",
+]
 
 
 def torch_autocast(config: ModuleConfig) -> contextlib.AbstractContextManager:
@@ -212,3 +223,91 @@ class ModuleRun:
             n: bool(getattr(self.params[n], "grad_added_to_main_grad", False))
             for n in self.weight_names
         }
+
+
+# ---- what a run produced, and the steps that produced it ------------------------------------
+
+
+@dataclasses.dataclass
+class AccuracyRun:
+    """What one run produced (or, for a candidate truth, what it should have): the output and
+    input gradient of each micro-batch (its last forward; ``None`` where it did not run), the
+    norm-parameter and GEMM gradient snapshots. ``switched`` (candidate truths under FP8 only):
+    per tensor name, the summed magnitude of the ``relu'`` switches the candidate made
+    (:func:`~.judge.kink_candidates`)."""
+
+    outputs: list[torch.Tensor | None]
+    xgrads: list[torch.Tensor | None]
+    norm: Snapshot
+    gemm: Snapshot
+    switched: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One step a differential check took: ``"fb"`` (forward + backward of micro-batch
+    ``index`` with its ``is_first_microbatch`` flag), ``"zero"`` (every gradient to ``None``,
+    ``main_grad`` to zeros), ``"tied"`` (micro-batches ``index`` and ``index + 1`` through the
+    module in one backward, the first with its flag), ``"chain"`` (micro-batch ``index`` through
+    the module twice, ``y = m(m(x))``, one backward)."""
+
+    op: str
+    index: int = 0
+
+    def __post_init__(self) -> None:
+        if self.op not in ("fb", "zero", "tied", "chain"):
+            raise ValueError(f"unknown step {self.op!r}; expected fb, zero, tied or chain")
+
+
+def fb_steps(n: int) -> tuple[Step, ...]:
+    """Forward + backward of micro-batches ``0 .. n-1`` in order."""
+    return tuple(Step("fb", i) for i in range(n))
+
+
+def tied_fb(run: ModuleRun, data: Sequence[MicroBatchData], chain: bool, index: int = 0):
+    """One backward through two uses of the same module; returns the leaf inputs."""
+    d0 = data[index]
+    x0 = d0.fresh_input()
+    y0 = run.forward(x0, d0.spec.m_splits, d0.spec.is_first_microbatch)
+    if chain:
+        y1 = run.forward(y0, d0.spec.m_splits, None)
+        run.backward_outputs([y1], [d0.dy])
+        return [x0]
+    d1 = data[index + 1]
+    x1 = d1.fresh_input()
+    y1 = run.forward(x1, d1.spec.m_splits, None)
+    run.backward_outputs([y0, y1], [d0.dy, d1.dy])
+    return [x0, x1]
+
+
+def _grad(x: torch.Tensor) -> torch.Tensor | None:
+    return None if x.grad is None else x.grad.detach().clone()
+
+
+def play(
+    run: ModuleRun,
+    data: Sequence[MicroBatchData],
+    steps: Sequence[Step],
+    dtype: torch.dtype | None = None,
+) -> AccuracyRun:
+    """Run ``steps`` on ``run`` (its inputs cast to ``dtype`` when given), drain the queue, and
+    return what they produced: ``outputs[i]`` / ``xgrads[i]`` are micro-batch ``i``'s output of
+    a ``"fb"`` step and its input gradient (its last ones; ``None`` where it did not run),
+    ``norm`` / ``gemm`` the final gradient snapshots."""
+    if dtype is not None:
+        data = [dataclasses.replace(d, x=d.x.to(dtype), dy=d.dy.to(dtype)) for d in data]
+    outputs: list[torch.Tensor | None] = [None] * len(data)
+    xgrads: list[torch.Tensor | None] = [None] * len(data)
+    for step in steps:
+        if step.op == "fb":
+            x, outputs[step.index] = run.fb(data[step.index])
+            xgrads[step.index] = _grad(x)
+        elif step.op == "zero":
+            run.zero_grads()
+        else:
+            xs = tied_fb(run, data, step.op == "chain", step.index)
+            for k, x in enumerate(xs):
+                xgrads[step.index + k] = _grad(x)
+    norm = run.norm_snapshot()
+    run.drain()
+    return AccuracyRun(outputs, xgrads, norm, run.gemm_snapshot())

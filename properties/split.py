@@ -17,11 +17,10 @@ import torch
 from hypothesis import strategies as st
 
 from . import budgets as B
-from .accuracy import AccuracyRun
 from .backends import Backend
 from .data import MicroBatchData, make_micro_batches, param_specs
 from .results import CheckResult, Tracker
-from .runner import ModuleRun
+from .runner import AccuracyRun, ModuleRun, Step, fb_steps, tied_fb
 from .strategies import (
     Case,
     MicroBatch,
@@ -32,7 +31,7 @@ from .strategies import (
     schedules,
     seeds,
 )
-from .truth import Step, fb_steps, judge_steps, tied_fb
+from .truth import judge_steps
 
 __all__ = [
     "check_p4",

@@ -1,52 +1,40 @@
-"""The float64 truth of any sequence of steps on a module: tier 2 for the differential
-properties.
+"""The float64 truth and the naive yardstick of any sequence of steps on a module, built once.
 
-P4-P8 and P12 compare an implementation with itself (delayed with non-delayed, grouped with
-Linears). A bug on the path both sides share — the wgrad closure that runs in both modes, a
-Linear's code that the grouped module reuses — passes those comparisons. So every case they
-draw (frozen subsets, tied weights, prefilled ``.grad``/``main_grad`` over several micro-batches,
-``is_first_microbatch``, interleavings with zeroing, grouped splits with empty groups) also
-has its final gradients judged here against the float64 truth, with the P2/P3 budgets of
-:mod:`.budgets`.
+:func:`truth_runs` replays a check's :class:`~.runner.Step`\\ s non-delayed on the reference:
+in the case's dtype (the naive run, the budgets' yardstick), on its float64 twin
+(:func:`splitgrad.reference.upcast`, the same weights and prefills: the truth) and, under FP8,
+on the float64 twin under the same recipe (the same quantizations followed by exact GEMMs).
+P1-P3 judge one forward and backward per micro-batch against it (:mod:`.accuracy`); the
+differential properties judge what they observed after their own steps (:func:`judge_steps`).
 
-A differential check describes what it did to the module as a list of :class:`Step`\\ s (the
-same forwards and backwards, in the same order, with the same zeroing), plus how the module
-was prepared (prefilled gradients, frozen parameters). :func:`judge_steps` replays those steps
-non-delayed on the reference in the case's dtype (the naive baseline) and on its float64 twin
-(:func:`splitgrad.reference.upcast`, with the same prefills; under FP8 also the same recipe in
-float64) and judges the gradients the check observed: input gradients with
-:data:`~.budgets.DGRAD`, norm-parameter gradients with :data:`~.budgets.NORM_GRAD`, GEMM
-gradients and ``main_grad`` with :data:`~.budgets.WGRAD`, operand allowances and the relu kink
-as in P2/P3. At a relu kink the candidate truths add each ambiguous pre-activation's change only
-to the gradients its micro-batch's contribution still reaches at the end (not after a zeroing,
-not after a later ``is_first_microbatch`` overwrite of ``main_grad``, not to frozen parameters).
+Tier 2 for the differential properties. P4-P8 and P12 compare an implementation with itself
+(delayed with non-delayed, grouped with Linears), so a bug on the path both sides share (the
+wgrad closure that runs in both modes) passes those comparisons. So every case they draw
+(frozen subsets, tied weights, prefilled ``.grad``/``main_grad``, ``is_first_microbatch``,
+interleavings with zeroing, grouped splits with empty groups) also has its final gradients
+judged here with the P2/P3 budgets. At a relu kink the candidate truths add each ambiguous
+pre-activation's change only to the gradients its micro-batch's contribution still reaches at
+the end (not after a zeroing, not after a later ``is_first_microbatch`` overwrite of
+``main_grad``, not to frozen parameters). A module chained on itself (``"chain"``, P7) feeds
+its own output into its second use: the operand allowances and kink sites of the micro-batches
+do not describe that use, so neither applies there, and a relu ``LayerNormMLP`` is not judged
+(its tier-1 comparison still is). float64 cases have no wider truth and are not judged.
 
-A module chained on itself (``"chain"``, P7) feeds its own output into its second use: the
-operand allowances and the kink sites of the micro-batches do not describe that second use, so
-there neither applies, and a relu ``LayerNormMLP`` (whose second use may meet the kink) is not
-judged (the tier-1 comparison still is). float64 cases have no wider truth and are not judged
-either (P1-P3 never draw them).
+The reference is deterministic and the truth a function of the case and the steps alone, so
+the runs are kept for the few cases a campaign judges again (P1-P3 draw the same cases).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 import torch
 
-from .accuracy import (
-    AccuracyRun,
-    best_of,
-    compare_dgrads,
-    compare_wgrads,
-    kink_candidates,
-    kink_note,
-    reference_backend,
-    reorders_rows,
-    row_reversal,
-    worse_naive,
-)
+from .backends import Backend, get_backend
 from .data import (
     GEMM_WEIGHT,
     MicroBatchData,
@@ -55,131 +43,196 @@ from .data import (
     make_micro_batches,
     param_specs,
 )
-from .internals import dgrad_operand_floors, rounding_bounds, wgrad_operand_floors
+from .internals import dgrad_operand_floors, wgrad_operand_floors
+from .judge import Judging, best_of, compare_dgrads, compare_wgrads, kink_candidates, kink_note
 from .kink import has_relu_kink, kink_choices, kink_deltas, kink_sites
 from .results import Tracker
-from .runner import ModuleRun
+from .rounding import rounding_bounds
+from .runner import AccuracyRun, ModuleRun, Step, play
 from .strategies import LOW_PRECISION_DTYPES, Case
 
 __all__ = [
-    "Step",
-    "fb_steps",
-    "tied_fb",
-    "play",
+    "reference_backend",
+    "TruthRuns",
     "truth_runs",
+    "memo",
+    "row_reversal",
+    "reorders_rows",
+    "worse_naive",
     "judge_steps",
 ]
 
 
+T = TypeVar("T")
+
+
+@functools.cache
+def reference_backend() -> Backend:
+    """``splitgrad.reference``: the naive baseline and (upcast) the truth (one instance, so its
+    API probe runs once)."""
+    return get_backend("reference")
+
+
 @dataclasses.dataclass(frozen=True)
-class Step:
-    """One step a differential check took: ``"fb"`` (forward + backward of micro-batch
-    ``index`` with its ``is_first_microbatch`` flag), ``"zero"`` (every gradient to ``None``,
-    ``main_grad`` to zeros), ``"tied"`` (micro-batches ``index`` and ``index + 1`` through the
-    module in one backward, the first with its flag), ``"chain"`` (micro-batch ``index`` through
-    the module twice, ``y = m(m(x))``, one backward)."""
+class TruthRuns:
+    """``naive``: the reference in the case's dtype (the worse of rows in order and reversed,
+    see :func:`worse_naive`); ``truth``: its float64 twin without FP8; ``truth8``: the float64
+    twin under the case's recipe (``None`` without one)."""
 
-    op: str
-    index: int = 0
-
-    def __post_init__(self) -> None:
-        if self.op not in ("fb", "zero", "tied", "chain"):
-            raise ValueError(f"unknown step {self.op!r}; expected fb, zero, tied or chain")
+    naive: AccuracyRun
+    truth: AccuracyRun
+    truth8: AccuracyRun | None
 
 
-def fb_steps(n: int) -> tuple[Step, ...]:
-    """Forward + backward of micro-batches ``0 .. n-1`` in order."""
-    return tuple(Step("fb", i) for i in range(n))
+_MEMO: collections.OrderedDict[tuple, object] = collections.OrderedDict()
+_MEMO_SIZE = 128
 
 
-def tied_fb(run: ModuleRun, data: Sequence[MicroBatchData], chain: bool, index: int = 0):
-    """One backward through two uses of the same module; returns the leaf inputs."""
-    d0 = data[index]
-    x0 = d0.fresh_input()
-    y0 = run.forward(x0, d0.spec.m_splits, d0.spec.is_first_microbatch)
-    if chain:
-        y1 = run.forward(y0, d0.spec.m_splits, None)
-        run.backward_outputs([y1], [d0.dy])
-        return [x0]
-    d1 = data[index + 1]
-    x1 = d1.fresh_input()
-    y1 = run.forward(x1, d1.spec.m_splits, None)
-    run.backward_outputs([y0, y1], [d0.dy, d1.dy])
-    return [x0, x1]
-
-
-def _grad(x: torch.Tensor) -> torch.Tensor | None:
-    return None if x.grad is None else x.grad.detach().clone()
-
-
-def play(
-    run: ModuleRun,
-    data: Sequence[MicroBatchData],
-    steps: Sequence[Step],
-    dtype: torch.dtype | None = None,
-) -> AccuracyRun:
-    """Run ``steps`` on ``run`` (its inputs cast to ``dtype`` when given), drain the queue, and
-    return what they produced: ``xgrads[i]`` is micro-batch ``i``'s input gradient (its last
-    one; ``None`` where it did not run), ``norm`` / ``gemm`` the final gradient snapshots."""
-    if dtype is not None:
-        data = [dataclasses.replace(d, x=d.x.to(dtype), dy=d.dy.to(dtype)) for d in data]
-    xgrads: list[torch.Tensor | None] = [None] * len(data)
-    for step in steps:
-        if step.op == "fb":
-            x, _ = run.fb(data[step.index])
-            xgrads[step.index] = _grad(x)
-        elif step.op == "zero":
-            run.zero_grads()
-        else:
-            xs = tied_fb(run, data, step.op == "chain", step.index)
-            for k, x in enumerate(xs):
-                xgrads[step.index + k] = _grad(x)
-    norm = run.norm_snapshot()
-    run.drain()
-    return AccuracyRun([], xgrads, norm, run.gemm_snapshot())
+def memo(fn: Callable[..., T], *args: Hashable) -> T:
+    """``fn(*args)`` for a function of its arguments alone (a truth run, a rounding bound),
+    kept for the next call with the same function and arguments: P1-P3 draw the same cases,
+    and a campaign judges some cases twice. The key holds the function object itself, so a
+    test that replaces it is never answered from the memo; and torch's thread count and
+    deterministic mode, which the float64 reductions may depend on. The caller must not
+    modify what it gets (it is shared)."""
+    key = (fn, args, torch.get_num_threads(), torch.are_deterministic_algorithms_enabled())
+    if key in _MEMO:
+        _MEMO.move_to_end(key)
+        return _MEMO[key]  # type: ignore[return-value]
+    value = fn(*args)
+    _MEMO[key] = value
+    if len(_MEMO) > _MEMO_SIZE:
+        _MEMO.popitem(last=False)
+    return value
 
 
 def truth_runs(
-    case: Case,
-    steps: Sequence[Step],
-    *,
-    prefill_grads: bool = False,
-    frozen: Sequence[str] = (),
-) -> tuple[AccuracyRun, AccuracyRun, AccuracyRun | None]:
-    """(naive reference, float64 truth, FP8 float64 truth or ``None``) of ``steps`` on ``case``,
-    prepared as the check prepared its module (``prefill_grads``, ``frozen``; ``main_grad``
-    prefilled when fused)."""
+    case: Case, steps: Sequence[Step], *, prefill_grads: bool = False, frozen: Sequence[str] = ()
+) -> TruthRuns:
+    """The truth and the naive yardstick of ``steps`` on ``case``, prepared as the check prepared
+    its module (``prefill_grads``, ``frozen``; ``main_grad`` prefilled when fused). The runs
+    are shared (:func:`memo`): callers must not modify them."""
+    return memo(_truth_runs, case, tuple(steps), prefill_grads, tuple(frozen))
+
+
+def _truth_runs(
+    case: Case, steps: Sequence[Step], prefill_grads: bool, frozen: tuple[str, ...]
+) -> TruthRuns:
     from splitgrad.reference import upcast
 
     data = make_micro_batches(case)
     ref = reference_backend()
-    naive_run = ModuleRun(
-        ref, case, delay=False, hooks=0, prefill_grads=prefill_grads, frozen=frozen
-    )
+
+    def naive_run() -> ModuleRun:
+        return ModuleRun(
+            ref, case, delay=False, hooks=0, prefill_grads=prefill_grads, frozen=frozen
+        )
+
+    naive_module = naive_run()
 
     def float64_run(recipe: str | None) -> AccuracyRun:
+        config = dataclasses.replace(case.config, dtype="float64", recipe=recipe, autocast=None)
         run = ModuleRun(
             ref,
             case,
             delay=False,
             hooks=0,
-            module=upcast(naive_run.module),
-            config=dataclasses.replace(case.config, dtype="float64", recipe=recipe, autocast=None),
+            module=upcast(naive_module.module),
+            config=config,
             main_grads=False,
         )
         return play(run, data, steps, torch.float64)
 
     truth = float64_run(None)
     truth8 = float64_run(case.config.recipe) if case.config.recipe is not None else None
-    naive = play(naive_run, data, steps)
+    naive = play(naive_module, data, steps)
     if reorders_rows(case):
         rev_data, perms = row_reversal(data)
-        rev_run = ModuleRun(
-            ref, case, delay=False, hooks=0, prefill_grads=prefill_grads, frozen=frozen
-        )
         yardstick = truth8 if truth8 is not None else truth
-        naive = worse_naive(naive, play(rev_run, rev_data, steps), perms, yardstick)
-    return naive, truth, truth8
+        naive = worse_naive(naive, play(naive_run(), rev_data, steps), perms, yardstick)
+    return TruthRuns(naive, truth, truth8)
+
+
+# ---- the naive yardstick, independent of the order rows are summed in ------------------------
+
+
+def row_reversal(data: Sequence[MicroBatchData]) -> tuple[list[MicroBatchData], list[torch.Tensor]]:
+    """Each micro-batch with its rows in reverse order within each group (``m_splits``), and the
+    row permutation of each (its own inverse). Row-wise work (the norms, activations, each
+    output row) is unchanged; every reduction over rows (weight, bias and norm-parameter
+    gradients) adds the same terms in another order."""
+    out, perms = [], []
+    for d in data:
+        rows = d.x.reshape(-1, d.x.shape[-1]).shape[0]
+        splits = d.spec.m_splits or (rows,)
+        parts, start = [], 0
+        for n in splits:
+            parts.append(torch.arange(start + n - 1, start - 1, -1))
+            start += n
+        perm = torch.cat(parts) if parts else torch.arange(0)
+        perm = perm.to(d.x.device)
+        x = d.x.reshape(-1, d.x.shape[-1])[perm].reshape(d.x.shape)
+        dy = d.dy.reshape(-1, d.dy.shape[-1])[perm].reshape(d.dy.shape)
+        out.append(dataclasses.replace(d, x=x, dy=dy))
+        perms.append(perm)
+    return out, perms
+
+
+def _unpermute(t: torch.Tensor | None, perm: torch.Tensor) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return t.reshape(-1, t.shape[-1])[perm.to(t.device)].reshape(t.shape)
+
+
+def reorders_rows(case: Case) -> bool:
+    """Whether a second naive run with reversed rows says something: some group has two rows
+    or more, and no block-scaled FP8 recipe (MXFP8 and block scales run along the rows, so
+    reversing them would change what is quantized; per-tensor delayed and current scaling
+    quantize each row the same way in any order)."""
+    recipe = case.config.recipe
+    if recipe is not None and not recipe.startswith(("delayed", "current")):
+        return False
+    for mb in case.micro_batches:
+        rows = 1
+        for n in mb.lead_shape:
+            rows *= n
+        if max(mb.m_splits or (rows,), default=0) >= 2:
+            return True
+    return False
+
+
+def worse_naive(
+    naive: AccuracyRun, reversed_run: AccuracyRun, perms: Sequence[torch.Tensor], truth: AccuracyRun
+) -> AccuracyRun:
+    """Per tensor, whichever of two naive runs (rows in order, rows reversed) is further from
+    ``truth``: a yardstick for the rounding a reduction over rows may legally show. One run's
+    error over a reduction is a single sample of that noise, and can be far below it when its
+    row errors happen to cancel (docs/budgets.md)."""
+
+    def err(a: torch.Tensor | None, t: torch.Tensor | None) -> float:
+        if a is None or t is None or a.shape != t.shape:
+            return -1.0
+        if a.numel() == 0:
+            return 0.0
+        return float((a.detach().double().cpu() - t.detach().double().cpu()).abs().max())
+
+    def pick(a, b, t):
+        return b if err(b, t) > err(a, t) else a
+
+    def per_batch(mine: list, theirs: list, truths: list) -> list:
+        return [
+            pick(a, _unpermute(b, perms[i]), truths[i] if i < len(truths) else None)
+            for i, (a, b) in enumerate(zip(mine, theirs))
+        ]
+
+    outputs = per_batch(naive.outputs, reversed_run.outputs, truth.outputs)
+    xgrads = per_batch(naive.xgrads, reversed_run.xgrads, truth.xgrads)
+    norm = {k: pick(v, reversed_run.norm.get(k), truth.norm.get(k)) for k, v in naive.norm.items()}
+    gemm = {k: pick(v, reversed_run.gemm.get(k), truth.gemm.get(k)) for k, v in naive.gemm.items()}
+    return AccuracyRun(outputs, xgrads, norm, gemm)
+
+
+# ---- tier 2 for the differential properties --------------------------------------------------
 
 
 def _reached(case: Case, steps: Sequence[Step], frozen: Sequence[str]) -> dict[str, set[int]]:
@@ -263,7 +316,9 @@ def _prefills(case: Case, prefill_grads: bool, frozen: Sequence[str]) -> dict[st
     return out
 
 
-def _only(run: AccuracyRun, keep: Callable[[str], bool]) -> AccuracyRun:
+def _only(run: AccuracyRun | None, keep: Callable[[str], bool] | None) -> AccuracyRun | None:
+    if run is None or keep is None:
+        return run
     xgrads = [g if keep(f"inp.grad[micro-batch {i}]") else None for i, g in enumerate(run.xgrads)]
     norm = {k: v for k, v in run.norm.items() if keep(k)}
     gemm = {k: v for k, v in run.gemm.items() if keep(k)}
@@ -295,61 +350,32 @@ def judge_steps(
     chain = any(s.op == "chain" for s in steps)
     if chain and has_relu_kink(case):
         return
-    naive, truth, truth8 = truth_runs(case, steps, prefill_grads=prefill_grads, frozen=frozen)
-    if chain:
-        candidates, note = [truth], ""
-        dfloors: dict[str, torch.Tensor] = {}
-        wfloors: dict[str, torch.Tensor] = {}
-    else:
-        candidates, note = _candidates(case, steps, truth, frozen)
-        dfloors = dgrad_operand_floors(case) if "dgrad" in parts else {}
-        wfloors = wgrad_operand_floors(case) if "wgrad" in parts else {}
-    if only is not None:
-        got, naive, truth = (_only(r, only) for r in (got, naive, truth))
-        truth8 = _only(truth8, only) if truth8 is not None else None
-        candidates = [_only(c, only) for c in candidates]
-    prefills = _prefills(case, prefill_grads, frozen)
-    bounds = rounding_bounds(case, steps, prefill_grads, frozen)
-    norm_prefills = {k: v for k, v in prefills.items() if k in truth.norm}
-    label = label or "against the float64 truth: "
-
-    # Chained on itself, the module quantizes its own output under FP8: no operand is exact.
-    exact = False if chain else None
+    runs = truth_runs(case, steps, prefill_grads=prefill_grads, frozen=frozen)
+    candidates, note = ([runs.truth], "") if chain else _candidates(case, steps, runs.truth, frozen)
+    floors: dict[str, torch.Tensor] = {}
+    if not chain:
+        floors.update(dgrad_operand_floors(case) if "dgrad" in parts else {})
+        floors.update(wgrad_operand_floors(case) if "wgrad" in parts else {})
+    judging = Judging(
+        case,
+        _only(runs.naive, only),
+        [_only(c, only) for c in candidates],
+        _only(runs.truth8, only),
+        floors=floors,
+        prefills=_prefills(case, prefill_grads, frozen),
+        bounds=memo(rounding_bounds, case, tuple(steps), prefill_grads, tuple(frozen)),
+        note=note,
+        label=label or "against the float64 truth: ",
+        # Chained on itself, the module quantizes its own output under FP8: no operand is exact.
+        fp8_exact=False if chain else None,
+        uses=2 if chain else 1,
+    )
+    got = _only(got, only)
 
     def compare(tr: Tracker, cand: AccuracyRun) -> None:
         if "dgrad" in parts:
-            compare_dgrads(
-                tr,
-                case,
-                got,
-                naive,
-                cand,
-                candidates,
-                truth8,
-                note,
-                dfloors,
-                norm_prefills,
-                label,
-                exact,
-                2 if chain else 1,
-                bounds,
-            )
+            compare_dgrads(tr, got, cand, judging)
         if "wgrad" in parts:
-            compare_wgrads(
-                tr,
-                case,
-                got,
-                naive,
-                cand,
-                candidates,
-                truth8,
-                note,
-                wfloors,
-                prefills,
-                label,
-                exact,
-                2 if chain else 1,
-                bounds,
-            )
+            compare_wgrads(tr, got, cand, judging)
 
-    t.merge(best_of(candidates, compare, first_wins=case.config.recipe is not None))
+    t.merge(best_of(judging.candidates, compare, first_wins=case.config.recipe is not None))

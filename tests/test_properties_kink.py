@@ -73,9 +73,8 @@ def test_the_kink_case_has_one_site_that_the_reference_rounds_onto_zero() -> Non
 def _truth_of(backend, case: Case):
     """The float64 run of ``backend`` on the case's values (rounded to its dtype), as the
     harness's truth is made: an upcast copy of a reference module in the case's dtype."""
-    from splitgrad.properties.accuracy import accuracy_run as _accuracy_run
     from splitgrad.properties.data import make_micro_batches
-    from splitgrad.properties.runner import ModuleRun
+    from splitgrad.properties.runner import ModuleRun, fb_steps, play
     from splitgrad.reference import upcast
 
     low = ModuleRun(get_backend("reference"), case, delay=False, hooks=0)
@@ -88,7 +87,7 @@ def _truth_of(backend, case: Case):
         config=dataclasses.replace(case.config, dtype="float64"),
         main_grads=False,
     )
-    return _accuracy_run(run, case, make_micro_batches(case), torch.float64)
+    return play(run, make_micro_batches(case), fb_steps(len(case.micro_batches)), torch.float64)
 
 
 @pytest.mark.parametrize(

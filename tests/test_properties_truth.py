@@ -257,9 +257,9 @@ def test_judging_a_correct_reference_passes_every_condition() -> None:
 
 def test_row_reversal_reverses_rows_within_each_group_and_undoes_itself():
     import torch
-    from splitgrad.properties.accuracy import row_reversal
     from splitgrad.properties.data import MicroBatchData
     from splitgrad.properties.strategies import MicroBatch
+    from splitgrad.properties.truth import row_reversal
 
     x = torch.arange(12.0).reshape(6, 2)
     dy = torch.arange(6.0).reshape(6, 1)
@@ -276,7 +276,8 @@ def test_row_reversal_reverses_rows_within_each_group_and_undoes_itself():
 
 def test_worse_naive_takes_the_run_further_from_the_truth_per_tensor():
     import torch
-    from splitgrad.properties.accuracy import AccuracyRun, worse_naive
+    from splitgrad.properties.runner import AccuracyRun
+    from splitgrad.properties.truth import worse_naive
 
     truth = AccuracyRun(
         [torch.zeros(2, 1)], [None], {"g.grad": torch.zeros(3)}, {"w.grad": torch.zeros(2)}
