@@ -10,10 +10,10 @@ import torch
 from splitgrad.properties.backends import get_backend
 from splitgrad.properties.campaign import FAIL, PASS, run_cell
 from splitgrad.properties.data import make_micro_batches
-from splitgrad.properties.internals import rounding_bounds
 from splitgrad.properties.plan import AUTOCAST_PROPERTIES, plan_cells
 from splitgrad.properties.registry import PROPERTIES, explicit_cases, run_check
 from splitgrad.properties.results import PropertyViolation
+from splitgrad.properties.rounding import rounding_bounds
 from splitgrad.properties.strategies import KINDS, Case, MicroBatch, ModuleConfig
 from splitgrad.properties.xfails import canonical_id
 
