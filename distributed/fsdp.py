@@ -6,7 +6,9 @@ the module group's backward. A delayed split-backward module writes its GEMM gra
 ``backward_dw()``, to the *unsharded* parameter its backward saw (``FSDPParam._unsharded_param``,
 a ``Parameter`` FSDP2 reuses every step), after FSDP2 has resharded: left alone, every sharded
 gradient stays ``None`` and the unsharded one is reduced a step late, if ever. fully_shard has no
-public hook for either side, so this module reaches into its private objects:
+public hook for either side, so this module reaches into its private objects (``FSDPState``,
+``FSDPParamGroup``, ``FSDPParam``); the functions of FSDP2's private modules it calls are
+reached through :mod:`._torch_private`:
 
 * :func:`describe` maps each sharded parameter of a model to its ``FSDPParam`` and group, and
   refuses what the reducer does not handle (HSDP/replicate meshes, CPU offload, parameters that
@@ -21,8 +23,10 @@ public hook for either side, so this module reaches into its private objects:
 * :func:`mark_reduced_from_module_hooks` marks a sharded parameter for the modules' guard, and
   again after FSDP2 resets it (``to_empty`` and every other ``_apply``).
 
-Checked on torch 2.13. When one of these internals is missing, :func:`check_available` raises
-naming the torch version, never a silent fallback.
+Checked on torch 2.13 and 2.14 (torch 2.8's FSDP2 has no ``DefaultReduceScatter`` and is
+refused). When one of these internals is missing, :func:`check_available` and the function
+reading it raise :class:`~._torch_private.TorchMoved` naming the torch version, never a silent
+fallback.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+from . import _torch_private
+from ._torch_private import TorchMoved
 
 __all__ = [
     "check_available",
@@ -50,7 +57,7 @@ __all__ = [
     "take_final_grad",
 ]
 
-CHECKED_ON = "2.13"
+CHECKED_ON = _torch_private.FSDP_CHECKED_ON
 #: Set on a sharded parameter whose gradient GradientReducer reduces from the module hooks;
 #: splitgrad's modules refuse to run delayed under fully_shard without it.
 REDUCED_FROM_MODULE_HOOKS = "wgrad_reduce_from_module_hooks"
@@ -65,37 +72,26 @@ _PARAM_ATTRS = (
 _GROUP_ATTRS = ("fsdp_params", "post_backward", "reduce_grads", "mesh_info")
 
 
-def _moved(what: str) -> RuntimeError:
-    return RuntimeError(
+def _moved(what: str) -> TorchMoved:
+    return TorchMoved(
         f"splitgrad.distributed: torch {torch.__version__}'s fully_shard (FSDP2) has no {what} "
         f"(checked on torch {CHECKED_ON}); GradientReducer cannot route delayed gradients into "
         "FSDP2's sharded gradients on this version"
     )
 
 
-def _internals():
-    try:
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
-        from torch.distributed.fsdp._fully_shard import _fsdp_common as common
-    except ImportError as exc:
-        raise _moved(f"importable internals ({exc})") from exc
-    for owner, name in (
-        (coll, "_get_gradient_divide_factors"),
-        (coll, "foreach_reduce_scatter_copy_in"),
-        (coll, "DefaultReduceScatter"),
-        (common, "_get_dim0_padded_size"),
-        (common, "FSDPMeshInfo"),
-        (common, "DDPMeshInfo"),
-    ):
-        if not hasattr(owner, name):
-            raise _moved(f"{owner.__name__}.{name}")
-    return FSDPModule, coll, common
+def _fsdp_module_type() -> type:
+    """``FSDPModule``, once FSDP2's private functions this module calls are known to exist."""
+    from torch.distributed.fsdp import FSDPModule
+
+    _torch_private.check_fsdp_available()
+    return FSDPModule
 
 
 def check_available() -> None:
-    """Raise ``RuntimeError`` naming the torch version if FSDP2's internals moved."""
-    _internals()
+    """Raise :class:`TorchMoved` (a ``RuntimeError``) naming the torch version if FSDP2's
+    internals moved."""
+    _fsdp_module_type()
 
 
 def is_fully_sharded(model: torch.nn.Module) -> bool:
@@ -132,7 +128,7 @@ class FsdpLayout:
 
 def describe(model: torch.nn.Module) -> FsdpLayout:
     """The FSDP2 layout of ``model``; ``ValueError`` for what the reducer does not support."""
-    FSDPModule, coll, common = _internals()
+    FSDPModule = _fsdp_module_type()
     params, group_of, groups, states, state_of = {}, {}, [], [], {}
     process_group = None
     for name, m in model.named_modules():
@@ -140,18 +136,21 @@ def describe(model: torch.nn.Module) -> FsdpLayout:
             continue
         states.append(m)
         state = m._get_fsdp_state()
-        for group in getattr(state, "_fsdp_param_groups", ()):
+        groups_of_state = getattr(state, "_fsdp_param_groups", None)
+        if groups_of_state is None:
+            raise _moved("FSDPState._fsdp_param_groups")
+        for group in groups_of_state:
             for attr in _GROUP_ATTRS:
                 if not hasattr(group, attr):
                     raise _moved(f"FSDPParamGroup.{attr}")
             where = name or type(m).__name__
             mesh = group.mesh_info
-            if isinstance(mesh, common.DDPMeshInfo) or not isinstance(mesh, common.FSDPMeshInfo):
+            if not _torch_private.is_1d_fsdp_mesh(mesh):
                 raise ValueError(
                     f"GradientReducer supports a 1-D fully_shard mesh only; {where} has "
                     f"{type(mesh).__name__} (HSDP or replicate)"
                 )
-            if type(group._reduce_scatter_comm) is not coll.DefaultReduceScatter:
+            if not _torch_private.is_default_reduce_scatter(group._reduce_scatter_comm):
                 raise ValueError(
                     f"{where}: a custom reduce-scatter ({type(group._reduce_scatter_comm)}) is "
                     "not supported by GradientReducer"
@@ -210,6 +209,11 @@ def unsharded_grad(fsdp_param) -> torch.Tensor | None:
     """The gradient written to the unsharded parameter (``None`` before the first unshard)."""
     unsharded = getattr(fsdp_param, "_unsharded_param", None)
     return None if unsharded is None else unsharded.grad
+
+
+def put_back_unsharded_grad(fsdp_param, grad: torch.Tensor) -> None:
+    """Give the unsharded parameter back the gradient :func:`take_unsharded_grad` took."""
+    fsdp_param._unsharded_param.grad = grad
 
 
 def take_unsharded_grad(fsdp_param) -> torch.Tensor | None:
@@ -318,7 +322,6 @@ class ReduceScatter:
     so a gradient comes out bitwise as FSDP2 would have reduced it."""
 
     def __init__(self, fsdp_params: list, grads: list[torch.Tensor], group) -> None:
-        _, coll, common = _internals()
         self.fsdp_params = fsdp_params
         pg = group.mesh_info.shard_process_group
         world = pg.size()
@@ -327,9 +330,8 @@ class ReduceScatter:
             raise RuntimeError(f"one reduce-scatter needs one gradient dtype, got {grad_dtypes}")
         reduce_dtype = group._reduce_dtype or grads[0].dtype
         self.orig_dtype = group._orig_dtype
-        pre, self.post, op, _ = coll._get_gradient_divide_factors(
+        pre, self.post, op, _ = _torch_private.gradient_divide_factors(
             pg,
-            None,
             reduce_dtype,
             grads[0].device.type,
             group.gradient_divide_factor,
@@ -340,10 +342,10 @@ class ReduceScatter:
             dim = fp.fsdp_placement.dim
             if dim != 0 and world > 1:
                 grads[i] = torch.cat(torch.chunk(g, world, dim=dim), dim=0)
-        self.padded = [common._get_dim0_padded_size(g.size(), world) for g in grads]
+        self.padded = [_torch_private.dim0_padded_size(g.size(), world) for g in grads]
         numel = sum(s.numel() for s in self.padded)
         flat_in = torch.empty(numel, dtype=reduce_dtype, device=grads[0].device)
-        coll.foreach_reduce_scatter_copy_in(grads, flat_in, world)
+        _torch_private.reduce_scatter_copy_in(grads, flat_in, world)
         if pre is not None and pre != 1:
             flat_in.div_(pre)
         self.world = world

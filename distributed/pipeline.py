@@ -39,12 +39,18 @@ from __future__ import annotations
 
 import collections
 import copy
-import sys
 import warnings
 from collections.abc import Callable
 
 import torch
 
+from ._torch_private import (
+    SHAPE_INFERENCE_METHODS,
+    TorchMoved,
+    calling_stage,
+    in_shape_inference,
+    shape_inference_method,
+)
 from .modules import SplitModule, gradient_tensor, split_modules
 
 __all__ = [
@@ -146,7 +152,7 @@ class DWBuilder:
         return len(self._outstanding)
 
     def __call__(self) -> WStepRunner:
-        self._attach_to_caller()
+        label = self._label_and_attach()
         counts: dict[SplitModule, int] = {}
         for sm in self._delayed:
             key = id(sm.module)
@@ -160,7 +166,7 @@ class DWBuilder:
             if new:
                 counts[sm] = new
                 self._accounted[key] += new
-        runner = WStepRunner(self, self._built, _micro_batch_label(self._built), counts)
+        runner = WStepRunner(self, self._built, label, counts)
         self._built += 1
         self._outstanding.append(runner)
         return runner
@@ -204,98 +210,22 @@ class DWBuilder:
                 f"{self.pending_runners} W steps not run): those gradients are not final yet"
             )
 
-    def _attach_to_caller(self) -> None:
-        if self.stage is not None:
-            return
-        # torch has no public hook that hands a dw_builder its stage: the stage calling us is
-        # found among the caller's frames (its ``self``, whose ``dw_builder`` is this builder).
-        frame = sys._getframe(2)
-        called_by_pipelining = False
-        for _ in range(3):
-            if frame is None:
-                break
-            candidate = frame.f_locals.get("self")
-            if _is_stage(candidate) and getattr(candidate, "dw_builder", None) is self:
-                self.attach(candidate)
-                return
-            module = frame.f_globals.get("__name__", "")
-            called_by_pipelining |= module.startswith("torch.distributed.pipelining")
-            frame = frame.f_back
-        if called_by_pipelining:
-            # torch's stage called us but is not where it was: never run without scale_grads's
-            # drain check, the reducer's finish and fused main_grad scaling.
-            raise RuntimeError(
-                f"torch {torch.__version__}: dw_builder was called from "
-                "torch.distributed.pipelining, but no calling frame holds the PipelineStage "
-                "whose dw_builder it is (torch moved the call); call "
-                "builder.attach(stage) after building the stage, and report the torch version"
-            )
-
-
-#: What ``torch.distributed.pipelining``'s stages call their shape-inference forward, by torch
-#: version: ``_forward_metadata_inference`` (torch 2.12 and newer), ``_shape_inference`` (2.11
-#: and older). A private method, so it is recognised by every name it has had, and
-#: :func:`shape_inference_method` refuses a torch where it has none of them.
-SHAPE_INFERENCE_METHODS = ("_forward_metadata_inference", "_shape_inference")
-
-
-def shape_inference_method() -> str:
-    """The name this torch's ``PipelineStage`` gives its shape-inference forward (one of
-    :data:`SHAPE_INFERENCE_METHODS`). Raises ``RuntimeError`` naming the torch version when it
-    has none of them: the pass moved, and :func:`in_shape_inference` would otherwise answer
-    ``False`` during it (placeholder amaxes in FP8 histories, micro-batch counters off by one)
-    without a word."""
-    from torch.distributed.pipelining import PipelineStage
-
-    for name in SHAPE_INFERENCE_METHODS:
-        if callable(getattr(PipelineStage, name, None)):
-            return name
-    raise RuntimeError(
-        f"torch {torch.__version__}: torch.distributed.pipelining.PipelineStage has none of "
-        f"{SHAPE_INFERENCE_METHODS}, the names its shape-inference forward had up to now; "
-        "splitgrad cannot tell that pass from a real forward on this torch. Give the stage "
-        "static input_args/output_args (no inference runs), and report the torch version"
-    )
-
-
-def in_shape_inference() -> bool:
-    """Whether the forward being run is ``torch.distributed.pipelining``'s shape-inference pass
-    (a ``PipelineStage``'s first ``step()`` without static shapes runs the stage once on
-    placeholder tensors). Counters of micro-batches (``is_first_microbatch``) should skip it.
-    Looks for a caller frame running one of :data:`SHAPE_INFERENCE_METHODS` on a
-    ``PipelineStage`` (``self`` checked, so a function of the same name elsewhere is not taken
-    for it)."""
-    frame = sys._getframe(1)
-    for _ in range(12):
-        if frame is None:
-            return False
-        named = frame.f_code.co_name in SHAPE_INFERENCE_METHODS
-        if named and _is_stage(frame.f_locals.get("self")):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _is_stage(obj: object) -> bool:
-    """Whether ``obj`` is a pipelining stage (``PipelineStage`` or its private base, which the
-    schedules' stages share)."""
-    from torch.distributed.pipelining import stage
-
-    return isinstance(obj, getattr(stage, "_PipelineStageBase", stage.PipelineStage))
-
-
-def _micro_batch_label(index: int) -> str:
-    """ "micro-batch 3" when a ``PipelineStage`` is building (its ``bwd_chunk_id``), else the
-    builder's own count of backwards."""
-    frame = sys._getframe(2)
-    for _ in range(3):
-        if frame is None:
-            break
-        chunk = frame.f_locals.get("bwd_chunk_id")
-        if isinstance(chunk, int):
-            return f"micro-batch {chunk}"
-        frame = frame.f_back
-    return f"backward #{index}"
+    def _label_and_attach(self) -> str:
+        """How this call's runner is named in errors: "micro-batch 3" when a pipelining stage
+        is building (its ``bwd_chunk_id``), else the builder's own count of backwards. On the
+        first call from a stage, attach to it (:meth:`attach`)."""
+        try:
+            caller = calling_stage(self)
+        except TorchMoved:
+            if self.stage is None:
+                raise  # never run without scale_grads's drain check and main_grad scaling
+            caller = None  # attached by hand, as the error asks
+        if caller is None:
+            return f"backward #{self._built}"
+        stage, chunk = caller
+        if self.stage is None:
+            self.attach(stage)
+        return f"micro-batch {chunk}"
 
 
 def dw_builder(stage_module: torch.nn.Module) -> Callable[[], WStepRunner]:

@@ -44,7 +44,7 @@ import weakref
 
 import torch
 
-from . import _autograd
+from . import _torch_private
 from .modules import SplitModule, split_modules
 
 __all__ = ["use_weight_grad_store", "WeightGradStoreHandle", "StoreEntry"]
@@ -174,11 +174,11 @@ class WeightGradStoreHandle:
         forward call has not run yet."""
         if self.removed:
             return
-        task = _autograd.current_backward_pass()
+        task = _torch_private.current_backward_pass()
         record = self._passes.get(task)
         if record is None:
             record = self._passes[task] = _Pass()
-            _autograd.at_end_of_backward_pass(functools.partial(self._end_of_pass, task))
+            _torch_private.at_end_of_backward_pass(functools.partial(self._end_of_pass, task))
         if conn not in record.before:
             record.before[conn] = conn.sm.module.pending_wgrad_count
         if id(token) not in record.seen:
@@ -268,7 +268,7 @@ def use_weight_grad_store(model: torch.nn.Module, store: object) -> WeightGradSt
             "(as dualpipe.WeightGradStore)"
         )
     try:
-        _autograd.check_available()
+        _torch_private.check_available()
     except RuntimeError as exc:
         raise RuntimeError(f"use_weight_grad_store needs the same autograd hooks: {exc}") from exc
     delayed = [sm for sm in split_modules(model) if sm.delayed]

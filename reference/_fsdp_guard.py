@@ -9,53 +9,19 @@ them from the module hooks and marks their sharded parameters
 (``wgrad_reduce_from_module_hooks = True``); an unmarked one makes the module raise. Under fused
 accumulation the gradient goes to ``main_grad``, which FSDP2 never reads: refused always.
 
-This reads FSDP2's private state (``torch.distributed._composable_state._module_state_mapping``,
-each state's ``_fsdp_param_groups`` and their ``FSDPParam._module_info``; checked on torch 2.13)
-and imports nothing: when ``torch.distributed`` was never imported no module can be sharded.
+Which parameters FSDP2 manages is FSDP2's private state, read by
+:func:`._torch_private.fsdp_managed_parameters` (which imports nothing: when
+``torch.distributed.fsdp`` was never imported no module can be sharded).
 """
 
 from __future__ import annotations
 
-import sys
-import weakref
-
-import torch
+from ._torch_private import fsdp_managed_parameters
 
 __all__ = ["check_not_under_fsdp", "REDUCED_FROM_MODULE_HOOKS"]
 
 #: The attribute GradientReducer sets on the sharded parameters it reduces.
 REDUCED_FROM_MODULE_HOOKS = "wgrad_reduce_from_module_hooks"
-
-# module -> (size of FSDP2's state mapping when computed, [(param name, weakref to FSDPParam)])
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _managed(module: torch.nn.Module, mapping) -> list:
-    key = len(mapping)
-    hit = _CACHE.get(module)
-    if hit is not None and hit[0] == key:
-        found = [(name, ref()) for name, ref in hit[1]]
-        if all(fp is not None for _, fp in found):
-            return found
-    found = []
-    for ref in list(mapping.values()):
-        state = ref() if isinstance(ref, weakref.ref) else ref
-        for group in getattr(state, "_fsdp_param_groups", None) or ():
-            for fp in getattr(group, "fsdp_params", ()):
-                info = getattr(fp, "_module_info", None)
-                if info is None:
-                    raise RuntimeError(
-                        f"torch {torch.__version__}: FSDPParam has no _module_info (checked on "
-                        "torch 2.13); splitgrad cannot tell whether fully_shard manages a module"
-                    )
-                if info.module is module:
-                    found.append((info.param_name, fp))
-                for shared, name in zip(info.shared_modules, info.shared_param_names):
-                    if shared is module:
-                        found.append((name, fp))
-    # weak references: an FSDPParam refers back to the module, which must not outlive its model
-    _CACHE[module] = (key, [(name, weakref.ref(fp)) for name, fp in found])
-    return found
 
 
 def check_not_under_fsdp(module) -> None:
@@ -63,14 +29,10 @@ def check_not_under_fsdp(module) -> None:
     ``fully_shard`` that no ``GradientReducer`` reduces."""
     if not (module.delay_wgrad_compute or module.fuse_wgrad_accumulation):
         return
-    states = sys.modules.get("torch.distributed._composable_state")
-    mapping = getattr(states, "_module_state_mapping", None)
-    if not mapping:
-        return
     managed = [
-        (name, fp)
-        for name, fp in _managed(module, mapping)
-        if not name.startswith("layer_norm") and fp.sharded_param.requires_grad
+        (name, sharded)
+        for name, sharded in fsdp_managed_parameters(module)
+        if not name.startswith("layer_norm") and sharded.requires_grad
     ]
     if not managed:
         return
@@ -84,9 +46,7 @@ def check_not_under_fsdp(module) -> None:
             "fuse_wgrad_accumulation=False under fully_shard"
         )
     unclaimed = [
-        name
-        for name, fp in managed
-        if not getattr(fp.sharded_param, REDUCED_FROM_MODULE_HOOKS, False)
+        name for name, sharded in managed if not getattr(sharded, REDUCED_FROM_MODULE_HOOKS, False)
     ]
     if unclaimed:
         raise RuntimeError(

@@ -124,10 +124,16 @@ class FirstEntryFinalReducer(GradientReducer):
     """The reducer taking a delayed gradient as final after the *first* entry of the step's
     last backward pass instead of its last (a module applied twice queues two in that pass)."""
 
-    def _end_of_pass(self, owner, task) -> None:
-        super()._end_of_pass(owner, task)
-        if owner.queue and owner.queue[-1].final:
-            owner.queue[-1].entries = 1
+    def __init__(self, module, *args, **kwargs) -> None:
+        super().__init__(module, *args, **kwargs)
+        end_of_pass = self._finality.end_of_pass
+
+        def first_entry_final(owner, task) -> None:
+            end_of_pass(owner, task)
+            if owner.queue and owner.queue[-1].final:
+                owner.queue[-1].entries = 1
+
+        self._finality.end_of_pass = first_entry_final  # the hooks look it up when they fire
 
 
 class OneOwnerReducer(GradientReducer):

@@ -13,8 +13,8 @@ class NoPostDivideReducer(GradientReducer):
     size FSDP2 applies after a SUM reduce-scatter (``set_force_sum_reduction_for_comms(True)``)
     is dropped, so every averaged gradient comes out summed."""
 
-    def _launch_reduce_scatter(self, bucket) -> None:
-        super()._launch_reduce_scatter(bucket)
+    def _launch(self, bucket) -> None:
+        super()._launch(bucket)
         if bucket.work is not None:
             bucket.work.post = None
 
@@ -23,7 +23,7 @@ class NoPreDivideReducer(GradientReducer):
     """The reducer's FSDP2 reduce-scatter without its pre-divide: the part of the world size
     FSDP2 divides by before a SUM reduce-scatter in fp16 (against overflow) is dropped."""
 
-    def _launch_reduce_scatter(self, bucket) -> None:
+    def _launch(self, bucket) -> None:
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
 
         real = coll._get_gradient_divide_factors
@@ -34,7 +34,7 @@ class NoPreDivideReducer(GradientReducer):
 
         coll._get_gradient_divide_factors = without_pre  # for this launch only
         try:
-            super()._launch_reduce_scatter(bucket)
+            super()._launch(bucket)
         finally:
             coll._get_gradient_divide_factors = real
 
