@@ -28,7 +28,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -620,6 +620,8 @@ def load_library_from_path(path: str | Path, package_name: str) -> Any:
     """Import the package in directory ``path`` under ``package_name`` (used for mutated copies
     of impl). Raises :class:`BackendUnavailable` naming the path when it is not a package."""
     path = Path(path)
+    if not path.exists():
+        raise BackendUnavailable(f"{path} does not exist")
     init = path / "__init__.py"
     if not init.is_file():
         raise BackendUnavailable(f"{path} is not a Python package (no __init__.py)")
@@ -1483,13 +1485,3 @@ def get_backend(name: str) -> Backend:
         f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}, path:DIR, "
         "module:NAME or class:MODULE:ATTR"
     )
-
-
-def available_backends(names: Iterable[str] = BACKEND_NAMES) -> list[Backend]:
-    """The backends among ``names`` that can run in this process."""
-    out = []
-    for n in names:
-        b = get_backend(n)
-        if b.unavailable_reason() is None:
-            out.append(b)
-    return out

@@ -133,7 +133,7 @@ def session_options(config):
     def chosen(key: str) -> tuple[str, ...]:
         allowed, what = choices[key]
         try:
-            return tuple(choose([opts[key]], allowed, what))
+            return tuple(choose([opts[key]] if opts[key] else [], allowed, what))
         except OptionError as exc:
             raise pytest.UsageError(f"--splitgrad-{key}: {exc}") from None
 

@@ -12,7 +12,8 @@ same gaps in the backend's API (:attr:`Session.gaps`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+import functools
+from collections.abc import Sequence
 
 from .backends import Backend, get_backend
 from .campaign import NA, CellResult, api_gaps, run_cell
@@ -30,10 +31,12 @@ class OptionError(ValueError):
     """An option names nothing the harness knows (the message says what, and what would do)."""
 
 
-def choose(values: Iterable[str] | None, allowed: Sequence[str], what: str) -> list[str]:
+def choose(values: Sequence[str] | None, allowed: Sequence[str], what: str) -> list[str]:
     """The items of ``values`` (each may be comma-separated; repeats dropped, order kept), each
     one of ``allowed`` (property ids in any case); raises :class:`OptionError` naming one that
-    is not."""
+    is not, or when ``values`` were given but name nothing (``--module ""``)."""
+    if values and not any(item.strip() for v in values for item in v.split(",")):
+        raise OptionError(f"no {what} in {values[-1]!r}; expected one of {', '.join(allowed)}")
     out: list[str] = []
     for value in values or ():
         for item in value.split(","):
@@ -144,7 +147,7 @@ class Session:
     def device(self) -> str:
         return self.options.device_name
 
-    @property
+    @functools.cached_property
     def gaps(self) -> dict[str, tuple[str, list[str]]]:
         """The parts of SPEC's API the backend lacks that the chosen properties use
         (:func:`.campaign.api_gaps`)."""

@@ -345,7 +345,7 @@ class Case:
                 delay=bool(raw.pop("delay", True)),
                 asked=tuple(raw.pop("asked", ())),
             )
-        except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a splitgrad case: {text!r} ({exc})") from None
 
 

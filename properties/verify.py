@@ -32,6 +32,7 @@ chooses the whole run instead (see ``EPILOG``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -42,19 +43,7 @@ from pathlib import Path
 from xml.etree import ElementTree as ET
 
 from . import xfails
-from .campaign import (
-    BLOCKED,
-    DEVIATION,
-    ERROR,
-    FAIL,
-    NA,
-    PASS,
-    CellResult,
-    api_gaps,
-    blocked_by,
-    run_case,
-    run_cell,
-)
+from .campaign import BLOCKED, DEVIATION, ERROR, FAIL, NA, PASS, CellResult, blocked_by, run_case
 from .plan import (
     AUTOCAST_CHOICES,
     DEFAULT_EXAMPLES,
@@ -65,7 +54,8 @@ from .plan import (
     plan_cells,
 )
 from .registry import PROPERTIES, case_na_reason
-from .strategies import DTYPES, KINDS, LOW_PRECISION_DTYPES, Case
+from .session import DEFAULT_DTYPES, OptionError, Options, Session, choose
+from .strategies import DTYPES, KINDS, Case
 
 __all__ = [
     "main",
@@ -119,32 +109,16 @@ examples:
 
 
 class _UsageError(Exception):
-    pass
+    """A bad command line: exit status 2, the message and a pointer to --help."""
+
+
+class _Refused(Exception):
+    """The options are fine but cannot run here (the backend, CUDA): exit status 2, the message."""
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # no traceback, exit status 2
         raise _UsageError(message)
-
-
-def _split_list(values: Sequence[str] | None, allowed: Sequence[str], what: str) -> list[str]:
-    if not values:
-        return []
-    if not any(item.strip() for v in values for item in v.split(",")):
-        raise _UsageError(f"no {what} in {values[-1]!r}; expected one of {', '.join(allowed)}")
-    out: list[str] = []
-    for v in values:
-        for item in v.split(","):
-            item = item.strip()
-            if not item:
-                continue
-            if what == "property":
-                item = item.upper()
-            if item not in allowed:
-                raise _UsageError(f"unknown {what} {item!r}; expected one of {', '.join(allowed)}")
-            if item not in out:
-                out.append(item)
-    return out
 
 
 def _output_path(text: str) -> Path:
@@ -162,7 +136,40 @@ def _output_path(text: str) -> Path:
 
 def _default_cells() -> int:
     """How many cells the default run has."""
-    return len(plan_cells(list(KINDS), ["float32", "bfloat16"], list(PROPERTIES)))
+    return len(plan_cells(list(KINDS), list(DEFAULT_DTYPES), list(PROPERTIES)))
+
+
+# The options that choose from a list (repeatable or comma-separated): flag, metavar, help.
+_LIST_OPTIONS = (
+    (
+        "--module",
+        "KIND",
+        f"module kind(s), repeatable or comma-separated (default: all of {', '.join(KINDS)})",
+    ),
+    ("--dtype", "DTYPE", f"dtype(s) among {', '.join(DTYPES)} (default: float32,bfloat16)"),
+    (
+        "--recipe",
+        "FAMILY",
+        f"FP8 recipe famil(ies) among {', '.join(RECIPE_CHOICES)}, "
+        "repeatable or comma-separated: run only these (none: high precision) instead of the "
+        "default run",
+    ),
+    (
+        "--impl-path",
+        "PATH",
+        f"force a fast path on the backend's modules: "
+        f"{', '.join(PATH_CHOICES)}, repeatable or comma-separated: run only these instead of the "
+        "default run (none: the default run without its forced-path and autocast slices)",
+    ),
+    (
+        "--autocast",
+        "DTYPE",
+        f"run float32 modules under torch.autocast to: "
+        f"{', '.join(AUTOCAST_CHOICES)}, repeatable or comma-separated: run only these instead of "
+        "the default run (none: the default run without its autocast slice)",
+    ),
+    ("--property", "PID", f"property id(s) among {', '.join(PROPERTIES)} (default: all)"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,48 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
         "package directory with SPEC's API), module:NAME (an importable one) or "
         "class:MODULE:ATTR (a splitgrad.properties.backends.Backend subclass) (default: impl)",
     )
-    p.add_argument(
-        "--module",
-        action="append",
-        metavar="KIND",
-        help=f"module kind(s), repeatable or comma-separated (default: all of {', '.join(KINDS)})",
-    )
-    p.add_argument(
-        "--dtype",
-        action="append",
-        help=f"dtype(s) among {', '.join(DTYPES)} (default: float32,bfloat16)",
-    )
+    for flag, metavar, help_text in _LIST_OPTIONS:
+        p.add_argument(flag, action="append", metavar=metavar, help=help_text)
     p.add_argument(
         "--device", default=None, choices=("cpu", "cuda"), help="default: cpu (cuda for TE)"
-    )
-    p.add_argument(
-        "--recipe",
-        action="append",
-        metavar="FAMILY",
-        help=f"FP8 recipe famil(ies) among {', '.join(RECIPE_CHOICES)}, repeatable or "
-        "comma-separated: run only these (none: high precision) instead of the default run",
-    )
-    p.add_argument(
-        "--impl-path",
-        action="append",
-        metavar="PATH",
-        help=f"force a fast path on the backend's modules: {', '.join(PATH_CHOICES)}, "
-        "repeatable or comma-separated: run only these instead of the default run (none: the "
-        "default run without its forced-path and autocast slices)",
-    )
-    p.add_argument(
-        "--autocast",
-        action="append",
-        metavar="DTYPE",
-        help=f"run float32 modules under torch.autocast to: {', '.join(AUTOCAST_CHOICES)}, "
-        "repeatable or comma-separated: run only these instead of the default run (none: the "
-        "default run without its autocast slice)",
-    )
-    p.add_argument(
-        "--property",
-        action="append",
-        metavar="PID",
-        help=f"property id(s) among {', '.join(PROPERTIES)} (default: all)",
     )
     p.add_argument(
         "--examples",
@@ -258,179 +227,87 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _progress_bar(done: int, total: int, label: str) -> None:
-    width = 28
-    filled = int(width * done / max(total, 1))
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}")
-    sys.stderr.flush()
-    if done == total:
-        sys.stderr.write("\r" + " " * (width + 60) + "\r")
+# ---- parse: the command line as session options ----------------------------------------------
 
 
-def _progress_line(done: int, total: int, cell: CellResult) -> None:
-    n = "-" if cell.status in (NA, BLOCKED) else f"{cell.examples} examples"
-    sys.stderr.write(f"[{done}/{total}] {cell.label}: {cell.status} ({n}, {cell.seconds:.1f} s)\n")
-    sys.stderr.flush()
+def _chosen(values: Sequence[str] | None, allowed: Sequence[str], what: str) -> tuple[str, ...]:
+    try:
+        return tuple(choose(values, allowed, what))
+    except OptionError as exc:
+        raise _UsageError(str(exc)) from None
 
 
-def format_table(cells: list[CellResult]) -> str:
-    """The property x module x dtype table, with a recipe column when some cell runs FP8 and a
-    path column when some cell runs a forced fast path."""
-    fp8 = any(c.recipe != "none" for c in cells)
-    paths = any(c.path != "default" for c in cells)
-    header = ("property", "module", "dtype", *(("recipe",) if fp8 else ()))
-    header += ("path",) if paths else ()
-    header += ("examples", "worst/budget", "result")
-    left = {0, 1, 2, len(header) - 1} | ({3} if fp8 else set()) | ({3 + fp8} if paths else set())
-    rows = [header]
-    for c in cells:
-        rows.append(
-            (
-                c.property_id,
-                c.kind,
-                c.dtype if c.autocast is None else f"{c.dtype}+autocast:{c.autocast}",
-                *((c.recipe,) if fp8 else ()),
-                *((c.path,) if paths else ()),
-                str(c.examples) if c.status not in (NA, BLOCKED) else "-",
-                c.ratio_text,
-                c.status,
-            )
+def _options(args: argparse.Namespace) -> Options:
+    """The session's options from verify's command line (its own defaults: the ``ci`` profile
+    unless HYPOTHESIS_PROFILE says otherwise, :data:`~.plan.DEFAULT_EXAMPLES` unless
+    ``--profile`` is given); refuses values that name nothing or would be ignored."""
+    modules = _chosen(args.module, KINDS, "module")
+    dtypes = _chosen(args.dtype, DTYPES, "dtype")
+    properties = _chosen(args.property, list(PROPERTIES), "property")
+    recipes = _chosen(args.recipe, RECIPE_CHOICES, "recipe")
+    impl_paths = _chosen(args.impl_path, PATH_CHOICES, "impl path")
+    autocasts = _chosen(args.autocast, AUTOCAST_CHOICES, "autocast dtype")
+    if dtypes and set(dtypes) != {"float32"} and set(autocasts) - {"none"}:
+        raise _UsageError(
+            f"--autocast {','.join(autocasts)} runs float32 modules under torch.autocast, so "
+            f"--dtype {','.join(dtypes)} would be ignored; leave --dtype out"
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = []
-    for n, r in enumerate(rows):
-        lines.append(
-            "  ".join(
-                v.ljust(w) if i in left else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))
-            ).rstrip()
-        )
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _write_junit(path: Path, backend: str, cells: list[CellResult], elapsed: float) -> None:
-    suite = ET.Element(
-        "testsuite",
-        name=f"splitgrad verify --backend {backend}",
-        tests=str(len(cells)),
-        failures=str(sum(c.status == FAIL for c in cells)),
-        errors=str(sum(c.status == ERROR for c in cells)),
-        skipped=str(sum(c.status in (NA, DEVIATION, BLOCKED) for c in cells)),
-        time=f"{elapsed:.3f}",
+    if args.examples is not None and args.examples < 1:
+        raise _UsageError(f"--examples must be at least 1, got {args.examples}")
+    if args.threads < 1:
+        raise _UsageError(f"--threads must be at least 1, got {args.threads}")
+    default_examples = None if args.profile else DEFAULT_EXAMPLES
+    return Options(
+        backend=args.backend,
+        modules=modules,
+        dtypes=dtypes,
+        properties=properties,
+        recipes=recipes,
+        impl_paths=impl_paths,
+        autocasts=autocasts,
+        examples=args.examples if args.examples is not None else default_examples,
+        profile=args.profile or (None if os.environ.get("HYPOTHESIS_PROFILE") else "ci"),
+        seed=args.seed,
+        device=args.device,
+        threads=args.threads,
     )
-    for c in cells:
-        name = f"{c.kind}[{c.dtype}]" + (f"[{c.recipe}]" if c.recipe != "none" else "")
-        name += f"[path={c.path}]" if c.path != "default" else ""
-        name += f"[autocast={c.autocast}]" if c.autocast is not None else ""
-        tc = ET.SubElement(
-            suite,
-            "testcase",
-            classname=f"splitgrad.verify.{c.property_id}",
-            name=name,
-            time=f"{c.seconds:.3f}",
-        )
-        if c.status == FAIL:
-            f = ET.SubElement(
-                tc, "failure", message=c.message.splitlines()[0][:500] if c.message else "failed"
-            )
-            f.text = f"{c.message}\n\nreproduce: {c.repro}"
-        elif c.status == ERROR:
-            ET.SubElement(tc, "error", message=c.message[:500])
-        elif c.status == DEVIATION:
-            ET.SubElement(tc, "skipped", message=f"KNOWN DEVIATION: {c.deviation}").text = c.message
-        elif c.status in (NA, BLOCKED):
-            ET.SubElement(tc, "skipped", message=f"{c.status}: {c.message}")
-        else:
-            ET.SubElement(
-                tc, "system-out"
-            ).text = f"examples={c.examples} worst_ratio={c.ratio_text}"
-    root = ET.Element("testsuites")
-    root.append(suite)
-    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
 
 
-def _replay(backend, properties: list[str], text: str, device: str | None) -> int:
-    """Run one ``--case`` under the campaign's conditions (:func:`.campaign.run_case`); ``device``
-    is ``--device`` when given (it must be the case's)."""
+def _backend(options: Options):
+    """The backend to check, refused (exit status 2) when it or the device cannot run here."""
+    from .backends import BackendUnavailable
+    from .session import load_backend
+
+    try:
+        backend = load_backend(options.backend)
+        why = backend.unavailable_reason()
+    except OptionError as exc:
+        raise _UsageError(str(exc)) from None
+    except BackendUnavailable as exc:
+        why = str(exc)
+    if why:
+        raise _Refused(f"backend {options.backend!r} is not available: {why}")
     import torch
 
-    if len(properties) != 1:
-        raise _UsageError("--case needs exactly one --property")
-    try:
-        case = Case.from_json(text)
-    except ValueError as exc:
-        raise _UsageError(f"--case: {exc}") from None
-    except (KeyError, TypeError, AttributeError) as exc:  # JSON of another shape
-        raise _UsageError(f"--case: not a splitgrad case ({type(exc).__name__}: {exc})") from None
-    pid = properties[0]
-    if device is not None and device != case.config.device:
-        raise _UsageError(f"--device {device}, but the case runs on {case.config.device}")
-    if case.config.device == "cuda" and not torch.cuda.is_available():
-        raise _UsageError("the case runs on cuda, but torch.cuda.is_available() is False")
-    missing = backend.missing_api()
-    gaps = {
-        part: why
-        for part, why in missing.items()
-        if part == f"module:{case.config.kind}"
-        or blocked_by(pid, part, case.config.recipe is not None)
-    }
-    if gaps:
-        print(f"{pid} blocked on {backend.name}: missing API: {'; '.join(gaps.values())}")
-        return 2
-    why = backend.unsupported_reason(pid, case.config) or case_na_reason(pid, backend, case)
-    if why:
-        print(f"{pid} n/a on {backend.name}: {why}")
-        return 0
-    from .kink import CaseRejected
-
-    try:
-        result = run_case(backend, pid, case)
-    except CaseRejected as exc:
-        print(f"{pid} rejected on {backend.name}: {case.config.label()}: {exc}")
-        return 0
-    except Exception as exc:
-        dev = backend.deviation_for(pid, case, str(exc))
-        print(
-            f"{pid} {'DEVIATES (known: ' + dev.summary + ')' if dev else 'FAIL'} "
-            f"on {backend.name}: {case.config.label()}"
-        )
-        print(f"  {type(exc).__name__}: {exc}")
-        return 0 if dev else 1
-    print(f"{pid} pass on {backend.name}: {case.config.label()} (worst/budget {result.ratio})")
-    return 0
+    if options.device_name == "cuda" and not torch.cuda.is_available():
+        raise _Refused("--device cuda, but torch.cuda.is_available() is False")
+    return backend
 
 
-def main(argv: Sequence[str]) -> int:
-    """Entry point of ``splitgrad verify``; returns the exit status."""
-    from splitgrad.impl import gemm_paths
-
-    try:
-        with gemm_paths.recording() as paths:
-            return _main(list(argv), paths)
-    except _UsageError as exc:
-        print(f"splitgrad verify: error: {exc}\nTry 'splitgrad verify --help'.", file=sys.stderr)
-        return 2
+# ---- session: the planned cells --------------------------------------------------------------
 
 
-def _load_backend(name: str):
-    """(backend, why it is unavailable or None)."""
-    from .backends import BACKEND_NAMES, BackendUnavailable, get_backend
-
-    if name not in BACKEND_NAMES and not name.startswith(("path:", "module:", "class:")):
-        raise _UsageError(
-            f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}, path:DIR, "
-            "module:NAME or class:MODULE:ATTR"
-        )
-    if name.startswith("path:") and not Path(name[len("path:") :]).exists():
-        return None, f"{name[len('path:') :]} does not exist"
-    try:
-        backend = get_backend(name)
-        return backend, backend.unavailable_reason()
-    except BackendUnavailable as exc:
-        return None, str(exc)
-    except ValueError as exc:
-        raise _UsageError(str(exc)) from None
+def _open_session(options: Options, backend) -> Session:
+    """The session, refusing (usage error) a forced path the backend has no knob for when only
+    forced paths were asked, and options that leave no cell to run."""
+    session = Session.open(options, backend)
+    paths_asked = options.impl_paths
+    if paths_asked and session.unforceable and not any(c.path != "default" for c in session.cells):
+        reasons = "; ".join(f"{p}: {w}" for p, w in session.unforceable.items())
+        raise _UsageError(f"--impl-path on backend {backend.name!r}: {reasons}")
+    if not session.cells:
+        raise _UsageError(_nothing_to_run(list(options.modules) or list(KINDS), paths_asked))
+    return session
 
 
 def _nothing_to_run(kinds: list[str], impl_paths: list[str]) -> str:
@@ -481,242 +358,334 @@ def _header(backend, device: str, profile: str, cells) -> str:
     )
 
 
-def _main(argv: list[str], paths=None) -> int:
-    args = build_parser().parse_args(argv)
-    kinds = _split_list(args.module, KINDS, "module") or list(KINDS)
-    dtypes = _split_list(args.dtype, DTYPES, "dtype") or ["float32", "bfloat16"]
-    properties = _split_list(args.property, list(PROPERTIES), "property") or list(PROPERTIES)
-    families = _split_list(args.recipe, RECIPE_CHOICES, "recipe")
-    impl_paths = _split_list(args.impl_path, PATH_CHOICES, "impl path")
-    autocasts = _split_list(args.autocast, AUTOCAST_CHOICES, "autocast dtype")
-    if args.dtype and set(dtypes) != {"float32"} and set(autocasts) - {"none"}:
-        raise _UsageError(
-            f"--autocast {','.join(autocasts)} runs float32 modules under torch.autocast, so "
-            f"--dtype {','.join(dtypes)} would be ignored; leave --dtype out"
+def format_table(cells: list[CellResult]) -> str:
+    """The property x module x dtype table, with a recipe column when some cell runs FP8 and a
+    path column when some cell runs a forced fast path."""
+    fp8 = any(c.recipe != "none" for c in cells)
+    paths = any(c.path != "default" for c in cells)
+    header = ("property", "module", "dtype", *(("recipe",) if fp8 else ()))
+    header += ("path",) if paths else ()
+    header += ("examples", "worst/budget", "result")
+    left = {0, 1, 2, len(header) - 1} | ({3} if fp8 else set()) | ({3 + fp8} if paths else set())
+    rows = [header]
+    for c in cells:
+        rows.append(
+            (
+                c.property_id,
+                c.kind,
+                c.dtype if c.autocast is None else f"{c.dtype}+autocast:{c.autocast}",
+                *((c.recipe,) if fp8 else ()),
+                *((c.path,) if paths else ()),
+                str(c.examples) if c.status not in (NA, BLOCKED) else "-",
+                c.ratio_text,
+                c.status,
+            )
         )
-    if args.examples is not None and args.examples < 1:
-        raise _UsageError(f"--examples must be at least 1, got {args.examples}")
-    if args.threads < 1:
-        raise _UsageError(f"--threads must be at least 1, got {args.threads}")
-    name = args.backend
-    backend, why = _load_backend(name)
-    if why:
-        print(f"splitgrad verify: backend {name!r} is not available: {why}", file=sys.stderr)
-        return 2
-    device = args.device or ("cuda" if name == "transformer_engine" else "cpu")
-    import torch
-
-    if device == "cuda" and not torch.cuda.is_available():
-        print(
-            "splitgrad verify: --device cuda, but torch.cuda.is_available() is False",
-            file=sys.stderr,
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = []
+    for n, r in enumerate(rows):
+        lines.append(
+            "  ".join(
+                v.ljust(w) if i in left else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))
+            ).rstrip()
         )
-        return 2
-    torch.set_num_threads(args.threads)
-    from .profiles import active_profile_name, load_profile
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
-    load_profile()
-    profile = args.profile or (
-        "ci" if not os.environ.get("HYPOTHESIS_PROFILE") else active_profile_name()
-    )
-    examples = (
-        args.examples if args.examples is not None else (None if args.profile else DEFAULT_EXAMPLES)
-    )
-    from .paths import ForcedPathBackend
 
-    forced: dict[str, ForcedPathBackend] = {}
-    if args.case:
-        if len(impl_paths) > 1 or "all" in impl_paths:
-            raise _UsageError("--case replays on one --impl-path at most")
-        if impl_paths and impl_paths[0] != "none":
-            backend = ForcedPathBackend(backend, impl_paths[0])
-        return _replay(backend, properties, args.case, args.device)
+# ---- run: every planned cell, with progress --------------------------------------------------
 
-    plan = plan_cells(
-        kinds,
-        dtypes,
-        properties,
-        families,
-        impl_paths or None,
-        examples,
-        autocasts or None,
-    )
-    # Forced paths need the implementation's knob: a backend without it has no such path.
-    unforceable: dict[str, str] = {}
-    for cell in plan:
-        if cell.path != "default" and cell.path not in forced:
-            forced[cell.path] = ForcedPathBackend(backend, cell.path)
-    kept = []
-    for cell in plan:
-        if cell.path != "default":
-            why_not = forced[cell.path].knob_missing(cell.kind)
-            if why_not:
-                unforceable.setdefault(cell.path, why_not)
-                continue
-        kept.append(cell)
-    if impl_paths and unforceable and not any(c.path != "default" for c in kept):
-        reasons = "; ".join(f"{p}: {w}" for p, w in unforceable.items())
-        raise _UsageError(f"--impl-path on backend {backend.name!r}: {reasons}")
-    plan = kept
-    if not plan:
-        raise _UsageError(_nothing_to_run(kinds, impl_paths))
-    fp8_asked = any(f != "none" for f in families) or any(
-        c.recipe_label != "none" for c in plan if c.path != "default"
-    )
-    gaps = api_gaps(backend, properties, fp8_asked)
-    if any(c.property_id == "P9" for c in plan) and not any(
-        "P9" in blocked for _, blocked in gaps.values()
-    ):
-        from .misuse import start_optimized_constructor_results
 
-        start_optimized_constructor_results(backend.name)  # runs while the first cells do
-    tty = sys.stderr.isatty()
-    print(_header(backend, device, profile, plan))
+@dataclasses.dataclass
+class _Run:
+    """The finished cells of a session and how long they took."""
+
+    session: Session
+    cells: list[CellResult]
+    elapsed: float
+
+    def with_status(self, *statuses: str) -> list[CellResult]:
+        return [c for c in self.cells if c.status in statuses]
+
+
+def _progress_bar(done: int, total: int, label: str) -> None:
+    width = 28
+    filled = int(width * done / max(total, 1))
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}")
+    sys.stderr.flush()
+    if done == total:
+        sys.stderr.write("\r" + " " * (width + 60) + "\r")
+
+
+def _progress_line(done: int, total: int, cell: CellResult) -> None:
+    n = "-" if cell.status in (NA, BLOCKED) else f"{cell.examples} examples"
+    sys.stderr.write(
+        f"[{done}/{total}] {xfails.result_id(cell)}: {cell.status} ({n}, {cell.seconds:.1f} s)\n"
+    )
+    sys.stderr.flush()
+
+
+def _run_cells(session: Session, quiet: bool, fail_fast: bool) -> _Run:
+    """Run the session's cells in order (a bar on a terminal, a line per cell otherwise);
+    ``fail_fast`` stops at the first cell that fails."""
+    bar = not quiet and sys.stderr.isatty()
+    plan, cells = session.cells, []
+    start = time.perf_counter()
+    for i, planned in enumerate(plan):
+        if bar:
+            _progress_bar(i, len(plan), planned.test_id)
+        cell = session.run(planned)
+        cells.append(cell)
+        if not quiet and not bar:
+            _progress_line(i + 1, len(plan), cell)
+        if fail_fast and cell.status in (FAIL, ERROR):
+            break
+    if bar:
+        _progress_bar(len(plan), len(plan), "")
+    return _Run(session, cells, time.perf_counter() - start)
+
+
+# ---- report: the table, what failed or deviates, notes, the summary --------------------------
+
+
+def _print_header(session: Session) -> None:
+    backend = session.backend
+    print(_header(backend, session.device, session.profile, session.cells))
     for note in backend.notes:
         print(f"  note: {note}")
-    for what, blocked in gaps.values():
+    for what, blocked in session.gaps.values():
         print(f"  missing API: {what}" + (f" (blocks {', '.join(blocked)})" if blocked else ""))
     sys.stdout.flush()
-    cells: list[CellResult] = []
-    start = time.perf_counter()
-    for i, pc in enumerate(plan):
-        if not args.quiet and tty:
-            _progress_bar(i, len(plan), pc.test_id)
-        cell_backend = forced[pc.path] if pc.path != "default" else backend
-        if pc.property_id in ("P1", "P2", "P3") and pc.dtype not in LOW_PRECISION_DTYPES:
-            cell = CellResult(
-                pc.property_id,
-                pc.kind,
-                pc.dtype,
-                pc.recipe_label,
-                status=NA,
-                message="no wider dtype to measure error against",
-                path=pc.path,
-            )
-        else:
-            cell = run_cell(
-                cell_backend,
-                pc.property_id,
-                pc.kind,
-                pc.dtype,
-                device=device,
-                examples=pc.examples,
-                profile=profile,
-                recipes=pc.recipes,
-                recipe_label=pc.recipe_label,
-                seed=args.seed,
-                fp8_asked=fp8_asked,
-                autocast=pc.autocast,
-            )
-        cells.append(cell)
-        if not args.quiet and not tty:
-            _progress_line(i + 1, len(plan), cell)
-        if args.fail_fast and cell.status in (FAIL, ERROR):
-            break
-    if not args.quiet and tty:
-        _progress_bar(len(plan), len(plan), "")
-    elapsed = time.perf_counter() - start
-    xfail_notes = xfails.apply_to_cells(cells, args.xfails)
-    print(format_table(cells))
-    for line in xfail_notes:
-        print(f"note: {line}")
-    failed = [c for c in cells if c.status in (FAIL, ERROR)]
-    deviating = [c for c in cells if c.status == DEVIATION]
-    blocked = [c for c in cells if c.status == BLOCKED]
-    for c in failed:
-        mbs = c.case.micro_batches if c.case is not None else ()
+
+
+def _print_failures(run: _Run) -> None:
+    for c in run.with_status(FAIL, ERROR):
         where = f" after {c.first_failure_at} example(s)" if c.first_failure_at else ""
-        print(f"\n{c.status} {c.label}{where}:")
+        print(f"\n{c.status} {xfails.result_id(c)}{where}:")
         print("  " + c.message.replace("\n", "\n  "))
         if c.case is not None:
             what = "shrunk case" if c.shrunk and not c.nondeterministic else "failing case"
-            print(
-                f"  {what}: {c.case.config.label()}; micro-batches "
-                f"{[(m.lead_shape, m.m_splits, m.is_first_microbatch) for m in mbs]}"
-                + (f"; schedule {list(c.case.schedule)}" if c.case.schedule else "")
-                + (f"; variant {c.case.variant}" if c.case.variant else "")
-                + (f"; frozen {list(c.case.frozen)}" if c.case.frozen else "")
-                + (f"; asked {list(c.case.asked)}" if c.case.asked else "")
-            )
+            print(f"  {what}: {_describe_case(c.case)}")
             print(f"  reproduce: {c.repro}")
+
+
+def _describe_case(case: Case) -> str:
+    mbs = [(m.lead_shape, m.m_splits, m.is_first_microbatch) for m in case.micro_batches]
+    return (
+        f"{case.config.label()}; micro-batches {mbs}"
+        + (f"; schedule {list(case.schedule)}" if case.schedule else "")
+        + (f"; variant {case.variant}" if case.variant else "")
+        + (f"; frozen {list(case.frozen)}" if case.frozen else "")
+        + (f"; asked {list(case.asked)}" if case.asked else "")
+    )
+
+
+def _print_deviations(run: _Run) -> None:
+    """The deviations that showed, and the declared ones a property that ran did not show."""
+    deviating = run.with_status(DEVIATION)
     if deviating:
         print("\nknown deviations from SPEC.md (declared by the backend, shown, not excused):")
         for c in deviating:
-            print(f"  {c.label}: {c.deviation}\n    observed: {c.message.splitlines()[0][:300]}")
-            print(f"    reproduce: {c.repro}")
-    ran = {c.property_id for c in cells if c.status in (PASS, DEVIATION, FAIL)}
+            print(f"  {xfails.result_id(c)}: {c.deviation}")
+            print(f"    observed: {c.message.splitlines()[0][:300]}\n    reproduce: {c.repro}")
+    ran = {c.property_id for c in run.with_status(PASS, DEVIATION, FAIL)}
+    shown = {c.property_id for c in deviating}
     unseen = []
-    for dev in backend.deviations:
-        if dev.property_id in ran and not any(
-            c.property_id == dev.property_id and c.status == DEVIATION for c in cells
-        ):
+    for dev in run.session.backend.deviations:
+        if dev.property_id in ran and dev.property_id not in shown:
             if (dev.property_id, dev.summary) not in unseen:
                 unseen.append((dev.property_id, dev.summary))
     for pid, summary in unseen:
         print(f"\nnote: declared deviation not observed in this run: {pid}: {summary}")
-    status = 1 if failed else (2 if gaps else 0)
-    if gaps:
-        why_status = "exit status 1: a cell failed" if failed else "exit status 2"
-        print(f"\n{backend.name} lacks part of SPEC's API (reported once; {why_status}):")
-        for part, (what, props) in gaps.items():
-            cells_of = [c for c in blocked if what in c.message]
-            also = f"; {len(cells_of)} cell(s) blocked" if cells_of else ""
-            blocks = f"blocks {', '.join(props)}" if props else "blocks no property outright"
-            if part.startswith("module:"):
-                blocks = f"blocks every {part[len('module:') :]} cell"
-            print(
-                f"  {what}: "
-                + blocks
-                + also
-                + (" (the other properties run without it)" if part in _OPTIONAL_PARTS else "")
-            )
-    rejected = [c for c in cells if c.rejected]
+
+
+_OPTIONAL_PARTS = ("delay", "fused", "first_microbatch", "hooks")
+
+
+def _print_gaps(run: _Run, failed: bool) -> None:
+    """The parts of SPEC's API the backend lacks, once, with what each blocks."""
+    gaps, name = run.session.gaps, run.session.backend.name
+    if not gaps:
+        return
+    why_status = "exit status 1: a cell failed" if failed else "exit status 2"
+    print(f"\n{name} lacks part of SPEC's API (reported once; {why_status}):")
+    blocked = run.with_status(BLOCKED)
+    for part, (what, props) in gaps.items():
+        cells_of = [c for c in blocked if what in c.message]
+        also = f"; {len(cells_of)} cell(s) blocked" if cells_of else ""
+        blocks = f"blocks {', '.join(props)}" if props else "blocks no property outright"
+        if part.startswith("module:"):
+            blocks = f"blocks every {part[len('module:') :]} cell"
+        optional = " (the other properties run without it)" if part in _OPTIONAL_PARTS else ""
+        print(f"  {what}: {blocks}{also}{optional}")
+
+
+def _print_notes(run: _Run) -> None:
+    """Examples that could not be judged, forced paths the backend lacks, FP8 cells n/a."""
+    rejected = [c for c in run.cells if c.rejected]
     if rejected:
-        where = ", ".join(f"{c.label} ({c.rejected})" for c in rejected)
+        where = ", ".join(f"{xfails.result_id(c)} ({c.rejected})" for c in rejected)
         print(
             f"\nnote: {sum(c.rejected for c in rejected)} drawn example(s) could not be judged and "
             f"were not counted (relu pre-activations within rounding distance of 0; see "
             f"properties/kink.py): {where}"
         )
-    for path, why_not in unforceable.items():
-        print(f"\nnote: forced path {path} not run on {backend.name}: {why_not}")
-    fp8_na = sorted({c.message for c in cells if c.status == NA and c.recipe != "none"})
-    for why_na in fp8_na:
+    for path, why_not in run.session.unforceable.items():
+        print(f"\nnote: forced path {path} not run on {run.session.backend.name}: {why_not}")
+    for why_na in sorted({c.message for c in run.with_status(NA) if c.recipe != "none"}):
         print(f"\nnote: FP8 cells n/a: {why_na}")
-    n_pass = sum(c.status == PASS for c in cells)
-    print(
-        f"\n{n_pass} passed, {len(failed)} failed, {len(deviating)} known deviations, "
-        f"{sum(c.status == NA for c in cells)} n/a"
-        + (
-            f", {sum(c.status == xfails.XFAIL for c in cells)} expected failures"
-            if args.xfails
-            else ""
-        )
+
+
+def _summary(run: _Run, counted_xfails: bool) -> str:
+    blocked = run.with_status(BLOCKED)
+    return (
+        f"\n{len(run.with_status(PASS))} passed, {len(run.with_status(FAIL, ERROR))} failed, "
+        f"{len(run.with_status(DEVIATION))} known deviations, {len(run.with_status(NA))} n/a"
+        + (f", {len(run.with_status(xfails.XFAIL))} expected failures" if counted_xfails else "")
         + (f", {len(blocked)} blocked" if blocked else "")
-        + f" in {elapsed:.1f}s"
+        + f" in {run.elapsed:.1f}s"
     )
-    if device == "cuda" and paths is not None:
-        _print_gemm_paths(paths)
-    payload = {
-        "backend": backend.name,
-        "device": device,
-        "profile": profile,
-        "examples_per_cell": examples,
-        "elapsed_s": round(elapsed, 3),
-        "notes": list(backend.notes),
-        "missing_api": {part: {"what": w, "blocks": b} for part, (w, b) in gaps.items()},
-        "cells": [c.as_dict() for c in cells],
+
+
+def _report(run: _Run, xfail_notes: list[str], counted_xfails: bool) -> int:
+    """Print the results; returns the exit status (1 a cell failed, 2 API missing, else 0)."""
+    print(format_table(run.cells))
+    for line in xfail_notes:
+        print(f"note: {line}")
+    failed = bool(run.with_status(FAIL, ERROR))
+    _print_failures(run)
+    _print_deviations(run)
+    _print_gaps(run, failed)
+    _print_notes(run)
+    print(_summary(run, counted_xfails))
+    return 1 if failed else (2 if run.session.gaps else 0)
+
+
+# ---- replay: one --case ----------------------------------------------------------------------
+
+
+def _replay(backend, properties: list[str], text: str, device: str | None) -> int:
+    """Run one ``--case`` under the campaign's conditions (:func:`.campaign.run_case`); ``device``
+    is ``--device`` when given (it must be the case's)."""
+    import torch
+
+    if len(properties) != 1:
+        raise _UsageError("--case needs exactly one --property")
+    try:
+        case = Case.from_json(text)
+    except ValueError as exc:
+        raise _UsageError(f"--case: {exc}") from None
+    pid = properties[0]
+    if device is not None and device != case.config.device:
+        raise _UsageError(f"--device {device}, but the case runs on {case.config.device}")
+    if case.config.device == "cuda" and not torch.cuda.is_available():
+        raise _UsageError("the case runs on cuda, but torch.cuda.is_available() is False")
+    missing = backend.missing_api()
+    gaps = {
+        part: why
+        for part, why in missing.items()
+        if part == f"module:{case.config.kind}"
+        or blocked_by(pid, part, case.config.recipe is not None)
+    }
+    if gaps:
+        print(f"{pid} blocked on {backend.name}: missing API: {'; '.join(gaps.values())}")
+        return 2
+    why = backend.unsupported_reason(pid, case.config) or case_na_reason(pid, backend, case)
+    if why:
+        print(f"{pid} n/a on {backend.name}: {why}")
+        return 0
+    from .kink import CaseRejected
+
+    try:
+        result = run_case(backend, pid, case)
+    except CaseRejected as exc:
+        print(f"{pid} rejected on {backend.name}: {case.config.label()}: {exc}")
+        return 0
+    except Exception as exc:
+        dev = backend.deviation_for(pid, case, str(exc))
+        print(
+            f"{pid} {'DEVIATES (known: ' + dev.summary + ')' if dev else 'FAIL'} "
+            f"on {backend.name}: {case.config.label()}"
+        )
+        print(f"  {type(exc).__name__}: {exc}")
+        return 0 if dev else 1
+    print(f"{pid} pass on {backend.name}: {case.config.label()} (worst/budget {result.ratio})")
+    return 0
+
+
+# ---- json and junit --------------------------------------------------------------------------
+
+
+def _payload(run: _Run, paths) -> dict:
+    session = run.session
+    return {
+        "backend": session.backend.name,
+        "device": session.device,
+        "profile": session.profile,
+        "examples_per_cell": session.options.examples,
+        "elapsed_s": round(run.elapsed, 3),
+        "notes": list(session.backend.notes),
+        "missing_api": {part: {"what": w, "blocks": b} for part, (w, b) in session.gaps.items()},
+        "cells": [c.as_dict() for c in run.cells],
         "gemm_paths": paths.summary() if paths is not None else [],
         "fast_paths_missed": _missed_fast_paths(),
     }
+
+
+def _json_default(value):
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    return str(value)
+
+
+#: The JUnit class of every cell: the pytest plugin's test module, so that both runners' reports
+#: name a cell alike (``test_property[P4-Linear-bfloat16-none]``).
+JUNIT_CLASS = "splitgrad.properties.test_conformance"
+
+
+def _write_junit(path: Path, run: _Run) -> None:
+    cells = run.cells
+    suite = ET.Element(
+        "testsuite",
+        name=f"splitgrad verify --backend {run.session.backend.name}",
+        tests=str(len(cells)),
+        failures=str(sum(c.status == FAIL for c in cells)),
+        errors=str(sum(c.status == ERROR for c in cells)),
+        skipped=str(sum(c.status in (NA, DEVIATION, BLOCKED) for c in cells)),
+        time=f"{run.elapsed:.3f}",
+    )
+    for c in cells:
+        name = f"test_property[{xfails.result_id(c)}]"
+        tc = ET.SubElement(suite, "testcase", classname=JUNIT_CLASS, name=name)
+        tc.set("time", f"{c.seconds:.3f}")
+        _junit_outcome(tc, c)
+    root = ET.Element("testsuites")
+    root.append(suite)
+    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+
+
+def _junit_outcome(tc: ET.Element, c: CellResult) -> None:
+    if c.status == FAIL:
+        first = c.message.splitlines()[0][:500] if c.message else "failed"
+        ET.SubElement(tc, "failure", message=first).text = f"{c.message}\n\nreproduce: {c.repro}"
+    elif c.status == ERROR:
+        ET.SubElement(tc, "error", message=c.message[:500])
+    elif c.status == DEVIATION:
+        ET.SubElement(tc, "skipped", message=f"KNOWN DEVIATION: {c.deviation}").text = c.message
+    elif c.status in (NA, BLOCKED):
+        ET.SubElement(tc, "skipped", message=f"{c.status}: {c.message}")
+    else:
+        out = f"examples={c.examples} worst_ratio={c.ratio_text}"
+        ET.SubElement(tc, "system-out").text = out
+
+
+def _write_outputs(args: argparse.Namespace, run: _Run, paths) -> None:
     if args.json:
+        payload = _payload(run, paths)
         args.json.write_text(json.dumps(payload, indent=2, default=_json_default))
     if args.junit:
-        _write_junit(args.junit, backend.name, cells, elapsed)
-    return status
-
-
-_OPTIONAL_PARTS = ("delay", "fused", "first_microbatch", "hooks")
+        _write_junit(args.junit, run)
 
 
 def _missed_fast_paths() -> list[str]:
@@ -735,10 +704,69 @@ def _print_gemm_paths(paths) -> None:
         print(f"FAST PATH MISSED: {line}")
 
 
-def _json_default(value):
-    if isinstance(value, float) and math.isinf(value):
-        return "inf"
-    return str(value)
+# ---- the command -----------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``splitgrad verify``; returns the exit status."""
+    from splitgrad.impl import gemm_paths
+
+    try:
+        with gemm_paths.recording() as paths:
+            return _main(list(argv), paths)
+    except _UsageError as exc:
+        print(f"splitgrad verify: error: {exc}\nTry 'splitgrad verify --help'.", file=sys.stderr)
+        return 2
+    except _Refused as exc:
+        print(f"splitgrad verify: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str], paths=None) -> int:
+    """parse -> session -> plan -> run -> report, json, junit."""
+    args = build_parser().parse_args(argv)
+    options = _options(args)
+    backend = _backend(options)
+    if args.case:
+        return _replay_case(args, options, backend)
+    session = _open_session(options, backend)
+    _start_p9_subprocess(session)
+    _print_header(session)
+    run = _run_cells(session, args.quiet, args.fail_fast)
+    xfail_notes = xfails.apply_to_cells(run.cells, args.xfails)
+    status = _report(run, xfail_notes, bool(args.xfails))
+    if session.device == "cuda" and paths is not None:
+        _print_gemm_paths(paths)
+    _write_outputs(args, run, paths)
+    return status
+
+
+def _start_p9_subprocess(session: Session) -> None:
+    """P9's ``python -O`` subprocess starts now, to run while the first cells do."""
+    if any(c.property_id == "P9" for c in session.cells) and not any(
+        "P9" in blocked for _, blocked in session.gaps.values()
+    ):
+        from .misuse import start_optimized_constructor_results
+
+        start_optimized_constructor_results(session.backend.name)
+
+
+def _replay_case(args: argparse.Namespace, options: Options, backend) -> int:
+    """``--case``: one case on the backend (on one forced path at most)."""
+    import torch
+
+    from .paths import ForcedPathBackend
+    from .profiles import load_profile
+
+    paths = options.impl_paths
+    if len(paths) > 1 or "all" in paths:
+        raise _UsageError("--case replays on one --impl-path at most")
+    if paths and paths[0] != "none":
+        backend = ForcedPathBackend(backend, paths[0])
+    torch.set_num_threads(options.threads)
+    load_profile()
+    properties = list(options.properties) or list(PROPERTIES)
+    return _replay(backend, properties, args.case, args.device)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from splitgrad.bench import modules as bench
 from splitgrad.bench import moe, pipeline, ranks
 from splitgrad.cli import distributed as distributed_cli
 from splitgrad.distributed import conformance
-from splitgrad.properties import verify
+from splitgrad.properties import session, verify
 from splitgrad.properties.plan import plan_cells
 from splitgrad.properties.registry import PROPERTIES
 from splitgrad.properties.strategies import KINDS
@@ -25,7 +25,7 @@ def no_work(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("work started before the options were checked")
 
-    monkeypatch.setattr(verify, "run_cell", refuse)
+    monkeypatch.setattr(session, "run_cell", refuse)
     monkeypatch.setattr(verify, "run_case", refuse)
     monkeypatch.setattr(ranks, "run_ranks", refuse)
     for name in dir(conformance):

@@ -143,7 +143,7 @@ def test_printed_reproduce_line_fails_with_the_same_property_and_tensor(
     argv += ["--examples", "20", "--recipe", "none", "--impl-path", "none", "--threads", "1"]
     assert main(argv) == 1
     out = capsys.readouterr().out
-    failure = out.split("\nFAIL P2 Linear bfloat16", 1)[1].splitlines()[1].strip()
+    failure = out.split("\nFAIL P2-Linear-bfloat16-none", 1)[1].splitlines()[1].strip()
     tensor = failure.split(":", 1)[0]
     assert tensor and "grad" in tensor, failure
     repro = _reproduce_line(out)

@@ -91,6 +91,12 @@ def test_campaign_prints_table_and_writes_json_and_junit(tmp_path: Path, capsys)
     assert all(c["status"] == "pass" and c["examples"] >= 3 for c in data["cells"])
     suite = ET.parse(xml).getroot().find("testsuite")
     assert suite.get("tests") == "5" and suite.get("failures") == "0"
+    # The cells' names are the pytest plugin's test ids: one id grammar for both runners.
+    names = {(tc.get("classname"), tc.get("name")) for tc in suite.iter("testcase")}
+    assert (
+        "splitgrad.properties.test_conformance",
+        "test_property[P4-Linear-bfloat16-none]",
+    ) in names
 
 
 BROKEN = textwrap.dedent(
@@ -125,7 +131,7 @@ def test_failure_prints_shrunk_case_and_a_working_repro(tmp_path: Path, capsys) 
     assert main(argv) == 1
     out = capsys.readouterr().out
     # Every example fails, so the first enumerated boundary example does, reported as given.
-    assert "FAIL P1 Linear float32 after 1 example(s)" in out
+    assert "FAIL P1-Linear-float32-none after 1 example(s)" in out
     assert "failing case: Linear " in out and "shrunk case" not in out
     repro = next(
         line.split("reproduce: ", 1)[1] for line in out.splitlines() if "reproduce: " in line
@@ -230,8 +236,8 @@ def test_one_line_per_finished_cell_off_a_terminal(capsys) -> None:
     err = capsys.readouterr().err.splitlines()  # captured: not a terminal
     assert err == [line for line in err if line.startswith("[")] and len(err) == 2, err
     # Each cell's explicit boundary cases run on top of the 2 drawn examples.
-    assert err[0].startswith("[1/2] P1 Linear float32: pass (") and " examples, " in err[0]
-    assert err[1].startswith("[2/2] P11 Linear float32: pass (") and " examples, " in err[1]
+    assert err[0].startswith("[1/2] P1-Linear-float32-none: pass (") and " examples, " in err[0]
+    assert err[1].startswith("[2/2] P11-Linear-float32-none: pass (") and " examples, " in err[1]
     assert main([*argv, "--examples", "2", "--recipe", "none", "--quiet"]) == 0
     assert capsys.readouterr().err == ""
 
@@ -259,7 +265,7 @@ def test_unjudged_examples_name_their_cell(capsys, monkeypatch) -> None:
     assert main([*argv, "--property", "P2", "--examples", "6", "--recipe", "none"]) == 0
     out = capsys.readouterr().out
     note = next(line for line in out.splitlines() if "could not be judged" in line)
-    assert note.rstrip().endswith(")") and "P2 Linear bfloat16 (" in note
+    assert note.rstrip().endswith(")") and "P2-Linear-bfloat16-none (" in note
 
 
 def example_case_for_kink():
@@ -331,7 +337,7 @@ def test_missing_api_exits_2_and_a_failure_alongside_exits_1(tmp_path: Path, cap
     )
     assert main(["--backend", f"path:{broken}", *argv]) == 1
     out = capsys.readouterr().out
-    assert "(reported once; exit status 1: a cell failed)" in out and "\nFAIL P1 Linear" in out
+    assert "(reported once; exit status 1: a cell failed)" in out and "\nFAIL P1-Linear-" in out
     assert "a failure takes precedence" in build_parser_help()
 
 
