@@ -114,28 +114,9 @@ def session_options(config):
     stops the run with a usage error naming the option)."""
     import pytest
 
-    from .plan import AUTOCAST_CHOICES, PATH_CHOICES, RECIPE_CHOICES
-    from .registry import PROPERTIES
-    from .session import OptionError, Options, choose
-    from .strategies import DTYPES, KINDS
+    from .session import OptionError, Options
 
     opts = options_of(config)
-    # What each list option may name, and what its error calls it.
-    choices = {
-        "module": (KINDS, "module"),
-        "dtype": (DTYPES, "dtype"),
-        "property": (list(PROPERTIES), "property"),
-        "recipe": (RECIPE_CHOICES, "recipe"),
-        "impl-path": (PATH_CHOICES, "impl path"),
-        "autocast": (AUTOCAST_CHOICES, "autocast dtype"),
-    }
-
-    def chosen(key: str) -> tuple[str, ...]:
-        allowed, what = choices[key]
-        try:
-            return tuple(choose([opts[key]] if opts[key] else [], allowed, what))
-        except OptionError as exc:
-            raise pytest.UsageError(f"--splitgrad-{key}: {exc}") from None
 
     def number(key: str) -> int | None:
         try:
@@ -145,20 +126,20 @@ def session_options(config):
                 f"--splitgrad-{key}: not a whole number: {opts[key]!r}"
             ) from None
 
-    return Options(
-        backend=opts["backend"],
-        modules=chosen("module"),
-        dtypes=chosen("dtype"),
-        properties=chosen("property"),
-        recipes=chosen("recipe"),
-        impl_paths=chosen("impl-path"),
-        autocasts=chosen("autocast"),
-        examples=number("examples"),
-        profile=opts["profile"] or None,
-        seed=number("seed"),
-        device=opts["device"] or None,
-        threads=number("threads") or 1,
-    )
+    lists = {"modules": "module", "dtypes": "dtype", "properties": "property", "recipes": "recipe"}
+    lists |= {"impl_paths": "impl-path", "autocasts": "autocast"}
+    try:
+        return Options.chosen(
+            {field: [opts[key]] if opts[key] else [] for field, key in lists.items()},
+            backend=opts["backend"],
+            examples=number("examples"),
+            profile=opts["profile"] or None,
+            seed=number("seed"),
+            device=opts["device"] or None,
+            threads=number("threads") or 1,
+        )
+    except OptionError as exc:
+        raise pytest.UsageError(f"--splitgrad-{exc.option}: {exc}") from None
 
 
 def session_of(config):
@@ -195,8 +176,11 @@ def suite_requested(config) -> bool:
 
 
 def pytest_configure(config) -> None:
-    """Read ``--splitgrad-xfails`` once, before collection: a file that cannot be read or names
-    no cell stops the run with a usage error naming the line."""
+    """Check the suite's options and read ``--splitgrad-xfails`` once, before collection: a
+    value that names nothing, or a file that cannot be read or names no cell, stops the run with
+    a usage error naming the option (and the line)."""
+    if suite_requested(config):
+        session_options(config)
     path = config.getoption("--splitgrad-xfails", default="")
     if not path:
         return

@@ -28,7 +28,12 @@ DEFAULT_DTYPES = ("float32", "bfloat16")
 
 
 class OptionError(ValueError):
-    """An option names nothing the harness knows (the message says what, and what would do)."""
+    """An option names nothing the harness knows (the message says what, and what would do);
+    ``option`` is the option's name as a flag (``impl-path``)."""
+
+    def __init__(self, message: str, option: str = "") -> None:
+        super().__init__(message)
+        self.option = option
 
 
 def choose(values: Sequence[str] | None, allowed: Sequence[str], what: str) -> list[str]:
@@ -49,6 +54,23 @@ def choose(values: Sequence[str] | None, allowed: Sequence[str], what: str) -> l
                 raise OptionError(f"unknown {what} {item!r}; expected one of {', '.join(allowed)}")
             out.append(item)
     return out
+
+
+def _list_options() -> dict[str, tuple[Sequence[str], str, str]]:
+    """The options that choose from a list: field of :class:`Options` -> (what it may name,
+    what one item is called, the option's name as a flag)."""
+    from .plan import AUTOCAST_CHOICES, PATH_CHOICES, RECIPE_CHOICES
+    from .registry import PROPERTIES
+    from .strategies import DTYPES, KINDS
+
+    return {
+        "modules": (KINDS, "module", "module"),
+        "dtypes": (DTYPES, "dtype", "dtype"),
+        "properties": (list(PROPERTIES), "property", "property"),
+        "recipes": (RECIPE_CHOICES, "recipe", "recipe"),
+        "impl_paths": (PATH_CHOICES, "impl path", "impl-path"),
+        "autocasts": (AUTOCAST_CHOICES, "autocast dtype", "autocast"),
+    }
 
 
 def load_backend(name: str) -> Backend:
@@ -80,6 +102,18 @@ class Options:
     seed: int | None = None
     device: str | None = None
     threads: int = 1
+
+    @classmethod
+    def chosen(cls, lists: dict[str, Sequence[str] | None], **scalars) -> Options:
+        """Options whose list fields come from raw values (``lists["modules"] = ["Linear,
+        GroupedLinear"]``; :func:`choose`); an :class:`OptionError` names the option."""
+        fields = {}
+        for field, (allowed, what, flag) in _list_options().items():
+            try:
+                fields[field] = tuple(choose(lists.get(field), allowed, what))
+            except OptionError as exc:
+                raise OptionError(str(exc), flag) from None
+        return cls(**fields, **scalars)
 
     @property
     def device_name(self) -> str:

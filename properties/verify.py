@@ -54,7 +54,7 @@ from .plan import (
     plan_cells,
 )
 from .registry import PROPERTIES, case_na_reason
-from .session import DEFAULT_DTYPES, OptionError, Options, Session, choose
+from .session import DEFAULT_DTYPES, OptionError, Options, Session
 from .strategies import DTYPES, KINDS, Case
 
 __all__ = [
@@ -230,23 +230,26 @@ def build_parser() -> argparse.ArgumentParser:
 # ---- parse: the command line as session options ----------------------------------------------
 
 
-def _chosen(values: Sequence[str] | None, allowed: Sequence[str], what: str) -> tuple[str, ...]:
-    try:
-        return tuple(choose(values, allowed, what))
-    except OptionError as exc:
-        raise _UsageError(str(exc)) from None
-
-
 def _options(args: argparse.Namespace) -> Options:
     """The session's options from verify's command line (its own defaults: the ``ci`` profile
     unless HYPOTHESIS_PROFILE says otherwise, :data:`~.plan.DEFAULT_EXAMPLES` unless
     ``--profile`` is given); refuses values that name nothing or would be ignored."""
-    modules = _chosen(args.module, KINDS, "module")
-    dtypes = _chosen(args.dtype, DTYPES, "dtype")
-    properties = _chosen(args.property, list(PROPERTIES), "property")
-    recipes = _chosen(args.recipe, RECIPE_CHOICES, "recipe")
-    impl_paths = _chosen(args.impl_path, PATH_CHOICES, "impl path")
-    autocasts = _chosen(args.autocast, AUTOCAST_CHOICES, "autocast dtype")
+    lists = {"modules": args.module, "dtypes": args.dtype, "properties": args.property}
+    lists |= {"recipes": args.recipe, "impl_paths": args.impl_path, "autocasts": args.autocast}
+    default_examples = None if args.profile else DEFAULT_EXAMPLES
+    try:
+        options = Options.chosen(
+            lists,
+            backend=args.backend,
+            examples=args.examples if args.examples is not None else default_examples,
+            profile=args.profile or (None if os.environ.get("HYPOTHESIS_PROFILE") else "ci"),
+            seed=args.seed,
+            device=args.device,
+            threads=args.threads,
+        )
+    except OptionError as exc:
+        raise _UsageError(str(exc)) from None
+    dtypes, autocasts = options.dtypes, options.autocasts
     if dtypes and set(dtypes) != {"float32"} and set(autocasts) - {"none"}:
         raise _UsageError(
             f"--autocast {','.join(autocasts)} runs float32 modules under torch.autocast, so "
@@ -256,21 +259,7 @@ def _options(args: argparse.Namespace) -> Options:
         raise _UsageError(f"--examples must be at least 1, got {args.examples}")
     if args.threads < 1:
         raise _UsageError(f"--threads must be at least 1, got {args.threads}")
-    default_examples = None if args.profile else DEFAULT_EXAMPLES
-    return Options(
-        backend=args.backend,
-        modules=modules,
-        dtypes=dtypes,
-        properties=properties,
-        recipes=recipes,
-        impl_paths=impl_paths,
-        autocasts=autocasts,
-        examples=args.examples if args.examples is not None else default_examples,
-        profile=args.profile or (None if os.environ.get("HYPOTHESIS_PROFILE") else "ci"),
-        seed=args.seed,
-        device=args.device,
-        threads=args.threads,
-    )
+    return options
 
 
 def _backend(options: Options):

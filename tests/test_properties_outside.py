@@ -560,3 +560,21 @@ def test_transformer_engine_recipe_without_a_counterpart_fails_naming_it() -> No
 
     with pytest.raises(RecipeMappingError, match=r"fp8_format = <Format.HYBRID.*no Format.HYBRID"):
         to_transformer_engine_recipe(fp8.Float8CurrentScaling(), _fake_te(Format=NoHybrid))
+
+
+@pytest.mark.parametrize(
+    ("suite", "needle"),
+    [
+        ({"impl_path": "fast"}, "--splitgrad-impl-path: unknown impl path 'fast'"),
+        ({"examples": "many"}, "--splitgrad-examples: not a whole number: 'many'"),
+    ],
+)
+def test_pytest_plugin_refuses_an_option_naming_nothing(
+    outside: Path, tmp_path: Path, suite, needle
+):
+    """The plugin reads its options into the same session options as verify, with verify's
+    rule for what a list may name; a bad one stops the run naming the option."""
+    proc = _pytest(outside, cwd=tmp_path, **suite)
+    assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
+    err = proc.stderr + proc.stdout
+    assert needle in err and "Traceback" not in err
