@@ -33,6 +33,7 @@ every layout, and every FP8 recipe of the cell.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -352,6 +353,14 @@ class Case:
 # ---- building blocks ----------------------------------------------------------------------
 
 
+@functools.cache
+def _sampled_from(values: tuple) -> st.SearchStrategy:
+    """``st.sampled_from(values)``, one strategy object per tuple: hypothesis validates each new
+    strategy object on its first draw, and composites draw from these on every example."""
+    return st.sampled_from(values)
+
+
+@functools.cache
 def sizes(max_size: int = 17) -> st.SearchStrategy[int]:
     """Feature sizes: small ones (shrinking towards 1) or primes and powers of two."""
     special = [s for s in (5, 7, 8, 11, 13, 16, 17) if s <= max_size]
@@ -371,10 +380,20 @@ def m_splits(draw: st.DrawFn, num_gemms: int, max_rows: int, multiple: int = 1) 
     budget = max_rows // multiple if multiple == 1 else max(2, max_rows // multiple)
     out = []
     for _ in range(num_gemms):
-        n = draw(st.one_of(st.just(0), st.integers(0, max(0, min(budget, 6)))))
+        n = draw(_group_size(max(0, min(budget, 6))))
         out.append(n * multiple)
         budget -= n
     return tuple(out)
+
+
+@functools.cache
+def _group_size(most: int) -> st.SearchStrategy[int]:
+    return st.one_of(st.just(0), st.integers(0, most))
+
+
+@functools.cache
+def _norm_sizes() -> st.SearchStrategy[int]:
+    return sizes().map(lambda k: k + 2)
 
 
 @st.composite
@@ -391,8 +410,8 @@ def module_configs(
     """A module configuration. ``fused``/``bias`` pin a flag when not ``None``; ``square`` makes
     the output width equal the input width (so the module can be chained on itself);
     ``recipes`` are the FP8 recipe names to draw from (``None``: high precision)."""
-    kind = draw(st.sampled_from(list(kinds)))
-    recipe = draw(st.sampled_from(list(recipes)))
+    kind = draw(_sampled_from(tuple(kinds)))
+    recipe = draw(_sampled_from(tuple(recipes)))
     align = recipe_alignment(recipe)
     if align > 1:
         # Block recipes: one or two alignment units (128-wide blocks: one, to keep work down).
@@ -402,28 +421,28 @@ def module_configs(
     else:
         # A norm over 1 or 2 features outputs beta (or +-gamma + beta) whatever x is: dx is an
         # exact cancellation whose size only eps sets, so no rounding can be judged against it.
-        in_features = draw(sizes().map(lambda k: k + 2) if kind in NORM_KINDS else sizes())
+        in_features = draw(_norm_sizes() if kind in NORM_KINDS else sizes())
         out_features = in_features if square and kind != "LayerNormMLP" else draw(sizes())
     # GroupedLinear: several groups and biases first (shrinking towards 2 groups with biases),
     # so that early examples already have a group after an empty one, each with its own bias.
     groups = [2, 3, 1] if recipe is not None else [2, 3, 5, 1]
     grouped = kind == "GroupedLinear"
     if bias is None:
-        bias = draw(st.sampled_from([True, False]) if grouped else st.booleans())
+        bias = draw(_sampled_from((True, False)) if grouped else st.booleans())
     return ModuleConfig(
         kind=kind,
         in_features=in_features,
         out_features=out_features,
-        num_gemms=draw(st.sampled_from(groups)) if grouped else 1,
+        num_gemms=draw(_sampled_from(tuple(groups))) if grouped else 1,
         bias=bias,
         fuse_wgrad_accumulation=draw(st.booleans()) if fused is None else fused,
-        normalization=draw(st.sampled_from(NORMALIZATIONS)),
-        activation=draw(st.sampled_from(ACTIVATIONS)) if kind == "LayerNormMLP" else "gelu",
+        normalization=draw(_sampled_from(tuple(NORMALIZATIONS))),
+        activation=draw(_sampled_from(tuple(ACTIVATIONS))) if kind == "LayerNormMLP" else "gelu",
         zero_centered_gamma=draw(st.booleans())
         if kind in ("LayerNormLinear", "LayerNormMLP")
         else False,
-        dtype=draw(st.sampled_from(list(dtypes))),
-        device=draw(st.sampled_from(list(devices))),
+        dtype=draw(_sampled_from(tuple(dtypes))),
+        device=draw(_sampled_from(tuple(devices))),
         recipe=recipe,
     )
 
@@ -455,7 +474,7 @@ def micro_batches(
     align = config.alignment
     out = []
     for _ in range(count):
-        first = draw(st.sampled_from([None, True, False])) if first_flags else None
+        first = draw(_sampled_from((None, True, False))) if first_flags else None
         layouts = draw(_layouts())
         if config.kind == "GroupedLinear":
             splits = draw(m_splits(config.num_gemms, limit, align))
@@ -469,12 +488,13 @@ def micro_batches(
         if rows > 1 and draw(st.booleans()):
             # Split rows into (batch, seq) to exercise the flattening of leading dimensions.
             divisors = [d for d in range(1, rows + 1) if rows % d == 0]
-            d = draw(st.sampled_from(divisors))
+            d = draw(_sampled_from(tuple(divisors)))
             shape = (d, rows // d)
         out.append(MicroBatch(shape, None, first, *layouts))
     return tuple(out)
 
 
+@functools.cache
 def _layouts() -> st.SearchStrategy[tuple[str, str]]:
     # Half of the draws keep the contiguous layout (shrinking to it); the rest are spread over
     # the others, so that random values still dominate dy.
@@ -494,7 +514,7 @@ def schedules(draw: st.DrawFn, n_micro_batches: int) -> tuple[str, ...]:
     done = 0
     while done < n_micro_batches:
         choices = ["fb"] + (["dw"] if pending else []) + ["zero"]
-        op = draw(st.sampled_from(choices))
+        op = draw(_sampled_from(tuple(choices)))
         if op == "zero" and ops.count("zero") >= 2:
             op = "fb"
         ops.append(op)
