@@ -5,17 +5,17 @@ Installed with splitgrad (a ``pytest11`` entry point), so in a project with SPEC
     pytest --pyargs splitgrad.properties --splitgrad-backend module:mypkg -n auto \\
         --junitxml=conformance.xml
 
-collects ``splitgrad/properties/test_conformance.py``: one test per property x module x dtype x
-FP8 recipe family (x forced fast path), with the ids and cells of ``splitgrad verify`` (the same
-plan, :mod:`.plan`), e.g. ``test_property[P4-Linear-bfloat16-none]``. A deviation the backend
-declares (:attr:`~.backends.Backend.deviations`) makes its cells strict expected failures with
-its sentence as the reason (a declared deviation that no longer shows fails as XPASS). Parts of
-SPEC's API the backend lacks fail one test, ``test_api_complete``, naming them and the
-properties they block (as ``splitgrad verify`` exits 2); the blocked cells are skipped, the
-others run. ``--splitgrad-xfails FILE`` lists cells the project expects to fail, strictly
-(:mod:`.xfails`). The header names the backend under test, the device, the hypothesis profile
-and seed, and torch's version. Nothing is shared between tests but read-only options, so
-``pytest-xdist`` can spread them.
+collects ``splitgrad/properties/test_conformance.py``: one test per property x module x dtype x FP8
+recipe family (x forced fast path), the cells of the same session ``splitgrad verify`` runs
+(:mod:`.session`), under the same ids, e.g. ``test_property[P4-Linear-bfloat16-none]``. A deviation
+the backend declares (:attr:`~.backends.Backend.deviations`) makes its cells strict expected
+failures with its sentence as the reason (one that no longer shows fails as XPASS). Parts of SPEC's
+API the backend lacks fail one test, ``test_api_complete``, naming them and the properties they
+block (as ``splitgrad verify`` exits 2); the blocked cells are skipped, the others run.
+``--splitgrad-xfails FILE`` lists cells the project expects to fail, strictly (:mod:`.xfails`). The
+header names the backend under test, the device, the hypothesis profile and seed, and torch's
+version. Each process opens the session once from the read-only options and nothing else is shared
+between tests, so ``pytest-xdist`` can spread them.
 
 Only options are registered at pytest start-up (torch and hypothesis are imported only when the
 suite is asked for): the plugin costs nothing in a test run that does not collect the suite.

@@ -1,12 +1,12 @@
 """One conformance session, built from options: what ``splitgrad verify`` and the pytest plugin
 (:mod:`.pytest_plugin`, :mod:`.test_conformance`) both run.
 
-:class:`Options` is what a user chose (each front-end reads its own flags into it, checked by
-:func:`choose`); :meth:`Session.open` loads the backend, sets the thread count and hypothesis
-profile, plans the cells (:func:`.plan.plan_cells`), wraps the forced-path backends and leaves out
-the cells whose forced path the backend cannot take. Both front-ends then run the same cells with
-the same ids (:attr:`.plan.PlannedCell.test_id`) through :meth:`Session.run`, and report the
-same gaps in the backend's API (:attr:`Session.gaps`).
+:class:`Options` is what a user chose (each front-end reads its own flags into it through
+:meth:`Options.chosen`); :meth:`Session.open` loads the backend, sets the thread count and
+hypothesis profile, plans the cells (:func:`.plan.plan_cells`), wraps the forced-path backends and
+leaves out the cells whose forced path the backend cannot take. Both front-ends then run the same
+cells with the same ids (:attr:`.plan.PlannedCell.test_id`) through :meth:`Session.run`, and report
+the same gaps in the backend's API (:attr:`Session.gaps`).
 """
 
 from __future__ import annotations

@@ -138,6 +138,10 @@ def test_planted_bug_in_an_outside_package_fails(outside: Path, capsys) -> None:
     assert "bias.grad" in out and "reproduce: splitgrad verify --backend module:biased_bias" in out
 
 
+#: The suite on float32 Linear cells only, high precision, 20 examples each.
+FLOAT32_LINEAR = {"module": "Linear", "dtype": "float32", "recipe": "none", "examples": 20}
+
+
 def _pytest(outside: Path, *args: str, cwd: Path, **suite: object) -> subprocess.CompletedProcess:
     """``pytest --pyargs splitgrad.properties`` with ``args``, and each keyword of ``suite`` as
     its ``--splitgrad-KEY VALUE`` option (``impl_path`` for ``--splitgrad-impl-path``)."""
@@ -225,11 +229,8 @@ def test_pytest_plugin_reports_missing_api_once_and_a_planted_bug(
         "-rN",  # no short summary: it repeats the message in full where COLUMNS is wide
         cwd=tmp_path,
         backend="module:gappy_buggy",
-        module="Linear",
         property="P1,P3,P4",
-        dtype="float32",
-        recipe="none",
-        examples=20,
+        **FLOAT32_LINEAR,
     )
     assert proc.returncode == 1, proc.stdout[-3000:]
     results = _junit(xml)
@@ -251,11 +252,8 @@ def test_pytest_plugin_declared_deviations_are_strict_xfails(outside: Path, tmp_
         "-rxX",
         cwd=tmp_path,
         backend="class:declares:Backend",
-        module="Linear",
         property="P1,P3",
-        dtype="float32",
-        recipe="none",
-        examples=20,
+        **FLOAT32_LINEAR,
     )
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert "XFAIL" in proc.stdout and "bias gradient 2 % too large" in proc.stdout
@@ -441,11 +439,8 @@ def test_pytest_plugin_xfails_file_is_strict(outside: Path, tmp_path: Path) -> N
         "-rxX",
         cwd=tmp_path,
         backend="module:gappy_buggy",
-        module="Linear",
         property="P1,P3",
-        dtype="float32",
-        recipe="none",
-        examples=20,
+        **FLOAT32_LINEAR,
         xfails=listed.name,
     )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
