@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 from splitgrad.distributed import ExpertParallelMoE, RankFailure
-from splitgrad.distributed.conformance import load_package
+from splitgrad.properties.distributed import load_library, preload_library
 
 from . import ranks
 
@@ -46,7 +46,7 @@ class MoEBenchConfig:
 
 
 def _moe_rank(rank: int, world: int, cfg: MoEBenchConfig, device: str) -> dict:
-    lib = load_package(cfg.backend)
+    lib = load_library(cfg.backend)
     dev = torch.device(device)
     timeout = datetime.timedelta(seconds=120)
     experts = lib.GroupedLinear(
@@ -170,7 +170,7 @@ def moe_main(argv: list[str] | None = None) -> int:
             threads=args.threads,
         )
         cfg.validate()
-        ranks.check_backend(cfg.backend)
+        preload_library(cfg.backend)
     except ValueError as exc:
         print(f"splitgrad moe: {exc}", file=sys.stderr)
         return 2

@@ -33,7 +33,7 @@ import sys
 import torch
 import torch.distributed as dist
 from splitgrad.distributed import RankFailure, dw_builder, split_modules
-from splitgrad.distributed.conformance import load_package, stage_layout
+from splitgrad.properties.distributed import load_library, preload_library, stage_layout
 
 from . import ranks
 from .actions import ActionRecorder, activation_peak, held_between_b_and_w
@@ -196,7 +196,7 @@ def _build_stage(lib, variant: str, stage: int, cfg: PipelineBenchConfig, num_st
 
 
 def _pipeline_rank(rank: int, world: int, cfg: PipelineBenchConfig, device: str) -> dict:
-    lib = load_package(cfg.backend)
+    lib = load_library(cfg.backend)
     dev = torch.device(device)
     return {
         f"{name}/{variant}": _bench_variant(lib, name, variant, cfg, rank, world, dev)
@@ -481,7 +481,7 @@ def _config(args: argparse.Namespace) -> PipelineBenchConfig:
                 f"--timeline {args.timeline}: an image timeline needs matplotlib (pip install "
                 "matplotlib); a .json path writes a Chrome/Perfetto trace without it"
             ) from None
-    ranks.check_backend(cfg.backend)
+    preload_library(cfg.backend)
     return cfg
 
 

@@ -1,7 +1,7 @@
 """Where the measuring commands' ranks come from: spawned gloo ranks on this machine
 (:func:`splitgrad.distributed.run_ranks`), or the processes ``torchrun`` started (NCCL and one
-GPU per rank when CUDA is available); and the package the ranks import, checked before any
-rank starts."""
+GPU per rank when CUDA is available). The package they import is checked before any starts, by
+:func:`splitgrad.properties.distributed.preload_library`."""
 
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from splitgrad.distributed import run_ranks
-from splitgrad.distributed.conformance import load_package
 
 from .options import positive_float
 
-__all__ = ["add_run_options", "check_backend", "world_size", "run", "under_torchrun"]
+__all__ = ["add_run_options", "world_size", "run", "under_torchrun"]
 
 BACKEND_HELP = "impl, reference, module:NAME, NAME:ATTR or path:DIR (default: impl)"
 
@@ -41,25 +40,6 @@ def add_run_options(p: argparse.ArgumentParser, what: str, timeout_s: float) -> 
         default=timeout_s,
         help=f"seconds before the run fails ({timeout_s:.0f})",
     )
-
-
-def check_backend(name: str) -> None:
-    """Import the package ``--backend`` names here, before any rank does (each rank imports it
-    again); ``ValueError`` with one line saying why it cannot be loaded."""
-    if name.startswith("path:"):
-        directory = name[len("path:") :]
-        if not os.path.exists(directory):
-            raise ValueError(f"--backend {name}: {directory} does not exist")
-        if not os.path.isfile(os.path.join(directory, "__init__.py")):
-            raise ValueError(
-                f"--backend {name}: {directory} is not a Python package (no __init__.py)"
-            )
-    try:
-        load_package(name)
-    except Exception as exc:  # an import error, a missing attribute, a package that raises
-        raise ValueError(
-            f"--backend {name}: cannot load it ({type(exc).__name__}: {exc})"
-        ) from None
 
 
 def under_torchrun() -> bool:

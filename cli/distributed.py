@@ -7,8 +7,7 @@ import sys
 import time
 
 from splitgrad.bench.options import positive_float
-from splitgrad.bench.ranks import check_backend
-from splitgrad.distributed import conformance
+from splitgrad.properties import distributed as harness
 
 _CHECKS = ("p14", "p15", "p16", "p16-pp")
 
@@ -42,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--schedules",
-        default=",".join(conformance.SCHEDULES),
+        default=",".join(harness.SCHEDULES),
         help="comma-separated torch.distributed.pipelining schedules for p15 (default: all six)",
     )
     p.add_argument(
@@ -70,17 +69,15 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...], tuple]:
             f"unknown checks {unknown or [args.check]}; choose from {', '.join(_CHECKS)}"
         )
     recipes = tuple(None if r == "none" else r for r in args.recipes.split(","))
-    bad = [r for r in recipes if r is not None and r not in conformance.RECIPES]
+    bad = [r for r in recipes if r is not None and r not in harness.RECIPES]
     if bad:
-        raise ValueError(
-            f"unknown recipes {bad}; choose from none, {', '.join(conformance.RECIPES)}"
-        )
+        raise ValueError(f"unknown recipes {bad}; choose from none, {', '.join(harness.RECIPES)}")
     schedules = tuple(s for s in args.schedules.split(",") if s)
-    wrong = [s for s in schedules if s not in conformance.SCHEDULES]
+    wrong = [s for s in schedules if s not in harness.SCHEDULES]
     if wrong or not schedules:
         raise ValueError(
             f"unknown schedules {wrong or [args.schedules]}; choose from "
-            f"{', '.join(conformance.SCHEDULES)}"
+            f"{', '.join(harness.SCHEDULES)}"
         )
     if args.world_size is not None:
         if args.world_size < 1:
@@ -91,7 +88,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...], tuple]:
                 f"--world-size {args.world_size} sets p15's pipeline ranks only, but {fixed} "
                 "run on fixed worlds (p14 and p16: 2 ranks, p16-pp: 4); use --check p15 with it"
             )
-    check_backend(args.backend)
+    harness.preload_library(args.backend)
     return checks, schedules, recipes
 
 
@@ -99,23 +96,23 @@ def _runs(args: argparse.Namespace, schedules: tuple[str, ...], recipes: tuple) 
     """Each check's run, by name."""
     backend, timeout = args.backend, args.timeout
     return {
-        "p14": lambda: conformance.check_expert_parallel(backend, timeout_s=timeout),
-        "p15": lambda: conformance.check_pipeline(
+        "p14": lambda: harness.check_expert_parallel(backend, timeout_s=timeout),
+        "p15": lambda: harness.check_pipeline(
             backend,
             world_size=args.world_size or 2,
             schedules=schedules,
             recipes=recipes,
             timeout_s=timeout,
         ),
-        "p16": lambda: conformance.merge_reports(
+        "p16": lambda: harness.merge_reports(
             f"P16 {backend} alone and under fully_shard",
-            conformance.check_data_parallel(backend, timeout_s=timeout),
-            conformance.check_fully_sharded(backend, timeout_s=timeout),
+            harness.check_data_parallel(backend, timeout_s=timeout),
+            harness.check_fully_sharded(backend, timeout_s=timeout),
         ),
-        "p16-pp": lambda: conformance.merge_reports(
+        "p16-pp": lambda: harness.merge_reports(
             f"P16 x P15 {backend}: replicated and under fully_shard",
-            conformance.check_pipeline_data_parallel(backend, timeout_s=timeout),
-            conformance.check_pipeline_data_parallel(backend, timeout_s=timeout, fully_shard=True),
+            harness.check_pipeline_data_parallel(backend, timeout_s=timeout),
+            harness.check_pipeline_data_parallel(backend, timeout_s=timeout, fully_shard=True),
         ),
     }
 

@@ -11,7 +11,7 @@ from splitgrad import cli
 from splitgrad.bench import modules as bench
 from splitgrad.bench import moe, pipeline, ranks
 from splitgrad.cli import distributed as distributed_cli
-from splitgrad.distributed import conformance
+from splitgrad.properties import distributed as distributed_checks
 from splitgrad.properties import session, verify
 from splitgrad.properties.plan import plan_cells
 from splitgrad.properties.registry import PROPERTIES
@@ -28,9 +28,9 @@ def no_work(monkeypatch):
     monkeypatch.setattr(session, "run_cell", refuse)
     monkeypatch.setattr(verify, "run_case", refuse)
     monkeypatch.setattr(ranks, "run_ranks", refuse)
-    for name in dir(conformance):
+    for name in dir(distributed_checks):
         if name.startswith("check_"):
-            monkeypatch.setattr(conformance, name, refuse)
+            monkeypatch.setattr(distributed_checks, name, refuse)
 
 
 def _status(main, argv: list[str]) -> int:

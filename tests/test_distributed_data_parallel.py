@@ -13,7 +13,8 @@ import importlib
 
 import pytest
 import torch
-from splitgrad.distributed import GradientReducer, RankFailure, conformance, run_ranks
+from splitgrad.distributed import GradientReducer, RankFailure, run_ranks
+from splitgrad.properties.distributed import check_data_parallel, check_pipeline_data_parallel
 
 pytestmark = pytest.mark.distributed
 
@@ -24,7 +25,7 @@ def test_p16_alone(lib_name):
     data-parallel budget of the float64 global batch, every launch before finish(), and the
     first block's reductions before the second block's last backward_dw()."""
     dtypes = (torch.float32, torch.bfloat16) if lib_name == "splitgrad.impl" else (torch.float32,)
-    report = conformance.check_data_parallel(lib_name, dtypes=dtypes)
+    report = check_data_parallel(lib_name, dtypes=dtypes)
     report.raise_if_failed()
     assert report.compared > 0
 
@@ -33,7 +34,7 @@ def test_p16_with_a_zero_bubble_pipeline():
     """4 ranks: 2 pipeline stages x 2 replicas, ScheduleZBVZeroBubble, plain and fused; the
     schedule's gradient scaling finishes each stage's reducer first, then scales .grad and
     main_grad."""
-    report = conformance.check_pipeline_data_parallel("splitgrad.impl")
+    report = check_pipeline_data_parallel("splitgrad.impl")
     report.raise_if_failed()
 
 

@@ -9,14 +9,15 @@ import importlib
 
 import pytest
 import torch
-from splitgrad.distributed import ExpertParallelMoE, conformance, run_ranks
+from splitgrad.distributed import ExpertParallelMoE, run_ranks
+from splitgrad.properties.distributed import check_expert_parallel
 
 pytestmark = pytest.mark.distributed
 
 
 @pytest.mark.parametrize("lib_name", ["splitgrad.impl", "splitgrad.reference"])
 def test_p14_matches_single_process(lib_name):
-    report = conformance.check_expert_parallel(lib_name)
+    report = check_expert_parallel(lib_name)
     report.raise_if_failed()
     assert report.compared > 0
 

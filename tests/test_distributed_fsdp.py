@@ -14,7 +14,13 @@ import re
 
 import pytest
 import torch
-from splitgrad.distributed import GradientReducer, conformance, run_ranks
+from splitgrad.distributed import GradientReducer, run_ranks
+from splitgrad.properties.distributed import (
+    DistributedReport,
+    check_fully_sharded,
+    check_pipeline_data_parallel,
+)
+from splitgrad.properties.distributed.fsdp import check_fsdp_launches
 
 pytestmark = pytest.mark.distributed
 
@@ -28,7 +34,7 @@ def test_p16_fully_sharded(lib_name):
     data-parallel budget of the float64 global batch, in fp32 compute also bitwise (replica0 +
     replica1) / 2; one reduce-scatter per delayed module, the first before the last
     backward_dw()."""
-    report = conformance.check_fully_sharded(lib_name, timeout_s=120)
+    report = check_fully_sharded(lib_name, timeout_s=120)
     report.raise_if_failed()
     # 21 cells x 2 ranks x 18 gradients, each bitwise FSDP2 and within budget of the truth
     assert report.compared > 1500
@@ -64,7 +70,7 @@ def test_mixed_precision_cells_catch_a_planted_bug(reducer, precisions, failing,
     step's micro-batches in bf16 where FSDP2 sums in its fp32 reduce_dtype: the cell that takes
     that branch fails, in every micro-batch mode and on both ranks, naming the gradient; the
     cell next to it that does not take the branch stays right."""
-    report = conformance.check_fully_sharded(
+    report = check_fully_sharded(
         "splitgrad.impl",
         precisions=precisions,
         reducer=f"fsdp_mutants:{reducer}",
@@ -81,7 +87,7 @@ def test_mixed_precision_cells_catch_a_planted_bug(reducer, precisions, failing,
 
 def test_check_fully_sharded_refuses_an_unknown_precision():
     with pytest.raises(ValueError, match=r"unknown precisions \['fp8'\]; expected some of"):
-        conformance.check_fully_sharded("splitgrad.impl", precisions=("fp32", "fp8"))
+        check_fully_sharded("splitgrad.impl", precisions=("fp32", "fp8"))
 
 
 def test_launch_check_flags_a_late_reduce_scatter():
@@ -96,8 +102,8 @@ def test_launch_check_flags_a_late_reduce_scatter():
         "finish": 4.0,
         "dw_starts": [0.5, 2.0],
     }
-    report = conformance.DistributedReport("meta")
-    conformance._check_fsdp_launches(report, "good", good)
+    report = DistributedReport("meta")
+    check_fsdp_launches(report, "good", good)
     assert report.ok, report.failures
     late = dict(good, dw_starts=[0.5, 0.9])
     twice = dict(good, launches=[good["launches"][0], good["launches"][0]])
@@ -107,8 +113,8 @@ def test_launch_check_flags_a_late_reduce_scatter():
         (twice, r"launched \[0, 0\]"),
         (allreduce, "expected reduce_scatter"),
     ):
-        report = conformance.DistributedReport("meta")
-        conformance._check_fsdp_launches(report, "bad", case)
+        report = DistributedReport("meta")
+        check_fsdp_launches(report, "bad", case)
         assert any(re.search(pattern, f) for f in report.failures), report.failures
 
 
@@ -248,8 +254,6 @@ def test_p16_fully_sharded_under_a_zero_bubble_pipeline():
     reshard off during B/W and calls its post-backward at REDUCE_GRAD; the reducer reduce-scatters
     each delayed module after its last W step, and the stage's gradient scaling finishes it
     before dividing. Losses and gradients bitwise (replica0 + replica1) / 2 without delay."""
-    report = conformance.check_pipeline_data_parallel(
-        "splitgrad.impl", fully_shard=True, timeout_s=240
-    )
+    report = check_pipeline_data_parallel("splitgrad.impl", fully_shard=True, timeout_s=240)
     report.raise_if_failed()
     assert report.compared > 100

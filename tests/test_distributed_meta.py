@@ -4,19 +4,20 @@ looks fine to P15/P16's pipeline and reducer only until ranks are involved."""
 from __future__ import annotations
 
 import pytest
-from splitgrad.distributed import conformance
+from splitgrad.properties import distributed as checks
+from splitgrad.properties.distributed.expert_parallel import overlap_failure
 
 pytestmark = pytest.mark.distributed
 
 
 def test_p16_catches_module_hooks_that_never_fire():
-    report = conformance.check_data_parallel("distributed_mutants:hooks_silent")
+    report = checks.check_data_parallel("distributed_mutants:hooks_silent")
     assert not report.ok
     assert any("never produced" in f for f in report.failures), report.failures[:3]
 
 
 def test_p15_catches_a_module_that_hides_its_delay():
-    report = conformance.check_pipeline(
+    report = checks.check_pipeline(
         "distributed_mutants:lying_need_backward_dw",
         schedules=("ScheduleZBVZeroBubble",),
         fused=(False,),
@@ -28,7 +29,7 @@ def test_p15_catches_a_module_that_hides_its_delay():
 def test_p15_catches_lifo_entries_under_fused_first_microbatch():
     """LIFO order is invisible to plain accumulation's sums up to rounding, but with fused
     accumulation the first micro-batch's overwrite lands on the wrong entry."""
-    report = conformance.check_pipeline(
+    report = checks.check_pipeline(
         "distributed_mutants:lifo",
         schedules=("ScheduleGPipe", "ScheduleZBVZeroBubble"),
         fused=(True,),
@@ -40,7 +41,7 @@ def test_p16_catches_a_reducer_final_after_the_first_entry_of_the_last_pass():
     """Each Block applies proj twice: the step's last pass queues two proj entries, and a
     reducer that launches after the first of them reduces a partial gradient (fused) or sees
     the second written after its reduction started; mlp (one entry per pass) stays right."""
-    report = conformance.check_data_parallel(
+    report = checks.check_data_parallel(
         "splitgrad.impl", reducer="distributed_mutants:FirstEntryFinalReducer"
     )
     assert not report.ok
@@ -61,7 +62,7 @@ def test_p16_catches_a_reducer_that_follows_a_tied_weight_through_one_module():
     after both have run their last entry: a reducer following one of them launches after the
     first module's and sees the other write into the gradient in flight; untied cells stay
     right."""
-    report = conformance.check_data_parallel(
+    report = checks.check_data_parallel(
         "splitgrad.impl", reducer="distributed_mutants:OneOwnerReducer"
     )
     assert not report.ok
@@ -111,9 +112,7 @@ def test_cli_refuses_bad_options_naming_them(argv, needle, capsys):
 def test_p14_catches_a_dispatch_backward_that_waits_before_backward_dw():
     """The layer's own timeline still claims the overlap; the harness's trace of the
     all-to-all's launch and wait() shows backward_dw() ran after the wait."""
-    report = conformance.check_expert_parallel(
-        "splitgrad.impl", moe="distributed_mutants:WaitsFirstMoE"
-    )
+    report = checks.check_expert_parallel("splitgrad.impl", moe="distributed_mutants:WaitsFirstMoE")
     assert not report.ok
     assert len(report.failures) == 2, report.failures  # one per rank, gradients all right
     for f in report.failures:
@@ -142,5 +141,5 @@ def test_p14_overlap_reading_on_hand_made_traces(trace, needle):
     """A synchronous, never waited, absent or already completed dispatch all-to-all fails,
     naming it (the dispatch being the backward's last all-to-all); backward_dw() between its
     launch and its wait() passes."""
-    why = conformance._overlap_failure(trace)
+    why = overlap_failure(trace)
     assert why is None if needle is None else needle in why, why

@@ -12,7 +12,7 @@ baseline runs the package without delay (bitwise) and everything is also judged 
 from __future__ import annotations
 
 import pytest
-from splitgrad.distributed import conformance
+from splitgrad.properties import distributed as checks
 
 pytestmark = pytest.mark.distributed
 
@@ -23,13 +23,13 @@ IGNORES_FIRST = "outside_distributed:ignores_first_microbatch"
 
 
 def test_p14_passes_the_outside_package():
-    report = conformance.check_expert_parallel(CORRECT)
+    report = checks.check_expert_parallel(CORRECT)
     report.raise_if_failed()
     assert report.compared > 0
 
 
 def test_p14_fails_backward_dw_moved_after_the_all_to_all_wait():
-    report = conformance.check_expert_parallel(
+    report = checks.check_expert_parallel(
         "splitgrad.impl", moe="distributed_mutants:LateBackwardDwMoE"
     )
     assert not report.ok
@@ -40,42 +40,38 @@ def test_p14_fails_backward_dw_moved_after_the_all_to_all_wait():
 def test_p16_passes_the_outside_package_no_sync_and_num_microbatches():
     """The reducer learns the delayed gradients' passes from the modules' forwards,
     ``pending_wgrad_count`` and hooks: no_sync() and num_microbatches both reduce them."""
-    report = conformance.check_data_parallel(CORRECT)
+    report = checks.check_data_parallel(CORRECT)
     report.raise_if_failed()
     assert report.compared > 0
 
 
 def test_p15_and_p16_pp_pass_the_outside_package():
-    report = conformance.check_pipeline(
+    report = checks.check_pipeline(
         CORRECT, schedules=("Schedule1F1B", "ScheduleZBVZeroBubble"), fused=(False, True)
     )
     report.raise_if_failed()
-    report = conformance.check_pipeline_data_parallel(CORRECT)
+    report = checks.check_pipeline_data_parallel(CORRECT)
     report.raise_if_failed()
 
 
 def test_p15_fails_backward_dw_that_overwrites_grad():
-    report = conformance.check_pipeline(
-        OVERWRITES, schedules=("ScheduleZBVZeroBubble",), fused=(False,)
-    )
+    report = checks.check_pipeline(OVERWRITES, schedules=("ScheduleZBVZeroBubble",), fused=(False,))
     assert not report.ok
     assert any("without delay: not bitwise" in f for f in report.failures), report.failures[:3]
     assert any("vs the float64 truth: max error" in f for f in report.failures)
 
 
 def test_p15_fails_a_dropped_delayed_bias():
-    report = conformance.check_pipeline(
-        DROPS_BIAS, schedules=("ScheduleZBVZeroBubble",), fused=(False,)
-    )
+    report = checks.check_pipeline(DROPS_BIAS, schedules=("ScheduleZBVZeroBubble",), fused=(False,))
     assert not report.ok
     assert any("mlp.fc1_bias" in f and "None (no gradient)" in f for f in report.failures)
 
 
 def test_p16_fails_both_planted_bugs_naming_the_parameter():
-    report = conformance.check_data_parallel(OVERWRITES)
+    report = checks.check_data_parallel(OVERWRITES)
     assert not report.ok
     assert any("0.mlp.fc1_weight vs (replica0" in f for f in report.failures)
-    report = conformance.check_data_parallel(DROPS_BIAS)
+    report = checks.check_data_parallel(DROPS_BIAS)
     assert not report.ok, "a dropped bias must fail, not crash the harness"
     assert any(
         "finish() raised" in f and "bias: final but no gradient was written" in f
@@ -87,7 +83,7 @@ def test_p16_fails_a_package_that_ignores_is_first_microbatch():
     """Fused, main_grad starts random and the first micro-batch passes
     is_first_microbatch=True: a package that adds instead of overwriting keeps the prefill, in
     every fused GEMM weight and in no plain cell."""
-    report = conformance.check_data_parallel(IGNORES_FIRST)
+    report = checks.check_data_parallel(IGNORES_FIRST)
     assert not report.ok
     assert all(f.startswith("fused") for f in report.failures), report.failures[:3]
     for name in ("0.mlp.fc1_weight", "0.mlp.fc2_weight", "1.proj.weight"):
@@ -99,7 +95,7 @@ def test_p16_fails_a_package_that_ignores_is_first_microbatch():
 
 
 def test_p16_pp_fails_a_dropped_delayed_bias():
-    report = conformance.check_pipeline_data_parallel(DROPS_BIAS, fused=(False,))
+    report = checks.check_pipeline_data_parallel(DROPS_BIAS, fused=(False,))
     assert not report.ok
     assert any("bias" in f for f in report.failures)
 

@@ -14,8 +14,8 @@ import re
 import pytest
 import torch
 from cases import build, fill, forward, make_dy, make_input
-from splitgrad.distributed import conformance as C
 from splitgrad.distributed import dw_builder
+from splitgrad.properties.distributed import check_pipeline
 
 pytestmark = pytest.mark.distributed
 
@@ -24,19 +24,19 @@ pytestmark = pytest.mark.distributed
 def test_p15_every_schedule_on_2_ranks(lib_name):
     """Six schedules x plain/fused accumulation x (no FP8, delayed-scaling FP8)."""
     recipes = (None, "delayed") if lib_name == "splitgrad.impl" else (None,)
-    report = C.check_pipeline(lib_name, world_size=2, recipes=recipes)
+    report = check_pipeline(lib_name, world_size=2, recipes=recipes)
     report.raise_if_failed()
     assert report.compared > 0
 
 
 def test_p15_every_schedule_on_4_ranks():
-    report = C.check_pipeline("splitgrad.impl", world_size=4)
+    report = check_pipeline("splitgrad.impl", world_size=4)
     report.raise_if_failed()
     assert report.compared > 0
 
 
 def test_p15_block_recipes_under_zero_bubble():
-    report = C.check_pipeline(
+    report = check_pipeline(
         "splitgrad.impl",
         world_size=2,
         schedules=("ScheduleZBVZeroBubble",),
