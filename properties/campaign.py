@@ -267,70 +267,153 @@ def run_cell(
     needs gives a ``blocked`` cell (``n/a`` for FP8 parts when ``fp8_asked`` is false: the
     default run's FP8 slice on a backend without FP8); a forced fast path (:mod:`.paths`) that
     never ran gives an ``ERROR``."""
-    from .paths import ForcedPathBackend, forced_path_error
-    from .registry import SPECS, applicable
-    from .strategies import ModuleConfig
+    from .paths import forced_path_error
 
     fp8 = tuple(r for r in recipes if r is not None)
     label = recipe_label or (",".join(fp8) if fp8 else "none")
     cell = CellResult(property_id, kind, dtype, label, autocast=autocast)
-    size_multiple = 1
-    if isinstance(backend, ForcedPathBackend):
-        path = backend.path
-        cell.path = path.name
-        size_multiple = path.size_multiple
-        if path.recipes is not None:
-            recipes = tuple(r for r in recipes if r in path.recipes) or (None,)
-            fp8 = tuple(r for r in recipes if r is not None)
-        dtypes = tuple(d for d in (dtypes or (dtype,)) if d in path.dtypes) or (dtype,)
-    missing = backend.missing_api()
-    spec = SPECS.get(property_id)
-    blocked = [
-        part
-        for part in missing
-        if part == f"module:{kind}"
-        or (spec is not None and blocked_by(property_id, part, bool(fp8)))
-    ]
-    if blocked:
-        only_fp8 = all(p in ("fp8", "fp8_quantizer") for p in blocked)
-        cell.status = NA if only_fp8 and not fp8_asked else BLOCKED
-        cell.message = "; ".join(missing[p] for p in blocked)
+    plan = _CellPlan(property_id, kind, dtype, device, dtypes or (dtype,), recipes, autocast)
+    plan.restrict_to_path(backend, cell)
+    if plan.skipped(backend, cell, fp8_asked):
         return cell
-    probe = ModuleConfig(
-        kind=kind,
-        in_features=2,
-        out_features=2,
-        dtype=(dtypes or (dtype,))[0]
-        if dtype not in ("float32", "bfloat16", "float16", "float64")
-        else dtype,
-        device=device,
-        recipe=fp8[0] if fp8 else None,
-        autocast=autocast,
-    )
-    why = None if applicable(property_id, kind) else f"{property_id} does not apply to {kind}"
-    if property_id == "P13" and not fp8:
-        why = why or "P13 checks FP8 quantizers: it needs an FP8 recipe (--recipe)"
-    why = why or backend.unsupported_reason(property_id, probe)
-    if why:
-        cell.status, cell.message = NA, why
-        return cell
-    without = frozenset(p for p in missing if spec is not None and p in spec.uses)
-    if backend.module_protocol_reason() is not None:
-        without |= {MODULE_PROTOCOL}  # said once in the backend's notes, not a gap in its API
-    strategy = case_strategy(
-        property_id,
-        (kind,),
-        dtypes or (dtype,),
-        (device,),
-        fused=None if backend.supports_fused else False,
-        recipes=recipes,
-        without=without,
-        size_multiple=size_multiple,
-        autocast=autocast,
-    )
+    strategy = plan.strategy(backend)
     calls_before = getattr(backend, "operator_calls", 0)
     seen: dict[str, Any] = {"case": None, "failed": None}
     start = time.perf_counter()
+    campaign = _campaign(backend, property_id, cell, seen, strategy, profile, examples, seed)
+    enumerated = plan.enumerated(backend)
+    # SPEC §7: the boundary and enumerated cases run first (in order), whatever the count.
+    for explicit in reversed(enumerated):
+        campaign = example(case=explicit)(campaign)
+    if seed is not None:
+        campaign = hypothesis_seed(seed)(campaign)
+    try:
+        with deterministic():
+            campaign()
+    except FlakyFailure as exc:
+        _nondeterministic(cell, backend, property_id, seen["failed"], exc)
+    except HypothesisException as exc:
+        cell.status, cell.message = ERROR, f"hypothesis could not run the campaign: {exc}"
+    except Exception as exc:  # any failure of the implementation under test is a result
+        _failed(cell, backend, property_id, seen["case"], exc, enumerated)
+    if cell.status == PASS:
+        unexercised = forced_path_error(backend, calls_before, cell.examples)
+        if unexercised:
+            cell.status, cell.message = ERROR, unexercised
+    cell.seconds = time.perf_counter() - start
+    return cell
+
+
+@dataclasses.dataclass
+class _CellPlan:
+    """What one cell draws: its strategy's arguments, narrowed to a forced path's dtypes and
+    recipes (:meth:`restrict_to_path`)."""
+
+    property_id: str
+    kind: str
+    dtype: str
+    device: str
+    dtypes: tuple[str, ...]
+    recipes: tuple[str | None, ...]
+    autocast: str | None
+    size_multiple: int = 1
+    without: frozenset[str] = frozenset()
+
+    @property
+    def fp8(self) -> tuple[str, ...]:
+        return tuple(r for r in self.recipes if r is not None)
+
+    def restrict_to_path(self, backend: Backend, cell: CellResult) -> None:
+        """A forced path runs only its own recipes and dtypes, at its size multiple."""
+        from .paths import ForcedPathBackend
+
+        if not isinstance(backend, ForcedPathBackend):
+            return
+        path = backend.path
+        cell.path = path.name
+        self.size_multiple = path.size_multiple
+        if path.recipes is not None:
+            self.recipes = tuple(r for r in self.recipes if r in path.recipes) or (None,)
+        self.dtypes = tuple(d for d in self.dtypes if d in path.dtypes) or (self.dtype,)
+
+    def skipped(self, backend: Backend, cell: CellResult, fp8_asked: bool) -> bool:
+        """Fill ``cell`` and return True when it cannot run: ``blocked`` by missing API, or
+        ``n/a`` (the property does not apply, or the backend says it does not support it)."""
+        from .registry import SPECS, applicable
+        from .strategies import ModuleConfig
+
+        pid, kind = self.property_id, self.kind
+        missing = backend.missing_api()
+        spec = SPECS.get(pid)
+        blocked = [
+            part
+            for part in missing
+            if part == f"module:{kind}"
+            or (spec is not None and blocked_by(pid, part, bool(self.fp8)))
+        ]
+        if blocked:
+            only_fp8 = all(p in ("fp8", "fp8_quantizer") for p in blocked)
+            cell.status = NA if only_fp8 and not fp8_asked else BLOCKED
+            cell.message = "; ".join(missing[p] for p in blocked)
+            return True
+        low = self.dtype in ("float32", "bfloat16", "float16", "float64")
+        probe = ModuleConfig(
+            kind=kind,
+            in_features=2,
+            out_features=2,
+            dtype=self.dtype if low else self.dtypes[0],
+            device=self.device,
+            recipe=self.fp8[0] if self.fp8 else None,
+            autocast=self.autocast,
+        )
+        why = None if applicable(pid, kind) else f"{pid} does not apply to {kind}"
+        if pid == "P13" and not self.fp8:
+            why = why or "P13 checks FP8 quantizers: it needs an FP8 recipe (--recipe)"
+        why = why or backend.unsupported_reason(pid, probe)
+        if why:
+            cell.status, cell.message = NA, why
+            return True
+        self.without = frozenset(p for p in missing if spec is not None and p in spec.uses)
+        if backend.module_protocol_reason() is not None:
+            self.without |= {MODULE_PROTOCOL}  # said once in the backend's notes, not a gap
+        return False
+
+    def _args(self, backend: Backend) -> tuple[tuple, dict]:
+        args = (self.property_id, (self.kind,), self.dtypes, (self.device,))
+        kw = {
+            "fused": None if backend.supports_fused else False,
+            "recipes": self.recipes,
+            "without": self.without,
+            "size_multiple": self.size_multiple,
+            "autocast": self.autocast,
+        }
+        return args, kw
+
+    def strategy(self, backend: Backend):
+        args, kw = self._args(backend)
+        return case_strategy(*args, **kw)
+
+    def enumerated(self, backend: Backend) -> list[Case]:
+        args, kw = self._args(backend)
+        return explicit_cases(*args, **kw)
+
+
+def _campaign(
+    backend: Backend,
+    property_id: str,
+    cell: CellResult,
+    seen: dict,
+    strategy,
+    profile: str,
+    examples: int | None,
+    seed: int | None,
+):
+    """The hypothesis test of one cell: runs the check on each case, counting examples
+    (rejected ones apart) and keeping the worst ratios in ``cell``; ``seen`` keeps the last case
+    and the first failure.
+
+    A derandomized profile seeds its examples from the source text of ``campaign`` below, its
+    decorators included (comments aside): changing it changes every cell's drawn cases."""
 
     @_profile_settings(profile, examples, seeded=seed is not None)
     @given(case=strategy)
@@ -357,52 +440,35 @@ def run_cell(
             cell.budget_ratio = result.budget_ratio if b is None else max(b, result.budget_ratio)
         cell.bitwise += result.bitwise
 
-    # SPEC §7: the boundary and enumerated cases run first (in order), whatever the count.
-    args = (property_id, (kind,), dtypes or (dtype,), (device,))
-    fused = None if backend.supports_fused else False
-    kw = {
-        "recipes": recipes,
-        "without": without,
-        "size_multiple": size_multiple,
-        "autocast": autocast,
-    }
-    enumerated = explicit_cases(*args, fused=fused, **kw)
-    for explicit in reversed(enumerated):
-        campaign = example(case=explicit)(campaign)
-    if seed is not None:
-        campaign = hypothesis_seed(seed)(campaign)
-    try:
-        with deterministic():
-            campaign()
-    except FlakyFailure as exc:
-        _nondeterministic(cell, backend, property_id, seen["failed"], exc)
-    except HypothesisException as exc:
-        cell.status, cell.message = ERROR, f"hypothesis could not run the campaign: {exc}"
-    except Exception as exc:  # any failure of the implementation under test is a result
-        case = seen["case"]
-        if case is not None and not _fails_again(backend, property_id, case):
-            # hypothesis replays only generated failures: an explicit example's is confirmed here
-            _nondeterministic(cell, backend, property_id, (case, exc), exc)
-            cell.seconds = time.perf_counter() - start
-            return cell
-        cell.case = case
-        cell.shrunk = case not in enumerated  # hypothesis shrinks generated examples only
-        cell.message = _describe(exc)
-        ratio = getattr(exc, "ratio", math.inf)
-        cell.worst_ratio = ratio if cell.worst_ratio is None else max(cell.worst_ratio, ratio)
-        cell.repro = repro_command(backend, property_id, case) if case is not None else ""
-        dev = backend.deviation_for(property_id, case, cell.message) if case is not None else None
-        if dev is not None:
-            cell.status = DEVIATION
-            cell.deviation = dev.summary + (f" ({dev.reference})" if dev.reference else "")
-        else:
-            cell.status = FAIL
-    if cell.status == PASS:
-        unexercised = forced_path_error(backend, calls_before, cell.examples)
-        if unexercised:
-            cell.status, cell.message = ERROR, unexercised
-    cell.seconds = time.perf_counter() - start
-    return cell
+    return campaign
+
+
+def _failed(
+    cell: CellResult,
+    backend: Backend,
+    property_id: str,
+    case: Case | None,
+    exc: Exception,
+    enumerated: list[Case],
+) -> None:
+    """Fill ``cell`` for a failure on ``case`` (hypothesis' shrunk one, or an enumerated case,
+    which it does not replay: confirmed here first): FAIL, a known deviation, or a
+    nondeterministic FAIL."""
+    if case is not None and not _fails_again(backend, property_id, case):
+        _nondeterministic(cell, backend, property_id, (case, exc), exc)
+        return
+    cell.case = case
+    cell.shrunk = case not in enumerated  # hypothesis shrinks generated examples only
+    cell.message = _describe(exc)
+    ratio = getattr(exc, "ratio", math.inf)
+    cell.worst_ratio = ratio if cell.worst_ratio is None else max(cell.worst_ratio, ratio)
+    cell.repro = repro_command(backend, property_id, case) if case is not None else ""
+    dev = backend.deviation_for(property_id, case, cell.message) if case is not None else None
+    if dev is not None:
+        cell.status = DEVIATION
+        cell.deviation = dev.summary + (f" ({dev.reference})" if dev.reference else "")
+    else:
+        cell.status = FAIL
 
 
 def _describe(exc: BaseException) -> str:

@@ -84,26 +84,44 @@ class TruthRuns:
     truth8: AccuracyRun | None
 
 
-_MEMO: collections.OrderedDict[tuple, object] = collections.OrderedDict()
-_MEMO_SIZE = 128
+# What the memo may hold, in tensor bytes (a default verify's truths and bounds take ~180 MB).
+MEMO_BYTES = 256 * 2**20
+_MEMO: collections.OrderedDict[tuple, tuple[object, int]] = collections.OrderedDict()
+_memo_bytes = 0
 
 
 def memo(fn: Callable[..., T], *args: Hashable) -> T:
     """``fn(*args)`` for a function of its arguments alone (a truth run, a rounding bound),
-    kept for the next call with the same function and arguments: P1-P3 draw the same cases,
-    and a campaign judges some cases twice. The key holds the function object itself, so a
-    test that replaces it is never answered from the memo; and torch's thread count and
-    deterministic mode, which the float64 reductions may depend on. The caller must not
-    modify what it gets (it is shared)."""
+    kept for the next call with the same function and arguments (the least recently used
+    go past :data:`MEMO_BYTES`): P1-P3 draw the same cases, forced-path cells the default
+    cells' ones, and a campaign judges some cases twice. The key holds the function object
+    itself, so a test that replaces it is never answered from the memo; and torch's thread
+    count and deterministic mode, which the float64 reductions may depend on. The caller must
+    not modify what it gets (it is shared)."""
+    global _memo_bytes
     key = (fn, args, torch.get_num_threads(), torch.are_deterministic_algorithms_enabled())
     if key in _MEMO:
         _MEMO.move_to_end(key)
-        return _MEMO[key]  # type: ignore[return-value]
+        return _MEMO[key][0]  # type: ignore[return-value]
     value = fn(*args)
-    _MEMO[key] = value
-    if len(_MEMO) > _MEMO_SIZE:
-        _MEMO.popitem(last=False)
+    size = _nbytes(value)
+    _MEMO[key] = (value, size)
+    _memo_bytes += size
+    while _memo_bytes > MEMO_BYTES and len(_MEMO) > 1:
+        _memo_bytes -= _MEMO.popitem(last=False)[1][1]
     return value
+
+
+def _nbytes(value: object) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.element_size() * value.nelement()
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    if dataclasses.is_dataclass(value):
+        return sum(_nbytes(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return 0
 
 
 def truth_runs(

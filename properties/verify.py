@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from xml.etree import ElementTree as ET
 
-from . import xfails
+from . import workers, xfails
 from .campaign import BLOCKED, DEVIATION, ERROR, FAIL, NA, PASS, CellResult, blocked_by, run_case
 from .plan import (
     AUTOCAST_CHOICES,
@@ -421,14 +421,15 @@ def _run_cells(session: Session, quiet: bool, fail_fast: bool) -> _Run:
     bar = not quiet and sys.stderr.isatty()
     plan, cells = session.cells, []
     start = time.perf_counter()
-    for i, planned in enumerate(plan):
-        if bar:
-            _progress_bar(i, len(plan), planned.test_id)
-        cell = session.run(planned)
+    results = workers.run_cells(session.run, plan, workers.default_jobs())
+    for i, cell in results:
         cells.append(cell)
-        if not quiet and not bar:
+        if bar:
+            _progress_bar(i + 1, len(plan), plan[i].test_id)
+        elif not quiet:
             _progress_line(i + 1, len(plan), cell)
         if fail_fast and cell.status in (FAIL, ERROR):
+            results.close()
             break
     if bar:
         _progress_bar(len(plan), len(plan), "")

@@ -1,0 +1,139 @@
+"""Run a campaign's cells on two cores: this process and one forked worker.
+
+Cells are independent (each a hypothesis run of its own), so a campaign can run them in two
+processes and report them in plan order. The split keeps the cells that draw the same cases
+together (one module kind, dtype, recipe family, forced path and autocast dtype: P1-P3 draw the
+same cases there, and :func:`~.truth.memo` keeps their truth), and keeps in this process the
+cells that need it: P9's (its ``python -O`` subprocess was started here).
+
+The worker is forked, so it sees the loaded backend, the monkeypatches of a test and the
+opened session as they are; it sends each finished cell back with the GEMM path decisions it
+recorded (:mod:`splitgrad.impl.gemm_paths`), which join this process's recorders.
+
+One caveat on reproducibility: hypothesis draws some integers from the constants of the
+modules loaded so far, so a cell may draw other cases in a worker than in a one-process run
+(the verdicts are those of the code under test, and each failure's reproduce line replays its
+case exactly).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+__all__ = ["default_jobs", "run_cells"]
+
+#: Properties whose cells run in this process (their setup lives here).
+_HOME_PROPERTIES = frozenset({"P9"})
+
+
+def default_jobs() -> int:
+    """Two processes where two cores are free to this process, else one."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    forks = "fork" in multiprocessing.get_all_start_methods()
+    return 2 if cores >= 2 and forks else 1
+
+
+def _group(cell: Any) -> tuple:
+    return (cell.kind, cell.dtype, cell.recipe_label, cell.path, cell.autocast)
+
+
+def _cost(cell: Any) -> float:
+    return 15.0 if cell.examples is None else float(cell.examples) + 4.0
+
+
+def _split(cells: Sequence[Any]) -> tuple[list[int], list[int]]:
+    """(this process's cell indices, the worker's), each in plan order: whole groups, the
+    largest first to the less loaded side; P9's cells here."""
+    groups: dict[tuple, list[int]] = {}
+    for i, cell in enumerate(cells):
+        groups.setdefault(_group(cell), []).append(i)
+    home = [i for i, c in enumerate(cells) if c.property_id in _HOME_PROPERTIES]
+    load = [sum(_cost(cells[i]) for i in home), 0.0]
+    sides: list[list[int]] = [list(home), []]
+    for indices in sorted(groups.values(), key=lambda ix: -sum(_cost(cells[i]) for i in ix)):
+        rest = [i for i in indices if i not in home]
+        side = 0 if load[0] <= load[1] else 1
+        sides[side].extend(rest)
+        load[side] += sum(_cost(cells[i]) for i in rest)
+    return sorted(sides[0]), sorted(sides[1])
+
+
+def _worker(run: Callable[[Any], Any], cells: Sequence[Any], indices: list[int], conn) -> None:
+    from splitgrad.impl import gemm_paths
+
+    try:
+        for i in indices:
+            with gemm_paths.recording() as log:
+                cell = run(cells[i])
+            conn.send((i, cell, dict(log.counts)))
+    except BaseException as exc:  # the harness itself failed: say so in the main process
+        conn.send((None, repr(exc), None))
+    finally:
+        conn.close()
+
+
+def _merge_paths(counts: dict) -> None:
+    from splitgrad.impl import gemm_paths
+
+    for log in gemm_paths.RECORDERS:
+        for decision, n in counts.items():
+            log.counts[decision] = log.counts.get(decision, 0) + n
+
+
+def run_cells(
+    run: Callable[[Any], Any], cells: Sequence[Any], jobs: int = 1
+) -> Iterator[tuple[int, Any]]:
+    """``(index, run(cell))`` for every cell, in plan order; with ``jobs >= 2`` the cells are
+    shared with one forked worker (see the module docstring). Stopping the iteration early
+    stops the worker."""
+    if jobs < 2 or len(cells) < 2:
+        for i, cell in enumerate(cells):
+            yield i, run(cell)
+        return
+    mine, theirs = _split(cells)
+    ctx = multiprocessing.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    worker = ctx.Process(target=_worker, args=(run, cells, theirs, send), daemon=True)
+    worker.start()
+    send.close()
+    done: dict[int, Any] = {}
+    pending = set(theirs)
+    try:
+        nxt = 0
+        for i in mine:
+            done[i] = run(cells[i])
+            while pending and receive.poll():
+                _receive(receive, done, pending)
+            while nxt in done:
+                yield nxt, done.pop(nxt)
+                nxt += 1
+        while nxt < len(cells):
+            while nxt not in done:
+                _receive(receive, done, pending)
+            yield nxt, done.pop(nxt)
+            nxt += 1
+    finally:
+        if worker.is_alive():
+            worker.terminate()
+        worker.join()
+        receive.close()
+
+
+def _receive(conn, done: dict[int, Any], pending: set[int]) -> None:
+    try:
+        i, cell, counts = conn.recv()
+    except EOFError:
+        raise RuntimeError(
+            f"the campaign's worker process ended with {len(pending)} cell(s) left"
+        ) from None
+    if i is None:
+        raise RuntimeError(f"the campaign's worker process failed: {cell}")
+    _merge_paths(counts)
+    done[i] = cell
+    pending.discard(i)
