@@ -39,6 +39,7 @@ __all__ = [
     "Comparison",
     "judge",
     "Judging",
+    "compare_outputs",
     "compare_dgrads",
     "compare_wgrads",
     "best_of",
