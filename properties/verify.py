@@ -421,7 +421,7 @@ def _run_cells(session: Session, quiet: bool, fail_fast: bool) -> _Run:
     bar = not quiet and sys.stderr.isatty()
     plan, cells = session.cells, []
     start = time.perf_counter()
-    results = workers.run_cells(session.run, plan, workers.default_jobs())
+    results = workers.run_cells(session.run, plan, workers.default_jobs(session.device))
     for i, cell in results:
         cells.append(cell)
         if bar:

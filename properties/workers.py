@@ -29,8 +29,11 @@ __all__ = ["default_jobs", "run_cells"]
 _HOME_PROPERTIES = frozenset({"P9"})
 
 
-def default_jobs() -> int:
-    """Two processes where two cores are free to this process, else one."""
+def default_jobs(device: str = "cpu") -> int:
+    """Two processes where two cores are free to this process and the cells run on the CPU
+    (CUDA cannot be used in a forked process), else one."""
+    if device != "cpu":
+        return 1
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
