@@ -4,6 +4,7 @@ package under test, its gradients by name, draining its entries, the loss and th
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 from splitgrad.distributed import in_shape_inference, split_modules
@@ -154,7 +155,7 @@ def loss_of(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out.to(wide) - target.to(wide)) ** 2).mean()
 
 
-def autocast(lib, recipe):
+def autocast(lib: Any, recipe: Any) -> contextlib.AbstractContextManager:
     """``fp8_autocast`` with ``recipe`` (one object per run: delayed scaling keeps its amax
     histories per recipe), or nothing."""
     if recipe is None:
@@ -162,7 +163,7 @@ def autocast(lib, recipe):
     return lib.fp8_autocast(enabled=True, fp8_recipe=recipe)
 
 
-def make_recipe(lib, name: str | None):
+def make_recipe(lib: Any, name: str | None) -> Any:
     return None if name is None else getattr(lib, RECIPES[name])()
 
 
@@ -182,7 +183,7 @@ def sizes(recipe: str | None) -> tuple[int, int, int]:
     return 16, 32, 8
 
 
-def two_blocks(lib, **options) -> torch.nn.Sequential:
+def two_blocks(lib: Any, **options: Any) -> torch.nn.Sequential:
     """Blocks 0 and 1 of ``lib`` in sequence, at the high-precision sizes, built with
     ``options`` (:class:`Block`'s keywords)."""
     hidden, ffn, _ = sizes(None)

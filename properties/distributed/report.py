@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from splitgrad.distributed import RankFailure, run_ranks
@@ -104,7 +106,14 @@ def _diff(got: torch.Tensor, want: torch.Tensor) -> str:
     return f"max |diff| {float(d.max()):.3g} at flat index {i}: {a!r} vs {b!r}"
 
 
-def run_checked(report: DistributedReport, what: str, fn, world: int, *args, timeout_s: float):
+def run_checked(
+    report: DistributedReport,
+    what: str,
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout_s: float,
+) -> list[Any] | None:
     """:func:`~splitgrad.distributed.run_ranks`, a failed or stuck rank (the package raised, or
     a harness step met what it did not expect) turned into a failure of ``report`` with its
     traceback's end; ``None`` then."""
@@ -117,7 +126,7 @@ def run_checked(report: DistributedReport, what: str, fn, world: int, *args, tim
         return None
 
 
-def mean(grads: list, divisor: float):
+def mean(grads: list[torch.Tensor | None], divisor: float) -> torch.Tensor | None:
     """``sum(grads) / divisor``, or ``None`` if a gradient is missing (reported by name where it
     is compared)."""
     if any(g is None for g in grads):
