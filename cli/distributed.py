@@ -1,4 +1,5 @@
-"""``splitgrad distributed``: P14-P16 against a package, each check on its own gloo ranks."""
+"""``splitgrad distributed``: the harness's P14-P16 (:mod:`splitgrad.properties.distributed`)
+against a package, each check on its own gloo ranks."""
 
 from __future__ import annotations
 
