@@ -11,6 +11,7 @@ every legal truth (:mod:`.kink`).
 from __future__ import annotations
 
 from .backends import Backend
+from .case import Case
 from .data import make_main_grads, make_micro_batches
 from .internals import dgrad_operand_floors, wgrad_operand_floors
 from .judge import (
@@ -26,7 +27,6 @@ from .kink import kink_choices, kink_deltas, kink_sites
 from .results import CheckResult, PropertyViolation, Tracker
 from .rounding import rounding_bounds
 from .runner import AccuracyRun, ModuleRun, fb_steps, play
-from .strategies import Case
 from .truth import TruthRuns, memo, truth_runs
 
 __all__ = ["accuracy", "accuracy_runs", "check_p1", "check_p2", "check_p3"]

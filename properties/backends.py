@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .strategies import GATED, KINDS, Case, ModuleConfig, make_recipe
+from .case import GATED, KINDS, Case, ModuleConfig, make_recipe
 from .variants import PartialBackward
 
 __all__ = [

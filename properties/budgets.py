@@ -684,8 +684,8 @@ def gradcheck_reference(config, seed: int = 0, rows: int = 3, backend=None) -> N
     import dataclasses as dc
 
     from .backends import get_backend
+    from .case import MicroBatch
     from .data import make_state
-    from .strategies import MicroBatch
 
     config = dc.replace(config, dtype="float64", autocast=None)
     backend = backend or get_backend("reference")

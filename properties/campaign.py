@@ -31,9 +31,9 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.errors import FlakyFailure, HypothesisException, UnsatisfiedAssumption
 
 from .backends import Backend
+from .case import Case
 from .registry import MODULE_PROTOCOL, case_strategy, explicit_cases, run_check
 from .results import CheckResult
-from .strategies import Case
 
 __all__ = [
     "CellResult",
@@ -339,8 +339,8 @@ class _CellPlan:
     def skipped(self, backend: Backend, cell: CellResult, fp8_asked: bool) -> bool:
         """Fill ``cell`` and return True when it cannot run: ``blocked`` by missing API, or
         ``n/a`` (the property does not apply, or the backend says it does not support it)."""
+        from .case import ModuleConfig
         from .registry import SPECS, applicable
-        from .strategies import ModuleConfig
 
         pid, kind = self.property_id, self.kind
         missing = backend.missing_api()

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .strategies import DY_LAYOUTS, GATED, Case, MicroBatch, ModuleConfig
+from .case import DY_LAYOUTS, GATED, Case, MicroBatch, ModuleConfig
 
 __all__ = [
     "ParamSpec",

@@ -12,6 +12,7 @@ import torch
 
 from . import budgets as B
 from .backends import Backend
+from .case import Case
 from .data import (
     MicroBatchData,
     make_grad_prefill,
@@ -21,7 +22,6 @@ from .data import (
 )
 from .results import CheckResult, Tracker
 from .runner import AccuracyRun, ModuleRun, Snapshot, fb_steps
-from .strategies import Case
 from .truth import judge_steps, truth_runs
 
 __all__ = ["check_p12"]

@@ -15,8 +15,8 @@ import dataclasses
 import torch
 
 from . import budgets as B
+from .case import Case
 from .data import make_micro_batches, make_state
-from .strategies import Case
 
 __all__ = [
     "MicroBatchInternals",

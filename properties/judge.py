@@ -27,10 +27,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from . import budgets as B
+from .case import Case, ModuleConfig
 from .kink import KinkSite
 from .results import CheckResult, Tracker
 from .runner import AccuracyRun
-from .strategies import Case, ModuleConfig
 
 __all__ = [
     "HIGH_PRECISION",

@@ -43,8 +43,8 @@ import torch
 from hypothesis.errors import UnsatisfiedAssumption
 
 from . import budgets as B
+from .case import Case
 from .internals import float64_internals
-from .strategies import Case
 
 __all__ = [
     "CaseRejected",
@@ -140,7 +140,7 @@ def fp8_kink_bound(
     from splitgrad.reference import fp8 as R
     from splitgrad.reference.fp8_quant import format_for
 
-    from .strategies import make_recipe
+    from .case import make_recipe
 
     r = make_recipe(recipe)
     margin = getattr(r, "margin", 0)

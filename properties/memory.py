@@ -6,10 +6,10 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .backends import Backend
+from .case import Case
 from .data import make_micro_batches
 from .results import CheckResult, Tracker
 from .runner import ModuleRun
-from .strategies import Case
 
 __all__ = ["check_p11"]
 

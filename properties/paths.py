@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from .backends import Backend, BackendUnavailable
-from .strategies import RECIPE_FAMILIES, Case, ModuleConfig
+from .case import RECIPE_FAMILIES, Case, ModuleConfig
 
 __all__ = ["ImplPath", "IMPL_PATHS", "ForcedPathBackend", "forced_path_error"]
 
@@ -199,8 +199,8 @@ class ForcedPathBackend(Backend):
         if key in warmed or self.path.operator is None:
             return
         warmed.add(key)
+        from .case import Case, MicroBatch
         from .data import make_micro_batches, make_state
-        from .strategies import Case, MicroBatch
 
         module = self.inner.build(config, delay=False)
         setattr(module, self.path.attribute, self.path.value)

@@ -27,9 +27,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from .case import AUTOCAST_DTYPES, LOW_PRECISION_DTYPES, RECIPE_FAMILIES, RECIPES
 from .paths import IMPL_PATHS
 from .registry import SPECS, applicable
-from .strategies import AUTOCAST_DTYPES, LOW_PRECISION_DTYPES, RECIPE_FAMILIES, RECIPES
 
 __all__ = [
     "PlannedCell",

@@ -60,11 +60,11 @@ from typing import Any
 import torch
 
 from .backends import Backend, BackendUnavailable
+from .case import Case
 from .data import MicroBatchData, make_micro_batches, make_state, param_specs, with_layout
 from .misuse import _expect_raises, _state_snapshot
 from .results import CheckResult, PropertyViolation, Tracker
 from .runner import ModuleRun, Snapshot
-from .strategies import Case
 
 __all__ = ["PROTOCOL_VARIANTS", "check_protocol", "protocol_explicit"]
 

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from . import budgets as B
+from .case import Case
 from .data import (
     GEMM_WEIGHT,
     make_grad_prefill,
@@ -31,7 +32,6 @@ from .data import (
 )
 from .internals import NORM_EPS, norm_projection
 from .runner import Step, fb_steps
-from .strategies import Case
 
 __all__ = ["unit_roundoff", "sum_gamma", "Bounded", "Arith", "rounding_bounds"]
 
@@ -109,7 +109,7 @@ class Arith:
         self.cast_operands = cast_operands
         self.recipe = None
         if recipe is not None:
-            from .strategies import make_recipe
+            from .case import make_recipe
 
             self.recipe = make_recipe(recipe)
         # Per (GEMM, role): the largest scale_inv a delayed-scaling quantizer may use (it starts

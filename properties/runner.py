@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from .backends import Backend
+from .case import Case, ModuleConfig
 from .data import (
     MicroBatchData,
     gemm_bias_names,
@@ -24,7 +25,6 @@ from .data import (
     make_main_grads,
     make_state,
 )
-from .strategies import Case, ModuleConfig
 
 __all__ = [
     "ModuleRun",

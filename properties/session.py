@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 from .backends import Backend, get_backend
 from .campaign import NA, CellResult, api_gaps, run_cell
+from .case import LOW_PRECISION_DTYPES
 from .paths import ForcedPathBackend
 from .plan import PlannedCell, plan_cells
-from .strategies import LOW_PRECISION_DTYPES
 
 __all__ = ["Options", "OptionError", "Session", "choose", "load_backend", "DEFAULT_DTYPES"]
 
@@ -59,9 +59,9 @@ def choose(values: Sequence[str] | None, allowed: Sequence[str], what: str) -> l
 def _list_options() -> dict[str, tuple[Sequence[str], str, str]]:
     """The options that choose from a list: field of :class:`Options` -> (what it may name,
     what one item is called, the option's name as a flag)."""
+    from .case import DTYPES, KINDS
     from .plan import AUTOCAST_CHOICES, PATH_CHOICES, RECIPE_CHOICES
     from .registry import PROPERTIES
-    from .strategies import DTYPES, KINDS
 
     return {
         "modules": (KINDS, "module", "module"),
@@ -142,9 +142,9 @@ class Session:
         profiles, and plan the cells."""
         import torch
 
+        from .case import KINDS
         from .profiles import active_profile_name, load_profile
         from .registry import PROPERTIES
-        from .strategies import KINDS
 
         backend = backend or load_backend(options.backend)
         torch.set_num_threads(options.threads)

@@ -35,6 +35,7 @@ from typing import TypeVar
 import torch
 
 from .backends import Backend, get_backend
+from .case import LOW_PRECISION_DTYPES, Case
 from .data import (
     GEMM_WEIGHT,
     MicroBatchData,
@@ -49,7 +50,6 @@ from .kink import has_relu_kink, kink_choices, kink_deltas, kink_sites
 from .results import Tracker
 from .rounding import rounding_bounds
 from .runner import AccuracyRun, ModuleRun, Step, play
-from .strategies import LOW_PRECISION_DTYPES, Case
 
 __all__ = [
     "reference_backend",

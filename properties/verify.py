@@ -44,6 +44,7 @@ from xml.etree import ElementTree as ET
 
 from . import workers, xfails
 from .campaign import BLOCKED, DEVIATION, ERROR, FAIL, NA, PASS, CellResult, blocked_by, run_case
+from .case import DTYPES, KINDS, Case
 from .plan import (
     AUTOCAST_CHOICES,
     DEFAULT_EXAMPLES,
@@ -55,7 +56,6 @@ from .plan import (
 )
 from .registry import PROPERTIES, case_na_reason
 from .session import DEFAULT_DTYPES, OptionError, Options, Session
-from .strategies import DTYPES, KINDS, Case
 
 __all__ = [
     "main",

@@ -95,10 +95,10 @@ def result_id(cell: Any) -> str:
 
 
 def _names() -> dict[str, Any]:
+    from .case import AUTOCAST_DTYPES, DTYPES, KINDS
     from .paths import IMPL_PATHS
     from .plan import RECIPE_CHOICES
     from .registry import PROPERTIES
-    from .strategies import AUTOCAST_DTYPES, DTYPES, KINDS
 
     return {
         "property": tuple(PROPERTIES),
