@@ -52,6 +52,8 @@ __all__ = [
     "fp8_not_differentiable",
     "functorch_active",
     "twin",
+    "twin_backward",
+    "norm_module_backward",
     "fast_apply",
     "take_fp8",
     "without_autocast",
@@ -101,9 +103,43 @@ def fp8_not_differentiable(module) -> None:
 def take_fp8(ctx) -> tuple[torch.nn.Module, object]:
     """``(module, FP8 operands)`` that an FP8 Function's forward left on ``ctx``, handed over:
     from here on the queued entry, not the autograd graph, keeps the quantized copies alive
-    (so ``backward_dw()`` is what frees them)."""
+    (so ``backward_dw()`` is what frees them). Raises ``RuntimeError`` when the backward is
+    differentiated itself or transformed (:func:`fp8_not_differentiable`)."""
     fp8, ctx.fp8 = ctx.fp8, None
+    if differentiated():  # create_graph, torch.func
+        fp8_not_differentiable(ctx.module)
     return ctx.module, fp8
+
+
+def norm_module_backward(ctx, dy, names, n_saved: int, backward: Callable, op) -> tuple:
+    """The backward of the Function of a module that begins with a norm (``LayerNormLinear``,
+    ``LayerNormMLP``), whose inputs are ``x``, the parameters ``names``, module, overwrite,
+    autocast, and whose forward saved ``n_saved`` tensors, then the norm's statistics. Traced
+    by ``torch.compile``: one call to the module's backward op ``op``
+    (:func:`.compiled.norm_module_backward_op`); differentiated itself: the twin
+    (:func:`twin_backward`); otherwise ``backward``, the eager body, on the leaves the
+    Function's edges lead to."""
+    saved = ctx.saved_tensors
+    if torch.compiler.is_compiling():
+        needs = list(ctx.needs_input_grad[:3])
+        handle, overwrite = ctx.module._handle, ctx.overwrite
+        out = iter(op(handle, dy, saved[:n_saved], saved[n_saved:], overwrite, needs))
+        return (*(next(out) if n else None for n in needs), *(None,) * (len(names) + 1))
+    if differentiated():  # create_graph, torch.func: see .twin
+        return twin_backward(ctx, names, dy, saved[0])
+    dests, leaves = edge_routes(ctx, ctx.present)
+    grads = backward(ctx.module, dy, saved, ctx.needs_input_grad[0], dests, leaves, ctx.overwrite)
+    return (*grads, None, None, None)
+
+
+def twin_backward(ctx, names: Sequence[str], dy: torch.Tensor, x: torch.Tensor) -> tuple:
+    """A Function's backward when it is differentiated itself or transformed
+    (:func:`differentiated`): the gradients of ``x`` and of the parameters ``names`` (as
+    ``ctx.params``, ``ctx.present``), all returned through autograd by :mod:`.twin`; ``None``
+    for the Function's last three arguments (module, overwrite, autocast)."""
+    ctx.param_names, ctx.param_present = names, ctx.present
+    grads = twin.differentiable_backward(ctx, ctx.module, dy, x, ctx.params, ctx.autocast)
+    return (*grads, None, None, None)
 
 
 def fast_apply(function: type[torch.autograd.Function]) -> Callable[..., torch.Tensor]:
@@ -175,6 +211,38 @@ class SplitBackwardModule(ModuleContract):
         """The forward under a ``torch.func`` transform (:mod:`.twin`)."""
         self._check_forward_params(recipe, [])
         return twin.TwinFunction.apply(x, self, autocast, m_splits, tuple(names), *params)
+
+    def _check_weights_used(self, recipe, names: Sequence[str], params: Sequence) -> None:
+        """:meth:`_check_forward_params` for the GEMM weights among the forward's parameters
+        ``params`` (named ``names``), when fused accumulation or FP8 makes it check anything."""
+        if self.fuse_wgrad_accumulation or recipe is not None:
+            weights = self._gemm_weight_names
+            self._check_forward_params(
+                recipe, tuple((n, p) for n, p in zip(names, params) if n in weights)
+            )
+
+    def _run_forward(
+        self, x, recipe, is_first_microbatch, names, params, apply, fp8_forward
+    ) -> torch.Tensor:
+        """The forward of a module whose Functions take ``(x, *params, module, overwrite,
+        [recipe,] autocast)``, on the path the context chooses: the twin under a ``torch.func``
+        transform (:mod:`.twin`), ``apply`` (the Function, :func:`fast_apply`) without FP8,
+        ``fp8_forward`` (the FP8 Function, run eagerly) under an FP8 recipe. With
+        ``torch.autocast`` on, the Function runs with it off and casts its operands itself.
+        ``x``, ``recipe``: what :meth:`_check_input` returned."""
+        overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
+        self._check_weights_used(recipe, names, params)
+        autocast = self.autocast_dtype()
+        if functorch_active():
+            with autocast_off(x.device.type):
+                return self._twin_forward(x, names, params, autocast, recipe)
+        if recipe is None and autocast is None:
+            return apply(x, *params, self, overwrite, None)
+        with autocast_off(x.device.type):
+            if recipe is None:
+                return apply(x, *params, self, overwrite, autocast)
+            self._check_fp8_shapes(recipe, x.shape[0])
+            return fp8_forward(x, *params, self, overwrite, recipe, autocast)
 
     # ---- gradient routing (§3) ------------------------------------------------------------
 

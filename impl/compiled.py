@@ -31,7 +31,7 @@ integer held in a 0-d tensor so that one compiled graph serves every instance of
 keeps no module alive).
 
 Nothing here imports Dynamo (``torch._dynamo``, about as long to import as torch itself): the
-functions that must run eagerly inside a compiled graph (:func:`eager_only`,
+functions that must run eagerly inside a compiled graph (:func:`eager_apply`,
 :func:`check_supported`) get ``torch.compiler.disable`` when a traced graph first reaches them,
 so ``import splitgrad.impl`` costs what importing torch costs.
 """
@@ -44,7 +44,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
-from splitgrad.reference.contract import RETURN, gradient_destinations
+from splitgrad.reference.contract import RETURN, autocast_off, gradient_destinations
 
 from . import _torch_compat
 
@@ -54,12 +54,15 @@ SUPPORTED = _torch_compat.at_least(_torch_compat.MINIMUM["torch.compile support"
 __all__ = [
     "register",
     "module_of",
+    "backward_op",
+    "norm_module_backward_op",
     "effectful",
     "destinations",
     "zeros_for_unwanted",
     "no_returned_gemm_grads",
     "parameters",
-    "eager_only",
+    "op_targets",
+    "eager_apply",
 ]
 
 _modules: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
@@ -78,6 +81,46 @@ def register(module: torch.nn.Module) -> torch.Tensor:
 def module_of(handle: torch.Tensor) -> torch.nn.Module:
     """The module registered under ``handle``."""
     return _modules[int(handle)]
+
+
+def backward_op(name: str) -> Callable:
+    """Decorator defining a module's compiled backward: the custom op ``name``
+    (``torch.library.custom_op``; its writes are outside the graph, so it mutates no argument),
+    registered as an ordered side effect (:func:`effectful`)."""
+
+    def define(fn: Callable):
+        return effectful(torch.library.custom_op(name, mutates_args=())(fn))
+
+    return define
+
+
+def norm_module_backward_op(name: str, names, backward: Callable):
+    """The compiled backward of a module that begins with a norm (``LayerNormLinear``,
+    ``LayerNormMLP``; parameters ``names``): the op ``name`` takes the module's handle, ``dy``,
+    the tensors its Function's forward saved before the norm's statistics (``None`` where not
+    kept), the statistics, ``overwrite`` and which of x, layer_norm_weight, layer_norm_bias
+    the traced graph ``needs``; it runs ``backward``, the eager backward's body, on the
+    module's registered parameters and returns those gradients."""
+
+    @backward_op(name)
+    def op(
+        handle: torch.Tensor,
+        dy: torch.Tensor,
+        saved: list[torch.Tensor | None],
+        stats: list[torch.Tensor],
+        overwrite: bool,
+        needs: list[bool],
+    ) -> list[torch.Tensor]:
+        module, leaves, dests = op_targets(handle, names)
+        with autocast_off(dy.device.type):
+            grads = backward(module, dy, (*saved, *stats), needs[0], dests, leaves, overwrite, True)
+        return zeros_for_unwanted(grads[:3], saved[:3], needs)
+
+    @op.register_fake
+    def _(handle, dy, saved, stats, overwrite, needs):
+        return [t.new_empty(t.shape) for t, n in zip(saved[:3], needs) if n]
+
+    return op
 
 
 def effectful(op):
@@ -102,33 +145,40 @@ def _check_supported() -> None:
 _EAGER_ONLY: dict[str, Callable] = {"check_supported": _check_supported}
 
 
-def eager_only(fn: Callable) -> Callable:
-    """Decorator for a module-level function that must run eagerly when ``torch.compile`` traces
-    its caller (a graph break there), as under ``torch.compiler.disable``, without importing
-    Dynamo (as long to import as torch itself) before a graph is traced.
+def eager_apply(function: type[torch.autograd.Function]) -> Callable:
+    """``function.apply`` for a Function that must run eagerly when ``torch.compile`` traces its
+    caller (a graph break there), as under ``torch.compiler.disable``, without importing Dynamo
+    (as long to import as torch itself) before a graph is traced. The modules' FP8 Functions run
+    so: their quantized operands and delayed-scaling state live in Python objects the compiled
+    backward op cannot take.
 
-    Eagerly the returned wrapper calls ``fn``. Traced, it calls this module's attribute of the
-    same key, which :func:`__getattr__` builds with ``torch.compiler.disable`` on first use
-    (Dynamo reads a module attribute missing from the module's ``__dict__`` with a real
-    ``getattr``). The graph breaks once; Dynamo records the break twice, in the caller's frame
-    and in the wrapper's, which holds no operation."""
-    key = f"{fn.__module__.rpartition('.')[2]}__{fn.__name__}"
-    _EAGER_ONLY[key] = fn
+    Eagerly the returned wrapper calls ``function.apply``. Traced, it calls this module's
+    attribute of the same key, which :func:`__getattr__` builds with ``torch.compiler.disable``
+    on first use (Dynamo reads a module attribute missing from the module's ``__dict__`` with a
+    real ``getattr``). The graph breaks once; Dynamo records the break in every frame on the
+    way, the wrapper's included, which holds no operation."""
+
+    def apply(*args):
+        return function.apply(*args)
+
+    apply.__module__ = function.__module__
+    apply.__name__, apply.__qualname__ = "apply", f"{function.__qualname__}.apply"
+    key = f"{function.__module__.rpartition('.')[2]}__{function.__name__}"
+    _EAGER_ONLY[key] = apply
     this = sys.modules[__name__]
 
     def run(*args):
         if torch.compiler.is_compiling():
             return getattr(this, key)(*args)
-        return fn(*args)
+        return function.apply(*args)
 
-    run.__name__, run.__qualname__, run.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
-    run.__module__ = fn.__module__
+    run.__module__, run.__name__, run.__qualname__ = apply.__module__, "apply", apply.__qualname__
     return run
 
 
 def __getattr__(name: str) -> Callable:
     """The ``torch.compiler.disable``-d form of an eager-only function (``check_supported`` or a
-    key of :func:`eager_only`), built and kept on first use."""
+    key of :func:`eager_apply`), built and kept on first use."""
     fn = _EAGER_ONLY.get(name)
     if fn is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -173,7 +223,24 @@ def no_returned_gemm_grads(module: torch.nn.Module, names_and_dests) -> None:
         )
 
 
-def zeros_for_unwanted(grads, likes) -> list[torch.Tensor]:
-    """The op's outputs: each gradient, or zeros shaped like its input where the running
-    backward did not compute it (autograd discards those)."""
-    return [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, likes)]
+def op_targets(handle: torch.Tensor, names=None) -> tuple[torch.nn.Module, list, list[str | None]]:
+    """What a compiled backward op writes: the module ``handle`` names, its registered
+    parameters ``names`` (:func:`parameters`; ``None``: its GEMM weights, then biases) and where
+    the running backward wants each one's gradient (:func:`destinations`). Raises when it asks
+    for a GEMM parameter's (:func:`no_returned_gemm_grads`)."""
+    module = module_of(handle)
+    gemm = module._gemm_weight_names + module._gemm_bias_names
+    names = gemm if names is None else names
+    leaves = parameters(module, names)
+    dests = destinations(*leaves)
+    no_returned_gemm_grads(module, [(n, d) for n, d in zip(names, dests) if n in gemm])
+    return module, leaves, dests
+
+
+def zeros_for_unwanted(grads, likes, needs) -> list[torch.Tensor]:
+    """The op's outputs, one for each input of ``likes`` whose gradient the traced graph
+    ``needs``: its gradient, or zeros shaped like it where the running backward did not
+    compute it (autograd discards those)."""
+    return [
+        g if g is not None else torch.zeros_like(t) for g, t, n in zip(grads, likes, needs) if n
+    ]

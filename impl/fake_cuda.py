@@ -363,7 +363,13 @@ def module_step(
     ctx, fn = captured["ctx"], captured["fn"]
     grad = dy if dy.shape == y.shape else dy.reshape(y.shape)
     flat = grad.reshape(-1, grad.shape[-1]) if grad.dim() != 2 else grad
-    with torch.no_grad(), _patched(namespace, edge_routes=_edge_routes):
+    from . import base
+
+    with (
+        torch.no_grad(),
+        _patched(namespace, edge_routes=_edge_routes),
+        _patched(base, edge_routes=_edge_routes),  # the norm modules' shared backward
+    ):
         grads = fn.backward(ctx, flat)
         # What autograd's AccumulateGrad does with the gradients the Function returns (norm
         # parameters; GEMM parameters are written by the module itself and come back None).

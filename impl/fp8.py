@@ -35,7 +35,8 @@ import dataclasses
 
 import torch
 from splitgrad.reference import fp8 as recipes
-from splitgrad.reference.fp8 import Recipe
+from splitgrad.reference.fp8 import FP8_DTYPES, FP8_MAX, MX_BLOCK, TILE, Recipe
+from splitgrad.reference.fp8 import FP8_EMAX as _EMAX
 
 __all__ = [
     "FP8_DTYPES",
@@ -50,13 +51,8 @@ __all__ = [
     "update_delayed_scaling",
 ]
 
-FP8_DTYPES = {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2}
-FP8_MAX = {"E4M3": 448.0, "E5M2": 57344.0}
-_EMAX = {"E4M3": 8, "E5M2": 15}  # exponent of each format's largest finite value
 _FLT_MAX = torch.finfo(torch.float32).max
 ROLES = ("input", "weight", "grad_output")
-MX_BLOCK = 32
-TILE = 128
 PER_TENSOR = (0, 0)
 
 

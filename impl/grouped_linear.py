@@ -39,9 +39,9 @@ from .base import (
     SplitBackwardModule,
     autocast_cast,
     autocast_off,
+    differentiated,
     edge_routes,
     fast_apply,
-    fp8_not_differentiable,
     functorch_active,
     take_fp8,
     twin,
@@ -203,7 +203,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             return ((out[0] if need_x else None), *(None,) * (_N_ARGS - 1 + n_params))
         module = ctx.module
         present = (True,) * (len(ctx.needs_input_grad) - _N_ARGS)
-        if torch.is_grad_enabled() or functorch_active():  # create_graph, torch.func: see .twin
+        if differentiated():  # create_graph, torch.func: see .twin
             ctx.param_names = module._gemm_weight_names + module._gemm_bias_names
             ctx.param_present = present
             grads = twin.differentiable_backward(
@@ -229,8 +229,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
 _apply = fast_apply(_GroupedLinearFunction)
 
 
-@compiled.effectful
-@torch.library.custom_op("splitgrad::grouped_linear_backward", mutates_args=())
+@compiled.backward_op("splitgrad::grouped_linear_backward")
 def _grouped_linear_backward_op(
     handle: torch.Tensor,
     dy: torch.Tensor,
@@ -242,11 +241,7 @@ def _grouped_linear_backward_op(
     need_x: bool,
 ) -> list[torch.Tensor]:
     """The backward of a compiled ``GroupedLinear`` (see :mod:`.compiled`): ``[dx]`` or ``[]``."""
-    module = compiled.module_of(handle)
-    names = module._gemm_weight_names + module._gemm_bias_names
-    leaves = compiled.parameters(module, names)
-    dest = compiled.destinations(*leaves)
-    compiled.no_returned_gemm_grads(module, zip(names, dest))
+    module, leaves, dest = compiled.op_targets(handle)
     with autocast_off(dy.device.type):
         dx = _backward(
             module, dy, x, weights, m_splits, use_grouped, need_x, dest, leaves, overwrite, True
@@ -288,8 +283,6 @@ class _GroupedLinearFP8Function(torch.autograd.Function):
         module, gemms = take_fp8(ctx)
         n, m_splits = module.num_gemms, ctx.m_splits
         need_x = ctx.needs_input_grad[0]
-        if torch.is_grad_enabled() or functorch_active():  # create_graph, torch.func
-            fp8_not_differentiable(module)
         dest, leaves = edge_routes(ctx, (True,) * (len(ctx.needs_input_grad) - _N_ARGS))
         to_w, to_b = dest[:n], dest[n:] or [None] * n
         weight_params, bias_params = leaves[:n], leaves[n:] or [None] * n
@@ -319,6 +312,9 @@ class _GroupedLinearFP8Function(torch.autograd.Function):
         if any(need_w) or any(need_b):
             module._submit_fp8_wgrad(parts, named_weights, ctx.overwrite, written)
         return (dx, *(None,) * (_N_ARGS - 1), *returned)
+
+
+_fp8_forward = compiled.eager_apply(_GroupedLinearFP8Function)
 
 
 class GroupedLinear(GroupedLinearContract, SplitBackwardModule):
@@ -413,8 +409,7 @@ class GroupedLinear(GroupedLinearContract, SplitBackwardModule):
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
         names = self._gemm_weight_names + self._gemm_bias_names
         params = self._params_of(names)
-        if self.fuse_wgrad_accumulation or recipe is not None:
-            self._check_forward_params(recipe, tuple(zip(self._gemm_weight_names, params)))
+        self._check_weights_used(recipe, names, params)
         autocast = self.autocast_dtype()
         if functorch_active():
             with autocast_off(x.device.type):
@@ -431,9 +426,3 @@ class GroupedLinear(GroupedLinearContract, SplitBackwardModule):
             with autocast_off(x.device.type):
                 y = _fp8_forward(x, splits, self, overwrite, recipe, autocast, *params)
         return y if x is inp or inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.out_features)
-
-
-@compiled.eager_only
-def _fp8_forward(*args):
-    # FP8 runs eagerly inside a compiled graph (one graph break), see impl.linear.
-    return _GroupedLinearFP8Function.apply(*args)

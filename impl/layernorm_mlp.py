@@ -22,13 +22,10 @@ from .base import (
     FP8WgradPart,
     SplitBackwardModule,
     autocast_cast,
-    autocast_off,
     edge_routes,
     fast_apply,
-    fp8_not_differentiable,
-    functorch_active,
+    norm_module_backward,
     take_fp8,
-    twin,
     without_autocast,
 )
 from .fp8 import update_delayed_scaling
@@ -45,14 +42,7 @@ def _needs(dest) -> tuple[bool, ...]:
     return (dest[0] is not None, dest[1] is not None, *(d == ACCUMULATE for d in dest[2:]))
 
 
-_NAMES = (
-    "layer_norm_weight",
-    "layer_norm_bias",
-    "fc1_weight",
-    "fc1_bias",
-    "fc2_weight",
-    "fc2_bias",
-)
+_NAMES = LayerNormMLPContract._parameter_names
 
 
 def _written(leaves, need_w1: bool, need_b1: bool, need_w2: bool, need_b2: bool) -> tuple:
@@ -77,7 +67,7 @@ def _backward(module, dy, saved, need_x, dest, leaves, overwrite, compiled_graph
     hooked = module._begin_writes(written)
 
     need_norm = need_x or need_lnw or need_lnb
-    dx = d_lnw = d_lnb = d_fc1_out = None
+    d_fc1_out = None
     if need_norm or to_w1 is not None or to_b1 is not None:
         d_act = torch.mm(dy, fc2_weight)
         d_fc1_out, recomputed = act_bwd(
@@ -88,12 +78,11 @@ def _backward(module, dy, saved, need_x, dest, leaves, overwrite, compiled_graph
             act_out = recomputed
     elif to_w2 is not None and act_out is None:
         act_out = act_fwd(fc1_out, module.activation)
-    if need_norm:
-        d_ln_out = torch.mm(d_fc1_out, fc1_weight)
-        dx, d_lnw, d_lnb = norm_bwd(
-            module, d_ln_out, x, ln_weight, ln_bias, stats, (need_x, need_lnw, need_lnb)
-        )
-        del d_ln_out
+    d_ln_out = torch.mm(d_fc1_out, fc1_weight) if need_norm else None
+    dx, d_lnw, d_lnb = norm_bwd(
+        module, d_ln_out, x, ln_weight, ln_bias, stats, (need_x, need_lnw, need_lnb)
+    )
+    del d_ln_out
 
     if written:
 
@@ -151,59 +140,16 @@ class _LayerNormMLPFunction(torch.autograd.Function):
     @staticmethod
     @without_autocast
     def backward(ctx, dy):
-        saved = ctx.saved_tensors
-        need_x = ctx.needs_input_grad[0]
-        if torch.compiler.is_compiling():
-            needs = list(ctx.needs_input_grad[:3])
-            out = iter(
-                torch.ops.splitgrad.layernorm_mlp_backward(
-                    ctx.module._handle, dy, saved[:8], saved[8:], ctx.overwrite, needs
-                )
-            )
-            return (*(next(out) if n else None for n in needs), *(None,) * 7)
-        if torch.is_grad_enabled() or functorch_active():  # create_graph, torch.func: see .twin
-            ctx.param_names, ctx.param_present = _NAMES, ctx.present
-            grads = twin.differentiable_backward(
-                ctx, ctx.module, dy, saved[0], ctx.params, ctx.autocast
-            )
-            return (*grads, None, None, None)
-        dest, leaves = edge_routes(ctx, ctx.present)
-        grads = _backward(ctx.module, dy, saved, need_x, dest, leaves, ctx.overwrite)
-        return (*grads, None, None, None)
+        return norm_module_backward(ctx, dy, _NAMES, 8, _backward, _backward_op)
 
 
 _apply = fast_apply(_LayerNormMLPFunction)
 
-
-@compiled.effectful
-@torch.library.custom_op("splitgrad::layernorm_mlp_backward", mutates_args=())
-def _layernorm_mlp_backward_op(
-    handle: torch.Tensor,
-    dy: torch.Tensor,
-    saved: list[torch.Tensor | None],
-    stats: list[torch.Tensor],
-    overwrite: bool,
-    needs: list[bool],
-) -> list[torch.Tensor]:
-    """The backward of a compiled ``LayerNormMLP`` (see :mod:`.compiled`): the gradients of
-    x, layer_norm_weight, layer_norm_bias for which ``needs`` is true. ``saved``: x, ln_weight,
-    ln_bias, ln_out, fc1_weight, fc1_out, act_out, fc2_weight (None where not kept)."""
-    module = compiled.module_of(handle)
-    leaves = compiled.parameters(module, _NAMES)
-    dest = compiled.destinations(*leaves)
-    compiled.no_returned_gemm_grads(module, zip(_NAMES[2:], dest[2:]))
-    with autocast_off(dy.device.type):
-        grads = _backward(module, dy, (*saved, *stats), needs[0], dest, leaves, overwrite, True)
-    grads = grads[:3]
-    likes = saved[:3]
-    return compiled.zeros_for_unwanted(
-        [g for g, n in zip(grads, needs) if n], [t for t, n in zip(likes, needs) if n]
-    )
-
-
-@_layernorm_mlp_backward_op.register_fake
-def _(handle, dy, saved, stats, overwrite, needs):
-    return [t.new_empty(t.shape) for t, n in zip(saved[:3], needs) if n]
+#: The backward of a compiled ``LayerNormMLP`` (see :mod:`.compiled`). Its saved tensors: x,
+#: ln_weight, ln_bias, ln_out, fc1_weight, fc1_out, act_out (None when recomputed), fc2_weight.
+_backward_op = compiled.norm_module_backward_op(
+    "splitgrad::layernorm_mlp_backward", _NAMES, _backward
+)
 
 
 class _LayerNormMLPFP8Function(torch.autograd.Function):
@@ -239,8 +185,6 @@ class _LayerNormMLPFP8Function(torch.autograd.Function):
         module, (fc1, fc2) = take_fp8(ctx)
         x, ln_weight, ln_bias, fc1_out, *stats = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
-        if torch.is_grad_enabled() or functorch_active():  # create_graph, torch.func
-            fp8_not_differentiable(module)
         dest, leaves = edge_routes(ctx, ctx.present)
         to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2 = dest
         need_lnw, need_lnb, need_w1, need_b1, need_w2, need_b2 = _needs(dest)
@@ -257,12 +201,10 @@ class _LayerNormMLPFP8Function(torch.autograd.Function):
             del d_act
             d_ln_out = fc1.dgrad(d_fc1_out, need_dx=need_norm, keep_dy=to_w1 is not None)
         update_delayed_scaling(module, fc2.recipe, ("grad_output",))
-        dx = d_lnw = d_lnb = None
-        if need_norm:
-            dx, d_lnw, d_lnb = norm_bwd(
-                module, d_ln_out, x, ln_weight, ln_bias, stats, (need_x, need_lnw, need_lnb)
-            )
-            del d_ln_out
+        dx, d_lnw, d_lnb = norm_bwd(
+            module, d_ln_out, x, ln_weight, ln_bias, stats, (need_x, need_lnw, need_lnb)
+        )
+        del d_ln_out
         dy2, act_q = fc2.take_wgrad_operands()
         dy1, ln_q = fc1.take_wgrad_operands()
         # Asked for by torch.autograd.grad: returned now, nothing written or queued.
@@ -282,6 +224,9 @@ class _LayerNormMLPFP8Function(torch.autograd.Function):
         return dx, d_lnw, d_lnb, *returned, None, None, None, None
 
 
+_fp8_forward = compiled.eager_apply(_LayerNormMLPFP8Function)
+
+
 class LayerNormMLP(LayerNormMLPContract, SplitBackwardModule):
     """``y = fc2(act(fc1(norm(x))))``.
 
@@ -296,41 +241,10 @@ class LayerNormMLP(LayerNormMLPContract, SplitBackwardModule):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.hidden_size)
-        overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
         p = self._parameters
         try:
-            params = (
-                p["layer_norm_weight"],
-                p["layer_norm_bias"],
-                p["fc1_weight"],
-                p["fc1_bias"],
-                p["fc2_weight"],
-                p["fc2_bias"],
-            )
+            params = tuple(p[name] for name in _NAMES)
         except KeyError:  # parametrized
             params = self._params_of(_NAMES)
-        if self.fuse_wgrad_accumulation or recipe is not None:
-            self._check_forward_params(
-                recipe, (("fc1_weight", params[2]), ("fc2_weight", params[4]))
-            )
-        args = (x, *params, self, overwrite)
-        autocast = self.autocast_dtype()
-        if functorch_active():
-            with autocast_off(x.device.type):
-                y = self._twin_forward(x, _NAMES, params, autocast, recipe)
-        elif recipe is None and autocast is None:
-            y = _apply(*args, None)
-        elif recipe is None:
-            with autocast_off(x.device.type):
-                y = _apply(*args, autocast)
-        else:
-            self._check_fp8_shapes(recipe, x.shape[0])
-            with autocast_off(x.device.type):
-                y = _fp8_forward(*args, recipe, autocast)
+        y = self._run_forward(x, recipe, is_first_microbatch, _NAMES, params, _apply, _fp8_forward)
         return y if x is inp or inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.hidden_size)
-
-
-@compiled.eager_only
-def _fp8_forward(*args):
-    # FP8 runs eagerly inside a compiled graph (one graph break), see impl.linear.
-    return _LayerNormMLPFP8Function.apply(*args)

@@ -11,12 +11,11 @@ from .base import (
     SplitBackwardModule,
     autocast_cast,
     autocast_off,
+    differentiated,
     edge_routes,
     fast_apply,
-    fp8_not_differentiable,
-    functorch_active,
     take_fp8,
-    twin,
+    twin_backward,
     without_autocast,
 )
 from .fp8 import update_delayed_scaling
@@ -25,20 +24,20 @@ from .fp8_gemm import FP8GemmOperands, fp8_wgrad_value
 __all__ = ["Linear"]
 
 
-_NAMES = ("weight", "bias")
+_NAMES = LinearContract._parameter_names
 
 
-def _backward(module, dy, x, weight, need_x, dests, leaves, overwrite, compiled_graph=False):
-    """``(dx, dW, db)``: dgrad now; the wgrad closure run now or queued, writing the leaves the
-    forward used (gradients it writes are returned as ``None``); the gradients
-    ``torch.autograd.grad`` asked for (``RETURN``) computed and returned, nothing written or
-    queued for them. The body of both the eager Function's backward and the compiled op."""
+def linear_wgrad(module, dy, x, dests, leaves, overwrite, compiled_graph=False):
+    """The weight half of the backward of ``y = x @ weight^T + bias`` (also ``LayerNormLinear``'s,
+    whose ``x`` is the norm's output): one wgrad closure writing ``dW = dy^T x`` and
+    ``db = sum(dy)`` into the leaves the forward used, run now or queued; ``(dW, db)`` where
+    ``torch.autograd.grad`` asked for them (``RETURN``: computed and returned, nothing written
+    or queued for them). ``dests`` / ``leaves``: of (weight, bias)."""
     (to_w, to_b), (w, b) = dests, leaves
     need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
     written = (("weight", w),) * need_w + (("bias", b),) * need_b
     named_weights = written[:1] if need_w else ()
     hooked = module._begin_writes(written)
-    dx = torch.mm(dy, weight) if need_x else None
     if written:
 
         def wgrad_closure(dy, x=None):
@@ -52,7 +51,40 @@ def _backward(module, dy, x, weight, need_x, dests, leaves, overwrite, compiled_
         module._submit_wgrad(wgrad_closure, saved, written, compiled_graph, hooked)
     dw = gemm.wgrad(dy, x) if to_w == RETURN else None
     db = dy.sum(dim=0) if to_b == RETURN else None
-    return dx, dw, db
+    return dw, db
+
+
+def begin_fp8_writes(module, leaves) -> tuple:
+    """The (name, leaf) pairs of (weight, bias) an FP8 backward writes (the leaves
+    :func:`~.base.edge_routes` gave: those it accumulates), begun
+    (:meth:`~.base.SplitBackwardModule._begin_writes`) before its dgrad updates the
+    delayed-scaling state."""
+    written = tuple((n, leaf) for n, leaf in zip(_NAMES, leaves) if leaf is not None)
+    module._begin_writes(written)
+    return written
+
+
+def fp8_linear_wgrad(ctx, fp8, dy, dests, leaves, written) -> tuple:
+    """:func:`linear_wgrad` under an FP8 recipe, after ``fp8``'s dgrad (``ctx``: the FP8
+    Function's, with ``module``, ``weight_dtype``, ``overwrite``): one entry holding the
+    column-wise FP8 copies of dy and x and the reduced bias gradient
+    (:meth:`~.base.SplitBackwardModule._submit_fp8_wgrad`) writes ``written``
+    (:func:`begin_fp8_writes`); ``(dW, db)`` where ``torch.autograd.grad`` asked for them."""
+    module, (to_w, to_b), (w, b) = ctx.module, dests, leaves
+    dy_q, x_q = fp8.take_wgrad_operands()
+    dw = fp8_wgrad_value(module, ctx.weight_dtype, dy_q, x_q) if to_w == RETURN else None
+    db = dy.sum(dim=0) if to_b == RETURN else None
+    if written:
+        part = FP8WgradPart(w, b, dy_q, x_q, None if b is None else dy.sum(dim=0))
+        module._submit_fp8_wgrad([part], written[: w is not None], ctx.overwrite, written)
+    return dw, db
+
+
+def _backward(module, dy, x, weight, need_x, dests, leaves, overwrite, compiled_graph=False):
+    """``(dx, dW, db)``: dgrad now, then :func:`linear_wgrad`. The body of both the eager
+    Function's backward and the compiled op."""
+    dx = torch.mm(dy, weight) if need_x else None
+    return (dx, *linear_wgrad(module, dy, x, dests, leaves, overwrite, compiled_graph))
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -76,10 +108,8 @@ class _LinearFunction(torch.autograd.Function):
                 ctx.module._handle, dy, x, weight, ctx.overwrite, need_x
             )
             return (out[0] if need_x else None), None, None, None, None, None
-        if torch.is_grad_enabled() or functorch_active():  # create_graph, torch.func: see .twin
-            ctx.param_names, ctx.param_present = _NAMES, ctx.present
-            grads = twin.differentiable_backward(ctx, ctx.module, dy, x, ctx.params, ctx.autocast)
-            return (*grads, None, None, None)
+        if differentiated():  # create_graph, torch.func: see .twin
+            return twin_backward(ctx, _NAMES, dy, x)
         dests, leaves = edge_routes(ctx, ctx.present)
         dx, dw, db = _backward(ctx.module, dy, x, weight, need_x, dests, leaves, ctx.overwrite)
         return dx, dw, db, None, None, None
@@ -88,8 +118,7 @@ class _LinearFunction(torch.autograd.Function):
 _apply = fast_apply(_LinearFunction)
 
 
-@compiled.effectful
-@torch.library.custom_op("splitgrad::linear_backward", mutates_args=())
+@compiled.backward_op("splitgrad::linear_backward")
 def _linear_backward_op(
     handle: torch.Tensor,
     dy: torch.Tensor,
@@ -99,10 +128,7 @@ def _linear_backward_op(
     need_x: bool,
 ) -> list[torch.Tensor]:
     """The backward of a compiled ``Linear`` (see :mod:`.compiled`): ``[dx]`` or ``[]``."""
-    module = compiled.module_of(handle)
-    leaves = compiled.parameters(module, _NAMES)
-    dests = compiled.destinations(*leaves)
-    compiled.no_returned_gemm_grads(module, zip(_NAMES, dests))
+    module, leaves, dests = compiled.op_targets(handle, _NAMES)
     with autocast_off(dy.device.type):
         dx, _, _ = _backward(module, dy, x, weight, need_x, dests, leaves, overwrite, True)
     return [dx] if need_x else []
@@ -133,22 +159,15 @@ class _LinearFP8Function(torch.autograd.Function):
     @without_autocast
     def backward(ctx, dy):
         module, fp8 = take_fp8(ctx)
-        need_x = ctx.needs_input_grad[0]
-        if torch.is_grad_enabled() or functorch_active():  # create_graph, torch.func
-            fp8_not_differentiable(module)
-        (to_w, to_b), (w, b) = edge_routes(ctx, ctx.present)
-        need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
-        written = (("weight", w),) * need_w + (("bias", b),) * need_b
-        module._begin_writes(written)
-        dx = fp8.dgrad(dy, need_dx=need_x, keep_dy=to_w is not None)
+        dests, leaves = edge_routes(ctx, ctx.present)
+        written = begin_fp8_writes(module, leaves)
+        dx = fp8.dgrad(dy, need_dx=ctx.needs_input_grad[0], keep_dy=dests[0] is not None)
         update_delayed_scaling(module, fp8.recipe, ("grad_output",))
-        dy_q, x_q = fp8.take_wgrad_operands()
-        dw = fp8_wgrad_value(module, ctx.weight_dtype, dy_q, x_q) if to_w == RETURN else None
-        db = dy.sum(dim=0) if to_b == RETURN else None
-        if written:
-            part = FP8WgradPart(w, b, dy_q, x_q, dy.sum(dim=0) if need_b else None)
-            module._submit_fp8_wgrad([part], written[:need_w], ctx.overwrite, written)
+        dw, db = fp8_linear_wgrad(ctx, fp8, dy, dests, leaves, written)
         return dx, dw, db, None, None, None, None
+
+
+_fp8_forward = compiled.eager_apply(_LinearFP8Function)
 
 
 class Linear(LinearContract, SplitBackwardModule):
@@ -163,32 +182,10 @@ class Linear(LinearContract, SplitBackwardModule):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.in_features)
-        overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
         p = self._parameters
         try:
-            weight, bias = p["weight"], p["bias"]
+            params = (p["weight"], p["bias"])
         except KeyError:  # parametrized
-            weight, bias = self._params_of(_NAMES)
-        if self.fuse_wgrad_accumulation or recipe is not None:
-            self._check_forward_params(recipe, (("weight", weight),))
-        autocast = self.autocast_dtype()
-        if functorch_active():
-            with autocast_off(x.device.type):
-                y = self._twin_forward(x, _NAMES, (weight, bias), autocast, recipe)
-        elif recipe is None and autocast is None:
-            y = _apply(x, weight, bias, self, overwrite, None)
-        elif recipe is None:
-            with autocast_off(x.device.type):
-                y = _apply(x, weight, bias, self, overwrite, autocast)
-        else:
-            self._check_fp8_shapes(recipe, x.shape[0])
-            with autocast_off(x.device.type):
-                y = _fp8_forward(x, weight, bias, self, overwrite, recipe, autocast)
+            params = self._params_of(_NAMES)
+        y = self._run_forward(x, recipe, is_first_microbatch, _NAMES, params, _apply, _fp8_forward)
         return y if x is inp or inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.out_features)
-
-
-@compiled.eager_only
-def _fp8_forward(*args):
-    # FP8 runs eagerly inside a compiled graph (one graph break): its quantized operands and
-    # delayed-scaling state live in Python objects the compiled backward op cannot take.
-    return _LinearFP8Function.apply(*args)

@@ -131,9 +131,12 @@ def norm_bwd(
     stats: tuple[torch.Tensor, ...],
     need: tuple[bool, bool, bool],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``(dx, d_layer_norm_weight, d_layer_norm_bias)``; ``need`` masks which are computed.
-    ``d_out`` may come in another dtype than ``x`` (the autocast dtype of the GEMM that read the
-    norm's output, SPEC §2): it is cast to ``x``'s, exactly (a widening)."""
+    """``(dx, d_layer_norm_weight, d_layer_norm_bias)``; ``need`` masks which are computed
+    (none needed: ``d_out`` may be ``None``). ``d_out`` may come in another dtype than ``x``
+    (the autocast dtype of the GEMM that read the norm's output, SPEC §2): it is cast to
+    ``x``'s, exactly (a widening)."""
+    if not any(need):
+        return None, None, None
     if d_out.dtype != x.dtype:
         d_out = d_out.to(x.dtype)
     cdt = _compute_dtype(x.dtype)

@@ -229,12 +229,16 @@ class SplitBackwardModule(ModuleContract):
 
     # ---- helpers for the Functions ----------------------------------------------------------
 
-    def _route(self, ctx, fp8: object) -> list[Target]:
-        """The :class:`Target` of each parameter input (:mod:`.routing`), checked at the start
-        of every backward, before anything is computed, written or queued. A backward with grad
-        mode on (``create_graph=True``, a ``torch.func`` transform) is differentiated itself
-        (:func:`.routing.route_differentiable`). The leaves the module writes get their hooks
-        muted for autograd's call without a gradient (:func:`.accumulate.mute_empty_calls`)."""
+    def _route(self, ctx) -> tuple[object, list[Target]]:
+        """``(fp8, targets)`` at the start of every backward, before anything is computed,
+        written or queued: the FP8 GEMM state the forward left on ``ctx`` (``None`` without
+        FP8), handed over (from here on the queued entry, not the autograd graph, keeps the
+        quantized copies alive), and the :class:`Target` of each parameter input
+        (:mod:`.routing`). A backward with grad mode on (``create_graph=True``, a ``torch.func``
+        transform) is differentiated itself (:func:`.routing.route_differentiable`). The leaves
+        the module writes get their hooks muted for autograd's call without a gradient
+        (:func:`.accumulate.mute_empty_calls`)."""
+        fp8, ctx.fp8 = ctx.fp8, None
         targets = param_targets(ctx, self)
         if differentiated():
             targets = route_differentiable(self, targets, fp8 is not None)
@@ -243,12 +247,35 @@ class SplitBackwardModule(ModuleContract):
         for t in targets:
             if t.written and t.gemm and acc.has_hooks(t.leaf):
                 acc.mute_empty_calls(t.leaf, deferred=self.delay_wgrad_compute)
-        return targets
+        return fp8, targets
 
     def _begin_wgrad(self, weights: Sequence[Target]) -> None:
         """First step of every backward and of every wgrad closure: under fused accumulation,
         each written GEMM weight needs a usable ``main_grad`` and no tensor hook."""
         self._check_main_grads([(t.name, t.leaf) for t in weights])
+
+    def _submit_gemm_wgrads(self, gemms: Sequence[tuple], overwrite: bool) -> None:
+        """Queue (or, without delay, run now) the one wgrad entry of a backward: for each GEMM
+        ``(to_w, to_b, dy, x, fp8)`` in order, ``dW = dy^T x`` to the weight's target and
+        ``db = sum(dy)`` to the bias's (``None``: no bias), each where the module writes it
+        (:attr:`Target.written`); no entry when it writes none. ``overwrite``: the
+        ``is_first_microbatch`` flag of the forward, under fused accumulation."""
+        weights = [to_w for to_w, *_ in gemms if to_w.written]
+        biases = [to_b for _, to_b, *_ in gemms if to_b is not None and to_b.written]
+        if not weights and not biases:
+            return
+
+        def wgrad_closure():
+            self._begin_wgrad(weights)
+            writes = []
+            for to_w, to_b, dy, x, fp8 in gemms:
+                if to_w.written:
+                    writes.append(self._weight_write(to_w, dy, x, fp8))
+                if to_b is not None and to_b.written:
+                    writes.append(self._bias_write(to_b, dy))
+            return writes
+
+        self._submit_wgrad(WgradEntry(wgrad_closure, overwrite))
 
     def _weight_write(
         self,

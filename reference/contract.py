@@ -66,7 +66,7 @@ from ._torch_private import (
     will_engine_execute_node,
 )
 from .accumulate import check_no_tensor_hooks
-from .fp8 import Float8BlockScaling, MXFP8BlockScaling, Recipe, fp8_active_recipe
+from .fp8 import MX_BLOCK, TILE, Float8BlockScaling, MXFP8BlockScaling, Recipe, fp8_active_recipe
 
 __all__ = [
     "ACCUMULATE",
@@ -217,9 +217,9 @@ def check_fp8_gemm_shape(recipe: Recipe, gemm: str, tokens: int, k: int, m: int)
     values and Float8BlockScaling tiles of 128 along each GEMM's reduction axis, and every one
     of the three dimensions is the reduction axis of one of the three GEMMs."""
     if isinstance(recipe, MXFP8BlockScaling):
-        multiple = 32
+        multiple = MX_BLOCK
     elif isinstance(recipe, Float8BlockScaling):
-        multiple = 128
+        multiple = TILE
     else:
         return  # per-tensor scales quantize any shape
     prefix = f"{gemm}." if gemm else ""
@@ -423,6 +423,9 @@ class ModuleContract(torch.nn.Module):
 
     #: The positional sizes, by attribute name (each module class sets its own).
     _size_names: tuple[str, ...] = ()
+    #: Every parameter the module may have, in registration order (``None`` ones included:
+    #: no bias, RMSNorm); ``GroupedLinear``'s depend on ``num_gemms``.
+    _parameter_names: tuple[str, ...] = ()
     #: Keyword options shown by :meth:`extra_repr` when they differ from these defaults.
     _option_defaults: tuple[tuple[str, object], ...] = (
         ("eps", 1e-5),
@@ -629,6 +632,7 @@ class LinearContract(ModuleContract):
         self.reset_parameters()
 
     _size_names = ("in_features", "out_features")
+    _parameter_names = ("weight", "bias")
 
     def _check_fp8_shapes(self, recipe: Recipe, rows: int) -> None:
         check_fp8_gemm_shape(recipe, "", rows, self.in_features, self.out_features)
@@ -687,6 +691,7 @@ class LayerNormLinearContract(_NormContract):
         self.reset_parameters()
 
     _size_names = ("in_features", "out_features")
+    _parameter_names = ("layer_norm_weight", "layer_norm_bias", "weight", "bias")
 
     def _check_fp8_shapes(self, recipe: Recipe, rows: int) -> None:
         check_fp8_gemm_shape(recipe, "", rows, self.in_features, self.out_features)
@@ -739,6 +744,14 @@ class LayerNormMLPContract(_NormContract):
         self.reset_parameters()
 
     _size_names = ("hidden_size", "ffn_hidden_size")
+    _parameter_names = (
+        "layer_norm_weight",
+        "layer_norm_bias",
+        "fc1_weight",
+        "fc1_bias",
+        "fc2_weight",
+        "fc2_bias",
+    )
 
     def _check_fp8_shapes(self, recipe: Recipe, rows: int) -> None:
         fc1_out = self.fc1_weight.shape[0]

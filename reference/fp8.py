@@ -1,6 +1,7 @@
 """FP8 recipes and ``fp8_autocast`` (SPEC §6).
 
-The recipe dataclasses are defined here once and re-exported by ``splitgrad.impl``. The numerics
+The recipe dataclasses and the facts of the formats they quantize to (dtypes, largest values,
+block sizes) are defined here once; ``splitgrad.impl`` re-exports the recipes. The numerics
 live in :mod:`.fp8_quant` (casts, quantizers, amax histories: every rounding point) and
 :mod:`.fp8_gemm` (which quantized copy feeds which GEMM). ``fp8_autocast(enabled=False)`` is a
 no-op context. An implementation without FP8 support calls :func:`fp8_enabled_for_forward` so
@@ -15,18 +16,7 @@ import enum
 import threading
 from collections.abc import Iterator
 
-__all__ = [
-    "Format",
-    "Recipe",
-    "DelayedScaling",
-    "Float8CurrentScaling",
-    "MXFP8BlockScaling",
-    "Float8BlockScaling",
-    "fp8_autocast",
-    "fp8_active_recipe",
-    "fp8_enabled_for_forward",
-]
-
+import torch
 
 #: What ``splitgrad.reference`` and ``splitgrad.impl`` export from here (SPEC §6).
 EXPORTED = (
@@ -38,6 +28,22 @@ EXPORTED = (
     "Float8BlockScaling",
     "fp8_autocast",
 )
+
+# The package namespaces star-import this list: the format facts below stay out of it.
+__all__ = [*EXPORTED, "fp8_active_recipe", "fp8_enabled_for_forward"]
+
+# ---- the formats and block sizes every implementation quantizes to ---------------------------
+
+#: The torch dtype that holds each FP8 format's values.
+FP8_DTYPES = {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2}
+#: Each format's largest finite value.
+FP8_MAX = {"E4M3": 448.0, "E5M2": 57344.0}
+#: The exponent of each format's largest finite value (MXFP8's power-of-two scales align to it).
+FP8_EMAX = {"E4M3": 8, "E5M2": 15}
+#: ``MXFP8BlockScaling``: values per E8M0 scale, along a GEMM's reduction dimension.
+MX_BLOCK = 32
+#: ``Float8BlockScaling``: the tile side (1x128 activations and gradients, 128x128 weights).
+TILE = 128
 
 
 class Format(enum.Enum):

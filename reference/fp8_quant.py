@@ -47,6 +47,11 @@ import dataclasses
 import torch
 
 from .fp8 import (
+    FP8_DTYPES,
+    FP8_EMAX,
+    FP8_MAX,
+    MX_BLOCK,
+    TILE,
     DelayedScaling,
     Float8BlockScaling,
     Float8CurrentScaling,
@@ -67,12 +72,7 @@ __all__ = [
     "check_quantizable",
 ]
 
-FP8_DTYPES = {"E4M3": torch.float8_e4m3fn, "E5M2": torch.float8_e5m2}
-_FP8_MAX = {"E4M3": 448.0, "E5M2": 57344.0}
-_FP8_EMAX = {"E4M3": 8, "E5M2": 15}  # exponent of the largest finite value
 FLT_MAX = torch.finfo(torch.float32).max
-MX_BLOCK = 32
-TILE = 128
 
 
 def scale_from_amax(amax: torch.Tensor, fmt: str, margin: int = 0) -> torch.Tensor:
@@ -85,14 +85,14 @@ def scale_from_amax(amax: torch.Tensor, fmt: str, margin: int = 0) -> torch.Tens
 
 def fp8_max(fmt: str) -> float:
     """Largest finite value of ``"E4M3"`` (448) or ``"E5M2"`` (57344)."""
-    return _FP8_MAX[fmt]
+    return FP8_MAX[fmt]
 
 
 def cast_to_fp8(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """Saturating round-to-nearest-even cast of an fp32 tensor to FP8 ``fmt``."""
     if x.dtype != torch.float32:
         raise TypeError(f"cast_to_fp8 expects float32 input, got {x.dtype}")
-    m = _FP8_MAX[fmt]
+    m = FP8_MAX[fmt]
     return torch.clamp(x, -m, m).to(FP8_DTYPES[fmt])
 
 
@@ -196,7 +196,7 @@ def _mx(x32: torch.Tensor, axis: int, fmt: str) -> QuantizedTensor:
     br, bc = (1, MX_BLOCK) if axis == 1 else (MX_BLOCK, 1)
     amax = _blocks(x32, br, bc)
     _, exponent = torch.frexp(amax)  # amax = m * 2**exponent, m in [0.5, 1)
-    shared = torch.clamp(exponent - 1 - _FP8_EMAX[fmt], -127, 127).to(torch.float32)
+    shared = torch.clamp(exponent - 1 - FP8_EMAX[fmt], -127, 127).to(torch.float32)
     scale_inv = torch.where(amax > 0, torch.exp2(shared), torch.ones_like(amax))
     scale_inv = torch.where(torch.isfinite(amax), scale_inv, torch.full_like(amax, torch.nan))
     q = QuantizedTensor(torch.empty(0), scale_inv, fmt, (br, bc))

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from . import functional as F
-from .base import SplitBackwardModule, WgradEntry, detached, no_forward_ad, remember_params
+from .base import SplitBackwardModule, detached, no_forward_ad, remember_params
 from .contract import GroupedLinearContract, autocast_off, without_autocast
 from .fp8_gemm import FP8Gemm, update_delayed_scaling
 from .linear import _gemm_operands
@@ -49,8 +49,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         module: GroupedLinear = ctx.module
         n, m_splits = module.num_gemms, ctx.m_splits
-        fp8, ctx.fp8 = ctx.fp8, None
-        targets = module._route(ctx, fp8)
+        fp8, targets = module._route(ctx)
         to_w, to_b = targets[:n], targets[n:] or [None] * n
         need_x = ctx.needs_input_grad[0]
         if fp8 is None:
@@ -67,20 +66,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
             update_delayed_scaling(module, fp8[0].recipe, ("grad_output",))
             x_parts = [None] * n
         dy_parts = dy.split(m_splits)
-        written = [t for t in to_w if t.written]
-        if written or any(b is not None and b.written for b in to_b):
-
-            def wgrad_closure():
-                module._begin_wgrad(written)
-                writes = []
-                for i, dy_i in enumerate(dy_parts):
-                    if to_w[i].written:
-                        writes.append(module._weight_write(to_w[i], dy_i, x_parts[i], fp8[i]))
-                    if to_b[i] is not None and to_b[i].written:
-                        writes.append(module._bias_write(to_b[i], dy_i))
-                return writes
-
-            module._submit_wgrad(WgradEntry(wgrad_closure, ctx.overwrite))
+        # One entry for all groups, group by group.
+        gemms = list(zip(to_w, to_b, dy_parts, x_parts, fp8))
+        module._submit_gemm_wgrads(gemms, ctx.overwrite)
         dws = [
             module._returned_weight_grad(t, dtype, dy_i, x_i, g)
             for t, dtype, dy_i, x_i, g in zip(to_w, ctx.weight_dtypes, dy_parts, x_parts, fp8)

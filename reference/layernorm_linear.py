@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
-from .base import SplitBackwardModule, WgradEntry, detached, no_forward_ad, remember_params
+from .base import SplitBackwardModule, detached, no_forward_ad, remember_params
 from .contract import LayerNormLinearContract, autocast_off, without_autocast
-from .fp8_gemm import FP8Gemm, update_delayed_scaling
-from .linear import _gemm_operands
+from .fp8_gemm import update_delayed_scaling
+from .linear import _fp8_gemm, _gemm_operands
 from .norm import norm_bwd, norm_fwd
 
 __all__ = ["LayerNormLinear"]
@@ -43,11 +43,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         _, ln_out, *stats = output
         ctx.mark_non_differentiable(ln_out, *stats)
         ctx.module, ctx.overwrite, ctx.fp8, ctx.autocast = module, overwrite, fp8, autocast
-        remember_params(
-            ctx,
-            ("layer_norm_weight", "layer_norm_bias", "weight", "bias"),
-            (ln_weight, ln_bias, weight, bias),
-        )
+        remember_params(ctx, module._parameter_names, (ln_weight, ln_bias, weight, bias))
         ctx.weight_dtype = weight.dtype
         if fp8 is not None:  # the quantized copies in ``fp8`` replace ln_out and the weight
             ln_out = weight = None
@@ -59,8 +55,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
     @without_autocast
     def backward(ctx, dy, *_):
         module: LayerNormLinear = ctx.module
-        fp8, ctx.fp8 = ctx.fp8, None
-        to_lnw, to_lnb, to_w, to_b = module._route(ctx, fp8)
+        fp8, (to_lnw, to_lnb, to_w, to_b) = module._route(ctx)
         x, ln_weight, ln_bias, ln_out, weight, *stats = ctx.saved_tensors
         if torch.is_grad_enabled():  # recompute, so that the formulas below are on the graph
             ln_out, stats = _normed(module, x, ln_weight, ln_bias, ctx.autocast)
@@ -77,16 +72,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
             update_delayed_scaling(module, fp8.recipe, ("grad_output",))
         if need_norm_grads:
             dx, d_lnw, d_lnb = norm_bwd(module, d_ln_out, x, ln_weight, stats)
-        if to_w.written or to_b.written:
-
-            def wgrad_closure():
-                module._begin_wgrad([to_w] if to_w.written else [])
-                writes = [module._weight_write(to_w, dy, ln_out, fp8)] if to_w.written else []
-                if to_b.written:
-                    writes.append(module._bias_write(to_b, dy))
-                return writes
-
-            module._submit_wgrad(WgradEntry(wgrad_closure, ctx.overwrite))
+        module._submit_gemm_wgrads([(to_w, to_b, dy, ln_out, fp8)], ctx.overwrite)
         return (
             dx if need_x else None,
             d_lnw if to_lnw.needed else None,
@@ -112,10 +98,7 @@ class LayerNormLinear(LayerNormLinearContract, SplitBackwardModule):
         x, recipe = self._check_input(inp, self.in_features)
         weight = self.weight
         self._check_forward_params(recipe, [("weight", weight)])
-        fp8 = None
-        if recipe is not None:
-            self._check_fp8_shapes(recipe, x.shape[0])
-            fp8 = FP8Gemm(self, recipe)
+        fp8 = _fp8_gemm(self, recipe, x.shape[0])
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
         autocast = self.autocast_dtype()
         params = (self.layer_norm_weight, self.layer_norm_bias, weight, self.bias)

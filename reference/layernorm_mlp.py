@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
-from .base import SplitBackwardModule, WgradEntry, detached, no_forward_ad, remember_params
+from .base import SplitBackwardModule, detached, no_forward_ad, remember_params
 from .contract import LayerNormMLPContract, autocast_off, without_autocast
 from .fp8_gemm import FP8Gemm, update_delayed_scaling
 from .layernorm_linear import _normed
@@ -13,15 +13,6 @@ from .linear import _gemm_operands
 from .norm import norm_bwd
 
 __all__ = ["LayerNormMLP"]
-
-_PARAMS = (
-    "layer_norm_weight",
-    "layer_norm_bias",
-    "fc1_weight",
-    "fc1_bias",
-    "fc2_weight",
-    "fc2_bias",
-)
 
 
 def _mlp_forward(module, x, ln_weight, ln_bias, w1, b1, w2, b2, autocast):
@@ -67,7 +58,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         _, ln_out, fc1_out, act_out, *stats = output
         ctx.mark_non_differentiable(ln_out, fc1_out, act_out, *stats)
         ctx.module, ctx.overwrite, ctx.fp8, ctx.autocast = module, overwrite, fp8, autocast
-        remember_params(ctx, _PARAMS, (ln_weight, ln_bias, w1, b1, w2, b2))
+        remember_params(ctx, module._parameter_names, (ln_weight, ln_bias, w1, b1, w2, b2))
         ctx.weight_dtypes = (w1.dtype, w2.dtype)
         if fp8 is not None:  # the quantized copies in ``fp8`` replace these
             ln_out = act_out = w1 = w2 = None
@@ -81,8 +72,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
     @without_autocast
     def backward(ctx, dy, *_):
         module: LayerNormMLP = ctx.module
-        fp8, ctx.fp8 = ctx.fp8, None
-        to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2 = module._route(ctx, fp8)
+        fp8, (to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2) = module._route(ctx)
         x, ln_weight, ln_bias, w1, b1, w2, b2, ln_out, fc1_out, act_out, *stats = ctx.saved_tensors
         if torch.is_grad_enabled():  # recompute, so that the formulas below are on the graph
             _, ln_out, fc1_out, act_out, stats = _mlp_forward(
@@ -113,23 +103,9 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         if need_norm_grads:
             dx, d_lnw, d_lnb = norm_bwd(module, d_ln_out, x, ln_weight, stats)
 
-        written = [t for t in (to_w2, to_w1) if t.written]
-        if written or to_b1.written or to_b2.written:
-
-            def wgrad_closure():
-                module._begin_wgrad(written)
-                writes = []
-                if to_w2.written:
-                    writes.append(module._weight_write(to_w2, dy, act_out, fc2_fp8))
-                if to_b2.written:
-                    writes.append(module._bias_write(to_b2, dy))
-                if to_w1.written:
-                    writes.append(module._weight_write(to_w1, d_fc1_out, ln_out, fc1_fp8))
-                if to_b1.written:
-                    writes.append(module._bias_write(to_b1, d_fc1_out))
-                return writes
-
-            module._submit_wgrad(WgradEntry(wgrad_closure, ctx.overwrite))
+        # One entry: fc2's gradients, then fc1's.
+        gemms = [(to_w2, to_b2, dy, act_out, fc2_fp8), (to_w1, to_b1, d_fc1_out, ln_out, fc1_fp8)]
+        module._submit_gemm_wgrads(gemms, ctx.overwrite)
         w1_dtype, w2_dtype = ctx.weight_dtypes
         return (
             dx if need_x else None,

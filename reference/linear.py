@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import functional as F
-from .base import SplitBackwardModule, WgradEntry, detached, no_forward_ad, remember_params
+from .base import SplitBackwardModule, detached, no_forward_ad, remember_params
 from .contract import LinearContract, autocast_off, without_autocast
 from .fp8_gemm import FP8Gemm, update_delayed_scaling
 
@@ -19,6 +19,15 @@ def _gemm_operands(autocast, fp8, weight, bias):
         return weight, bias
     weight = weight if fp8 is not None else weight.to(autocast)
     return weight, None if bias is None else bias.to(autocast)
+
+
+def _fp8_gemm(module, recipe, rows: int) -> FP8Gemm | None:
+    """The FP8 state of a forward's one GEMM under ``recipe`` (``None``: no FP8), after checking
+    that the recipe can quantize its shapes (SPEC §5)."""
+    if recipe is None:
+        return None
+    module._check_fp8_shapes(recipe, rows)
+    return FP8Gemm(module, recipe)
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -37,7 +46,7 @@ class _LinearFunction(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, weight, bias, module, overwrite, fp8, autocast = inputs
         ctx.module, ctx.overwrite, ctx.fp8, ctx.autocast = module, overwrite, fp8, autocast
-        remember_params(ctx, ("weight", "bias"), (weight, bias))
+        remember_params(ctx, module._parameter_names, (weight, bias))
         ctx.weight_dtype = weight.dtype
         if fp8 is None:  # under FP8 the quantized copies in ``fp8`` are all the backward needs
             ctx.save_for_backward(x, weight)
@@ -48,8 +57,7 @@ class _LinearFunction(torch.autograd.Function):
     @without_autocast
     def backward(ctx, dy):
         module: Linear = ctx.module
-        fp8, ctx.fp8 = ctx.fp8, None
-        to_w, to_b = module._route(ctx, fp8)
+        fp8, (to_w, to_b) = module._route(ctx)
         differentiable = torch.is_grad_enabled()
         need_x = ctx.needs_input_grad[0]
         x = weight = None
@@ -62,16 +70,7 @@ class _LinearFunction(torch.autograd.Function):
         else:
             dx = fp8.dgrad(dy, need_x)
             update_delayed_scaling(module, fp8.recipe, ("grad_output",))
-        if to_w.written or to_b.written:
-
-            def wgrad_closure():
-                module._begin_wgrad([to_w] if to_w.written else [])
-                writes = [module._weight_write(to_w, dy, x, fp8)] if to_w.written else []
-                if to_b.written:
-                    writes.append(module._bias_write(to_b, dy))
-                return writes
-
-            module._submit_wgrad(WgradEntry(wgrad_closure, ctx.overwrite))
+        module._submit_gemm_wgrads([(to_w, to_b, dy, x, fp8)], ctx.overwrite)
         dw = module._returned_weight_grad(to_w, ctx.weight_dtype, dy, x, fp8)
         return dx, dw, module._returned_bias_grad(to_b, dy), None, None, None, None
 
@@ -92,10 +91,7 @@ class Linear(LinearContract, SplitBackwardModule):
         x, recipe = self._check_input(inp, self.in_features)
         weight, bias = self.weight, self.bias
         self._check_forward_params(recipe, [("weight", weight)])
-        fp8 = None
-        if recipe is not None:
-            self._check_fp8_shapes(recipe, x.shape[0])
-            fp8 = FP8Gemm(self, recipe)
+        fp8 = _fp8_gemm(self, recipe, x.shape[0])
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
         autocast = self.autocast_dtype()
         with autocast_off(x.device.type):
