@@ -7,7 +7,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+from splitgrad.reference import fp8 as _recipes
 
 KINDS = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
 IN, OUT, FFN, ROWS = 8, 6, 12, 7
@@ -129,6 +131,88 @@ def twin_pair(lib, kind, *, seed=0, **options):
         fill(m, seed)
         prefill_grads(m, seed + 1, fused=fused)
     return plain, delayed
+
+
+# ---- FP8 -------------------------------------------------------------------------------------
+
+
+def fp8_size(recipe) -> int:
+    """A size every recipe quantizes: MXFP8's block (32) or Float8BlockScaling's tile (128)."""
+    return 128 if isinstance(recipe, _recipes.Float8BlockScaling) else 32
+
+
+def build_fp8(lib, kind, recipe, *, dtype=torch.float32, delay=False, fused=False, **extra):
+    """A module of ``kind`` from ``lib`` sized for ``recipe`` (:func:`fp8_size`), with seeded
+    parameters in FP8's comfortable range and, when fused, a random ``main_grad`` on each GEMM
+    weight."""
+    n = fp8_size(recipe)
+    kw = dict(params_dtype=dtype, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fused)
+    kw.update(extra)
+    module = {
+        "Linear": lambda: lib.Linear(n, n, **kw),
+        "LayerNormLinear": lambda: lib.LayerNormLinear(n, 2 * n, **kw),
+        "LayerNormMLP": lambda: lib.LayerNormMLP(n, n, activation="swiglu", **kw),
+        "GroupedLinear": lambda: lib.GroupedLinear(3, n, n, **kw),
+    }[kind]()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.05 if "weight" in name else 0.1))
+            if fused and name in module.gemm_weight_names():
+                p.main_grad = torch.randn(p.shape, generator=g)
+    return module
+
+
+def fp8_step(module, recipe, seed, *, fp8=True):
+    """One micro-batch of a :func:`build_fp8` module under ``recipe`` (or in high precision),
+    2n rows (GroupedLinear splits [n, 0, n]): returns (x, y) with x.grad."""
+    n = fp8_size(recipe)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2 * n, n, generator=g).to(module.params_dtype).requires_grad_()
+    with _recipes.fp8_autocast(enabled=fp8, fp8_recipe=recipe):
+        y = module(x, [n, 0, n]) if hasattr(module, "num_gemms") else module(x)
+    y.backward(torch.randn(y.shape, generator=g).to(y.dtype))
+    return x, y
+
+
+def fp8_snapshot(module) -> dict[str, torch.Tensor | None]:
+    """:func:`snapshot` and the module's delayed-scaling state (amax histories, scales)."""
+    out = snapshot(module)
+    for key, state in module.fp8_states.items():
+        out[f"{key}.amax_history"] = state.amax_history.clone()
+        out[f"{key}.scale"] = state.scale.clone()
+    return out
+
+
+def check_fp8_delay_bitwise(lib, kind: str, recipe, fused: bool) -> None:
+    """Gradients (``.grad``, prefilled ``main_grad``), amax histories and scales of ``lib``'s
+    ``kind`` are bitwise equal delayed vs not over three bf16 steps whose wgrad runs only after
+    the next step's forward and backward have moved the scales."""
+    plain = build_fp8(lib, kind, recipe, dtype=torch.bfloat16, fused=fused)
+    delayed = build_fp8(lib, kind, recipe, dtype=torch.bfloat16, fused=fused, delay=True)
+    for step in range(3):
+        xp, yp = fp8_step(plain, recipe, step)
+        xd, yd = fp8_step(delayed, recipe, step)
+        torch.testing.assert_close(yd, yp, rtol=0, atol=0)
+        torch.testing.assert_close(xd.grad, xp.grad, rtol=0, atol=0)
+        if step:
+            delayed.backward_dw()  # the previous step's entry, after this step's update
+    delayed.backward_dw()
+    assert delayed.pending_wgrad_count == 0
+    assert_same(fp8_snapshot(delayed), fp8_snapshot(plain))
+    if isinstance(recipe, _recipes.DelayedScaling):
+        assert any(s.amax_history.count_nonzero() > 1 for s in plain.fp8_states.values())
+
+
+def available_backend(name: str):
+    """The harness backend ``name``, or a pytest skip saying why it is unavailable."""
+    from splitgrad.properties.backends import get_backend
+
+    backend = get_backend(name)
+    why = backend.unavailable_reason()
+    if why:
+        pytest.skip(why)
+    return backend
 
 
 def ci_mutants():

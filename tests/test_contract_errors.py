@@ -110,32 +110,37 @@ def _prepared(lib, kind, *, fused=False, delay=False):
     return module, _params(module), snapshot(module)
 
 
+def _assert_refused(lib, kind, make_x, error, match, *, delay=False) -> None:
+    """The input ``make_x(module)`` raises ``error`` matching ``match``; nothing changes."""
+    module, params, grads = _prepared(lib, kind, delay=delay)
+    with pytest.raises(error, match=match):
+        forward(module, make_x(module))
+    _assert_unchanged(module, params, grads)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("delay", [False, True], ids=["nodelay", "delay"])
 def test_wrong_last_dimension(lib, kind, delay):
-    module, params, grads = _prepared(lib, kind, delay=delay)
-    x = torch.randn(sum(GROUP_SPLITS), 5, dtype=module.params_dtype, requires_grad=True)
-    with pytest.raises(ValueError, match=r"8.*5|5.*8"):
-        forward(module, x)
-    _assert_unchanged(module, params, grads)
+    def x(module):
+        return torch.randn(sum(GROUP_SPLITS), 5, dtype=module.params_dtype, requires_grad=True)
+
+    _assert_refused(lib, kind, x, ValueError, r"8.*5|5.*8", delay=delay)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_wrong_dtype(lib, kind):
-    module, params, grads = _prepared(lib, kind)
-    x = make_input(module, 0).detach().to(torch.float64)
-    with pytest.raises(TypeError, match=r"float32.*float64|float64.*float32"):
-        forward(module, x)
-    _assert_unchanged(module, params, grads)
+    def x(module):
+        return make_input(module, 0).detach().to(torch.float64)
+
+    _assert_refused(lib, kind, x, TypeError, r"float32.*float64|float64.*float32")
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_wrong_device(lib, kind):
-    module, params, grads = _prepared(lib, kind)
-    x = torch.empty(sum(GROUP_SPLITS), 8, device="meta")
-    with pytest.raises((ValueError, TypeError), match="meta"):
-        forward(module, x)
-    _assert_unchanged(module, params, grads)
+    def x(module):
+        return torch.empty(sum(GROUP_SPLITS), 8, device="meta")
+
+    _assert_refused(lib, kind, x, (ValueError, TypeError), "meta")
 
 
 @pytest.mark.parametrize("kind", KINDS)

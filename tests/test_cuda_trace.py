@@ -21,7 +21,7 @@ import pytest
 import splitgrad.impl as impl
 import torch
 import torch._meta_registrations
-from cases import snapshot
+from cases import assert_same, snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from splitgrad.impl import (
@@ -142,13 +142,7 @@ def test_module_step_is_autograd_bitwise_on_cpu(case):
     for m in modules:
         while m.pending_wgrad_count:
             m.backward_dw()
-    want, have = snapshot(engine), snapshot(stepped)
-    assert want.keys() == have.keys()
-    for key, value in want.items():
-        if value is None:
-            assert have[key] is None, key
-        else:
-            torch.testing.assert_close(have[key], value, rtol=0, atol=0, msg=key)
+    assert_same(snapshot(stepped), snapshot(engine))
 
 
 # ---- the modules on fake CUDA --------------------------------------------------------------

@@ -157,7 +157,8 @@ def test_printed_reproduce_line_fails_with_the_same_property_and_tensor(
     assert replayed.splitlines()[1].split(": ", 1)[1].startswith(f"{tensor}:"), replayed
 
 
-def test_a_failure_that_does_not_repeat_is_reported_as_nondeterministic(monkeypatch) -> None:
+def _fail_first_check(monkeypatch) -> None:
+    """The run's first property check raises a planted failure; every later one runs."""
     calls = {"n": 0}
     real = campaign.run_check
 
@@ -168,6 +169,10 @@ def test_a_failure_that_does_not_repeat_is_reported_as_nondeterministic(monkeypa
         return real(property_id, backend, case)
 
     monkeypatch.setattr(campaign, "run_check", fails_once)
+
+
+def test_a_failure_that_does_not_repeat_is_reported_as_nondeterministic(monkeypatch) -> None:
+    _fail_first_check(monkeypatch)
     cell = run_cell(get_backend("reference"), "P1", "Linear", "bfloat16", examples=5)
     assert cell.status == FAIL and cell.nondeterministic, cell.message
     assert cell.message.startswith(NONDETERMINISTIC)
@@ -177,16 +182,7 @@ def test_a_failure_that_does_not_repeat_is_reported_as_nondeterministic(monkeypa
 
 
 def test_verify_counts_a_nondeterministic_failure_as_failed(monkeypatch, capsys) -> None:
-    calls = {"n": 0}
-    real = campaign.run_check
-
-    def fails_once(property_id, backend, case):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise AssertionError("output: planted first-call failure")
-        return real(property_id, backend, case)
-
-    monkeypatch.setattr(campaign, "run_check", fails_once)
+    _fail_first_check(monkeypatch)
     argv = ["--backend", "reference", "--module", "Linear", "--dtype", "bfloat16"]
     assert main([*argv, "--property", "P1", "--examples", "4", "--recipe", "none"]) == 1
     out = capsys.readouterr().out

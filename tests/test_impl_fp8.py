@@ -38,6 +38,7 @@ import pytest
 import splitgrad.impl as impl
 import splitgrad.reference as ref
 import torch
+from cases import build_fp8, check_fp8_delay_bitwise, fp8_size, fp8_step, snapshot
 from hypothesis import example, given
 from hypothesis import strategies as st
 from splitgrad.impl import fp8 as ifp8
@@ -237,58 +238,7 @@ def test_quantize_rejects_misaligned_block_shapes():
         ifp8.quantize(torch.ones(4, 4), ref.DelayedScaling(), "input", 1)
 
 
-# ---- modules: builders and one step --------------------------------------------------------
-
-
-def _size(recipe) -> int:
-    return 128 if isinstance(recipe, ref.Float8BlockScaling) else 32
-
-
-def _build(lib, kind, recipe, *, dtype=torch.float32, delay=False, fused=False, **extra):
-    n = _size(recipe)
-    kw = dict(params_dtype=dtype, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fused)
-    kw.update(extra)
-    module = {
-        "Linear": lambda: lib.Linear(n, n, **kw),
-        "LayerNormLinear": lambda: lib.LayerNormLinear(n, 2 * n, **kw),
-        "LayerNormMLP": lambda: lib.LayerNormMLP(n, n, activation="swiglu", **kw),
-        "GroupedLinear": lambda: lib.GroupedLinear(3, n, n, **kw),
-    }[kind]()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.05 if "weight" in name else 0.1))
-            if fused and name in module.gemm_weight_names():
-                p.main_grad = torch.randn(p.shape, generator=g)
-    return module
-
-
-def _step(module, recipe, seed, *, fp8=True):
-    """One micro-batch (2n rows; GroupedLinear splits [n, 0, n]): returns (x, y) with x.grad."""
-    n = _size(recipe)
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(2 * n, n, generator=g).to(module.params_dtype).requires_grad_()
-    with ref.fp8_autocast(enabled=fp8, fp8_recipe=recipe):
-        y = module(x, [n, 0, n]) if hasattr(module, "num_gemms") else module(x)
-    y.backward(torch.randn(y.shape, generator=g).to(y.dtype))
-    return x, y
-
-
-def _grads(module) -> dict[str, torch.Tensor | None]:
-    out = {}
-    for name, p in module.named_parameters():
-        out[f"{name}.grad"] = p.grad
-        if isinstance(getattr(p, "main_grad", None), torch.Tensor):
-            out[f"{name}.main_grad"] = p.main_grad
-    return out
-
-
-def _fp8_state(module) -> dict[str, torch.Tensor]:
-    out = {}
-    for key, s in module.fp8_states.items():
-        out[f"{key}.amax_history"] = s.amax_history
-        out[f"{key}.scale"] = s.scale
-    return out
+# ---- modules against the reference (builders and steps: cases.build_fp8, cases.fp8_step) ---
 
 
 def _assert_fp8_close(name, actual, expected, high, dtype):
@@ -315,17 +265,17 @@ def _assert_fp8_close(name, actual, expected, high, dtype):
 def test_modules_match_reference_within_budget(recipe, kind, dtype):
     """Two steps (delayed scaling then quantizes with real scales); outputs, input gradients and
     parameter gradients of impl within the documented budget of the reference's."""
-    imp, rf = _build(impl, kind, recipe, dtype=dtype), _build(ref, kind, recipe, dtype=dtype)
-    high = _build(ref, kind, recipe, dtype=dtype)
+    imp, rf = build_fp8(impl, kind, recipe, dtype=dtype), build_fp8(ref, kind, recipe, dtype=dtype)
+    high = build_fp8(ref, kind, recipe, dtype=dtype)
     for step in range(2):
         for m in (imp, rf, high):
             for p in m.parameters():
                 p.grad = None
-        xi, yi = _step(imp, recipe, step)
-        xr, yr = _step(rf, recipe, step)
-        xh, yh = _step(high, recipe, step, fp8=False)
+        xi, yi = fp8_step(imp, recipe, step)
+        xr, yr = fp8_step(rf, recipe, step)
+        xh, yh = fp8_step(high, recipe, step, fp8=False)
     pairs = [("y", yi, yr, yh), ("x.grad", xi.grad, xr.grad, xh.grad)]
-    gi, gr, gh = _grads(imp), _grads(rf), _grads(high)
+    gi, gr, gh = snapshot(imp), snapshot(rf), snapshot(high)
     assert gi.keys() == gr.keys()
     pairs += [(k, gi[k], gr[k], gh[k]) for k in gr]
     for name, a, e, h in pairs:
@@ -360,27 +310,7 @@ def test_delayed_equals_non_delayed_over_steps(recipe, kind, fused):
     """Gradients (``.grad``, prefilled ``main_grad``), amax histories and scales are bitwise
     equal delayed vs not over three bf16 steps whose wgrad runs only after the next step's
     forward and backward have moved the scales."""
-    plain = _build(impl, kind, recipe, dtype=torch.bfloat16, fused=fused)
-    delayed = _build(impl, kind, recipe, dtype=torch.bfloat16, fused=fused, delay=True)
-    for step in range(3):
-        xp, yp = _step(plain, recipe, step)
-        xd, yd = _step(delayed, recipe, step)
-        torch.testing.assert_close(yd, yp, rtol=0, atol=0)
-        torch.testing.assert_close(xd.grad, xp.grad, rtol=0, atol=0)
-        if step:
-            delayed.backward_dw()  # the previous step's entry, after this step's update
-    delayed.backward_dw()
-    assert delayed.pending_wgrad_count == 0
-    expected = {**_grads(plain), **_fp8_state(plain)}
-    actual = {**_grads(delayed), **_fp8_state(delayed)}
-    assert expected.keys() == actual.keys()
-    for key, value in expected.items():
-        if value is None:
-            assert actual[key] is None, key
-        else:
-            torch.testing.assert_close(actual[key], value, rtol=0, atol=0, msg=key)
-    if isinstance(recipe, ref.DelayedScaling):
-        assert any(s.amax_history.count_nonzero() > 1 for s in plain.fp8_states.values())
+    check_fp8_delay_bitwise(impl, kind, recipe, fused)
 
 
 # ---- amax histories against the reference ---------------------------------------------------
@@ -407,11 +337,11 @@ def test_amax_histories_match_reference(kind, dtype, normalization):
     both quantized bitwise-equal tensors (see INTERNAL_ROLES), else within INTERNAL_ROLE_RTOL."""
     recipe = RECIPES["delayed-max"]
     extra = {"normalization": normalization} if kind in INTERNAL_ROLES else {}
-    imp = _build(impl, kind, recipe, dtype=dtype, **extra)
-    rf = _build(ref, kind, recipe, dtype=dtype, **extra)
+    imp = build_fp8(impl, kind, recipe, dtype=dtype, **extra)
+    rf = build_fp8(ref, kind, recipe, dtype=dtype, **extra)
     for step in range(3):
-        _step(imp, recipe, step)
-        _step(rf, recipe, step)
+        fp8_step(imp, recipe, step)
+        fp8_step(rf, recipe, step)
     assert imp.fp8_states.keys() == rf.fp8_states.keys()
     internal = set(INTERNAL_ROLES.get(kind, ()))
     if normalization == "RMSNorm":
@@ -492,12 +422,12 @@ def test_reference_and_impl_reject_the_same_shapes():
 def test_queued_entry_holds_fp8_operands_and_bias_grad_only(recipe):
     """The entry keeps q(dy) and q(x) column-wise (1 byte per value), their scale_inv and the
     (M,) bias gradient: no high-precision activation-sized tensor."""
-    module = _build(impl, "Linear", recipe, dtype=torch.bfloat16, delay=True)
-    _step(module, recipe, 0)
+    module = build_fp8(impl, "Linear", recipe, dtype=torch.bfloat16, delay=True)
+    fp8_step(module, recipe, 0)
     (entry,) = list(module._wgrad_store)
     saved = [t for t in entry.saved if t is not None]
     data = [t for t in saved if t.element_size() == 1]
-    n = _size(recipe)
+    n = fp8_size(recipe)
     assert len(data) == 2 and sum(t.numel() for t in data) == 2 * (2 * n) * n
     # The rest: scale_inv (at most one per 32 values) and the (M,) bias gradient.
     rest = sum(t.numel() for t in saved if t.element_size() != 1)
@@ -529,10 +459,10 @@ def test_forced_scaled_mm_matches_dequantize_path(recipe_id, kind):
     recipe = RECIPES[recipe_id]
     results = []
     for path in ("dequantize", "scaled_mm"):
-        module = _build(impl, kind, recipe, fused=True)
+        module = build_fp8(impl, kind, recipe, fused=True)
         module.fp8_gemm = path
-        x, y = _step(module, recipe, 3)
-        results.append({"y": y, "x.grad": x.grad, **_grads(module)})
+        x, y = fp8_step(module, recipe, 3)
+        results.append({"y": y, "x.grad": x.grad, **snapshot(module)})
     ref_path, scaled = results
     fallback = recipe_id in ("mxfp8", "block")
     for key, want in ref_path.items():
@@ -551,21 +481,21 @@ def test_forced_scaled_mm_keeps_transposed_copies_and_is_split_bitwise(recipe_id
     """On the scaled path the queued column-wise copies are stored transposed (made once), and
     delayed ≡ non-delayed stays bitwise."""
     recipe = RECIPES[recipe_id]
-    plain = _build(impl, "Linear", recipe, dtype=torch.bfloat16)
-    delayed = _build(impl, "Linear", recipe, dtype=torch.bfloat16, delay=True)
+    plain = build_fp8(impl, "Linear", recipe, dtype=torch.bfloat16)
+    delayed = build_fp8(impl, "Linear", recipe, dtype=torch.bfloat16, delay=True)
     for m in (plain, delayed):
         m.fp8_gemm = "scaled_mm"
     for step in range(2):
-        _step(plain, recipe, step)
-        _step(delayed, recipe, step)
+        fp8_step(plain, recipe, step)
+        fp8_step(delayed, recipe, step)
     (first, second) = list(delayed._wgrad_store)
-    n = _size(recipe)
+    n = fp8_size(recipe)
     dy_data, x_data = first.saved[0], first.saved[2]
     assert dy_data.shape == (n, 2 * n) and x_data.shape == (n, 2 * n)  # (cols, rows) storage
     delayed.backward_dw()
     delayed.backward_dw()
-    for key, value in _grads(plain).items():
-        torch.testing.assert_close(_grads(delayed)[key], value, rtol=0, atol=0, msg=key)
+    for key, value in snapshot(plain).items():
+        torch.testing.assert_close(snapshot(delayed)[key], value, rtol=0, atol=0, msg=key)
 
 
 @pytest.mark.cuda
@@ -576,11 +506,11 @@ def test_cuda_fp8_matches_reference_and_split_is_bitwise(recipe_id, kind):
     reference budget and delayed ≡ non-delayed bitwise."""
     recipe = RECIPES[recipe_id]
     dev = "cuda"
-    imp = _build(impl, kind, recipe, dtype=torch.bfloat16).to(dev)
-    rf = _build(ref, kind, recipe, dtype=torch.bfloat16).to(dev)
-    high = _build(ref, kind, recipe, dtype=torch.bfloat16).to(dev)
-    delayed = _build(impl, kind, recipe, dtype=torch.bfloat16, delay=True).to(dev)
-    n = _size(recipe)
+    imp = build_fp8(impl, kind, recipe, dtype=torch.bfloat16).to(dev)
+    rf = build_fp8(ref, kind, recipe, dtype=torch.bfloat16).to(dev)
+    high = build_fp8(ref, kind, recipe, dtype=torch.bfloat16).to(dev)
+    delayed = build_fp8(impl, kind, recipe, dtype=torch.bfloat16, delay=True).to(dev)
+    n = fp8_size(recipe)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2 * n, n, generator=g).to(device=dev, dtype=torch.bfloat16)
     out = {}
@@ -596,7 +526,7 @@ def test_cuda_fp8_matches_reference_and_split_is_bitwise(recipe_id, kind):
         y.backward(torch.ones_like(y))
         if name == "delayed":
             m.backward_dw()
-        out[name] = {"y": y, "x.grad": xx.grad, **_grads(m)}
+        out[name] = {"y": y, "x.grad": xx.grad, **snapshot(m)}
     for key, value in out["impl"].items():
         torch.testing.assert_close(out["delayed"][key], value, rtol=0, atol=0, msg=key)
         if value is not None and "bias" not in key:
@@ -633,18 +563,18 @@ def test_frozen_and_biasless_modules_split_bitwise_and_match_reference(
         ("ref", ref, False, True),
         ("high", ref, False, False),
     ):
-        m = _build(lib, kind, recipe, dtype=torch.float32, delay=delay, bias=bias)
+        m = build_fp8(lib, kind, recipe, dtype=torch.float32, delay=delay, bias=bias)
         for pname, p in m.named_parameters():
             p.requires_grad_(pname not in frozen)
         modules[name] = (m, fp8)
     outs = {}
     for step in range(2):
         for name, (m, fp8) in modules.items():
-            x, y = _step(m, recipe, step, fp8=fp8)
+            x, y = fp8_step(m, recipe, step, fp8=fp8)
             outs[name] = {"y": y, "x.grad": x.grad}
         modules["delayed"][0].backward_dw()
     for name, (m, _) in modules.items():
-        outs[name].update(_grads(m))
+        outs[name].update(snapshot(m))
         for pname in frozen:
             assert outs[name][f"{pname}.grad"] is None
     for key, value in outs["plain"].items():
@@ -658,8 +588,8 @@ def test_fp8_entry_tensors_are_freed_after_backward_dw():
     from torch.multiprocessing.reductions import StorageWeakRef
 
     recipe = RECIPES["mxfp8"]
-    module = _build(impl, "LayerNormMLP", recipe, dtype=torch.bfloat16, delay=True)
-    _step(module, recipe, 0)
+    module = build_fp8(impl, "LayerNormMLP", recipe, dtype=torch.bfloat16, delay=True)
+    fp8_step(module, recipe, 0)
     (entry,) = list(module._wgrad_store)
     # saved = (fc2 dy, scale, act_out, scale, fc1 dy, scale, ln_out, scale, db2, db1); the bias
     # gradients move into .grad, every FP8 operand and scale must die.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import available_backend
 from splitgrad.properties.backends import get_backend
 from splitgrad.properties.campaign import DEVIATION, NA, PASS, run_cell
 from splitgrad.properties.paths import IMPL_PATHS, ForcedPathBackend
@@ -33,29 +34,22 @@ PATH_EXAMPLES = None if active_profile_name() == "nightly" else 8
 AUTOCAST_EXAMPLES = None if active_profile_name() == "nightly" else 6
 AUTOCAST_BACKENDS = ("reference", "impl")
 
-CELLS = [
-    pytest.param(b, pid, kind, id=f"{b}-{pid}-{kind}")
-    for b in BACKENDS
-    for pid in PROPERTIES
-    for kind in KINDS
-    if applicable(pid, kind) and pid != "P13"
-]
-FP8_CELLS = [
-    pytest.param(b, pid, kind, id=f"{b}-fp8-{pid}-{kind}")
-    for b in FP8_BACKENDS
-    for pid in PROPERTIES
-    for kind in KINDS
-    if applicable(pid, kind)
-]
+
+def _cells(backends, properties, tag: str) -> list:
+    """One test per (backend, property, module kind it applies to), named
+    ``{backend}-{tag}{property}-{kind}``."""
+    return [
+        pytest.param(b, pid, kind, id=f"{b}-{tag}{pid}-{kind}")
+        for b in backends
+        for pid in properties
+        for kind in KINDS
+        if applicable(pid, kind)
+    ]
 
 
-AUTOCAST_CELLS = [
-    pytest.param(b, pid, kind, id=f"{b}-autocast-{pid}-{kind}")
-    for b in AUTOCAST_BACKENDS
-    for pid in AUTOCAST_PROPERTIES
-    for kind in KINDS
-    if applicable(pid, kind)
-]
+CELLS = _cells(BACKENDS, [pid for pid in PROPERTIES if pid != "P13"], "")
+FP8_CELLS = _cells(FP8_BACKENDS, PROPERTIES, "fp8-")
+AUTOCAST_CELLS = _cells(AUTOCAST_BACKENDS, AUTOCAST_PROPERTIES, "autocast-")
 
 
 PATH_CELLS = [
@@ -76,17 +70,11 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def _available(name: str):
-    backend = get_backend(name)
-    why = backend.unavailable_reason()
-    if why:
-        pytest.skip(why)
-    return backend
-
-
-def _judge(cell, na: str, backend_name: str) -> None:
-    """Skip an n/a cell (``na`` says which), xfail a deviation the backend declares; any other
-    cell must pass, with examples judged."""
+def _check_cell(backend, backend_name, property_id, kind, dtype, na: str, **options) -> None:
+    """Run one cell under the active profile and judge it: skip an n/a cell (``na`` says
+    which), xfail a deviation the backend declares; any other cell must pass, with examples
+    judged."""
+    cell = run_cell(backend, property_id, kind, dtype, profile=active_profile_name(), **options)
     if cell.status == NA:
         pytest.skip(f"{na}: {cell.message}")
     if cell.status == DEVIATION:
@@ -99,53 +87,35 @@ def _judge(cell, na: str, backend_name: str) -> None:
 
 @pytest.mark.parametrize(("backend_name", "property_id", "kind"), CELLS)
 def test_property(backend_name: str, property_id: str, kind: str) -> None:
-    backend = _available(backend_name)
-    cell = run_cell(backend, property_id, kind, "any", dtypes=DTYPES, profile=active_profile_name())
-    _judge(cell, f"{property_id} n/a on {backend_name}", backend_name)
+    backend = available_backend(backend_name)
+    na = f"{property_id} n/a on {backend_name}"
+    _check_cell(backend, backend_name, property_id, kind, "any", na, dtypes=DTYPES)
 
 
 @pytest.mark.parametrize(("backend_name", "property_id", "kind"), FP8_CELLS)
 def test_property_fp8(backend_name: str, property_id: str, kind: str) -> None:
-    cell = run_cell(
-        _available(backend_name),
-        property_id,
-        kind,
-        "any",
-        dtypes=("float32", "bfloat16", "float16"),
-        examples=FP8_EXAMPLES,
-        profile=active_profile_name(),
-        recipes=tuple(RECIPES),
-        recipe_label="all",
-    )
-    _judge(cell, f"{property_id} under FP8 n/a on {backend_name}", backend_name)
+    backend = available_backend(backend_name)
+    na = f"{property_id} under FP8 n/a on {backend_name}"
+    fp8 = dict(examples=FP8_EXAMPLES, recipes=tuple(RECIPES), recipe_label="all")
+    dtypes = ("float32", "bfloat16", "float16")
+    _check_cell(backend, backend_name, property_id, kind, "any", na, dtypes=dtypes, **fp8)
 
 
 @pytest.mark.parametrize(("path", "property_id", "kind"), PATH_CELLS)
 def test_property_forced_path(path: str, property_id: str, kind: str) -> None:
     forced = IMPL_PATHS[path]
-    cell = run_cell(
-        ForcedPathBackend(_available("impl"), path),
-        property_id,
-        kind,
-        "any",
-        dtypes=forced.dtypes,
-        examples=PATH_EXAMPLES,
-        profile=active_profile_name(),
-        recipes=forced.recipes or (None,),
-        recipe_label="all" if forced.recipes else None,
+    backend = ForcedPathBackend(available_backend("impl"), path)
+    na = f"{property_id} on path {path} n/a"
+    recipes = dict(
+        recipes=forced.recipes or (None,), recipe_label="all" if forced.recipes else None
     )
-    _judge(cell, f"{property_id} on path {path} n/a", "impl")
+    options = dict(dtypes=forced.dtypes, examples=PATH_EXAMPLES, **recipes)
+    _check_cell(backend, "impl", property_id, kind, "any", na, **options)
 
 
 @pytest.mark.parametrize(("backend_name", "property_id", "kind"), AUTOCAST_CELLS)
 def test_property_autocast(backend_name: str, property_id: str, kind: str) -> None:
-    cell = run_cell(
-        get_backend(backend_name),
-        property_id,
-        kind,
-        "float32",
-        examples=AUTOCAST_EXAMPLES,
-        profile=active_profile_name(),
-        autocast="bfloat16",
-    )
-    _judge(cell, f"{property_id} under autocast n/a on {backend_name}", backend_name)
+    backend = get_backend(backend_name)
+    na = f"{property_id} under autocast n/a on {backend_name}"
+    options = dict(examples=AUTOCAST_EXAMPLES, autocast="bfloat16")
+    _check_cell(backend, backend_name, property_id, kind, "float32", na, **options)

@@ -22,18 +22,11 @@ from splitgrad.properties.kink import (
 )
 from splitgrad.properties.strategies import Case, MicroBatch, ModuleConfig
 from splitgrad.reference import functional as F
-from test_properties_pinned import P3_FP8_RELU_KINK
+from test_properties_pinned import P3_FP8_RELU_KINK, RELU_KINK
 
 # One bf16 relu MLP with exactly one fc1 pre-activation within rounding distance of 0
-# (h = -0.00154, bound 0.056), found by scanning seeds; the reference computes it as exactly 0.0.
-KINK_CASE = Case(
-    ModuleConfig(
-        "LayerNormMLP", 3, 3, activation="relu", dtype="bfloat16", zero_centered_gamma=True
-    ),
-    (MicroBatch((4,)),),
-    30,
-    delay=False,
-)
+# (h = -0.00154, bound 0.056); the reference computes it as exactly 0.0.
+KINK_CASE = RELU_KINK
 
 
 class ReluGradPatched(LibraryBackend):

@@ -3,20 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from splitgrad.properties.backends import get_backend
+from cases import available_backend
 from splitgrad.properties.budgets import BudgetViolation
 from splitgrad.properties.registry import run_check
 from splitgrad.properties.results import PropertyViolation
 from splitgrad.properties.strategies import Case, MicroBatch, ModuleConfig
-
-
-def _backend(name: str):
-    b = get_backend(name)
-    why = b.unavailable_reason()
-    if why:
-        pytest.skip(why)
-    return b
-
 
 # A harness bug the first campaign found: P12 prefilled .grad on fused Linear weights while the
 # GroupedLinear kept .grad None (fused weights must keep .grad None). Empty input, one group.
@@ -30,7 +21,7 @@ P12_FUSED_EMPTY = Case(
 
 @pytest.mark.parametrize("backend", ["reference", "impl"])
 def test_p12_fused_all_groups_empty(backend: str) -> None:
-    run_check("P12", _backend(backend), P12_FUSED_EMPTY)
+    run_check("P12", available_backend(backend), P12_FUSED_EMPTY)
 
 
 # impl's float32 LayerNorm dgrad (torch.native_layer_norm_backward on an uncentred row, mean 0.87,
@@ -48,12 +39,12 @@ P2_LN_FP32 = Case.from_json(
 
 
 def test_p2_layernorm_fp32_reference_is_within_budget() -> None:
-    run_check("P2", _backend("reference"), P2_LN_FP32)
+    run_check("P2", available_backend("reference"), P2_LN_FP32)
 
 
 @pytest.mark.parametrize("property_id", ["P1", "P2"])
 def test_p2_layernorm_fp32_impl(property_id: str) -> None:
-    assert run_check(property_id, _backend("impl"), P2_LN_FP32).ratio <= 1.0
+    assert run_check(property_id, available_backend("impl"), P2_LN_FP32).ratio <= 1.0
 
 
 # The nightly campaign on an AMD EPYC: impl's layer_norm_weight.grad over 22 rows of 3 features
@@ -72,7 +63,7 @@ P5_LN_GAMMA_FP32 = Case.from_json(
 
 
 def test_p5_layernorm_gamma_grad_against_an_order_independent_yardstick() -> None:
-    assert run_check("P5", _backend("impl"), P5_LN_GAMMA_FP32).ratio <= 1.0
+    assert run_check("P5", available_backend("impl"), P5_LN_GAMMA_FP32).ratio <= 1.0
 
 
 # torch-split findings (SPEC deviations of PyTorch's generic split), pinned so a torch upgrade
@@ -84,7 +75,7 @@ def test_torch_split_keeps_rmsnorm_activations_alive_after_backward_weight() -> 
         0,
     )
     with pytest.raises(PropertyViolation, match="still alive"):
-        run_check("P11", _backend("torch-split"), case)
+        run_check("P11", available_backend("torch-split"), case)
 
 
 def test_torch_split_queues_one_entry_for_two_uses() -> None:
@@ -92,11 +83,11 @@ def test_torch_split_queues_one_entry_for_two_uses() -> None:
         ModuleConfig("Linear", 2, 2), (MicroBatch((1,)), MicroBatch((2,))), 0, variant="tied"
     )
     with pytest.raises(PropertyViolation, match="got 1, expected 2"):
-        run_check("P7", _backend("torch-split"), case)
+        run_check("P7", available_backend("torch-split"), case)
 
 
 def test_torch_split_plain_modules_pass_the_queue_properties() -> None:
-    b = _backend("torch-split")
+    b = available_backend("torch-split")
     for kind in ("Linear", "GroupedLinear"):
         splits = (2, 0, 1) if kind == "GroupedLinear" else None
         cfg = ModuleConfig(kind, 3, 2, num_gemms=3 if splits else 1)
@@ -132,7 +123,7 @@ def test_relu_kink_reported_case_impl(property_id: str) -> None:
 
     (site,) = kink_sites(RELU_KINK)
     assert site.truth_slope == 0 and abs(site.h) < site.bound
-    assert run_check(property_id, _backend("impl"), RELU_KINK).ratio <= 1.0
+    assert run_check(property_id, available_backend("impl"), RELU_KINK).ratio <= 1.0
 
 
 # Smooth activations, found by splitgrad verify on impl (dev profile, 600-2000 examples): impl's
@@ -183,9 +174,9 @@ def test_smooth_activation_operand_rounding_impl(
     from splitgrad.properties.budgets import BudgetViolation
 
     case = Case.from_json(case_json)
-    impl = _backend("impl")
+    impl = available_backend("impl")
     assert run_check(property_id, impl, case).ratio <= 1.0
-    assert run_check(property_id, _backend("reference"), case).ratio <= 1.0
+    assert run_check(property_id, available_backend("reference"), case).ratio <= 1.0
     # ... and it is the operand allowance or the rounding bound (either covers the one-step
     # operand difference) that lets it pass: without both it fails (the case still exercises it).
     monkeypatch.setattr(checks, "wgrad_operand_floors", lambda case: {})
@@ -217,14 +208,14 @@ P3_FP8_CANCELLING_WGRAD = Case.from_json(
 def test_fp8_wgrad_of_cancelling_terms_impl(property_id: str, path: str) -> None:
     from splitgrad.properties.paths import ForcedPathBackend
 
-    backend = _backend("impl")
+    backend = available_backend("impl")
     if path != "none":
         backend = ForcedPathBackend(backend, path)
     assert run_check(property_id, backend, P3_FP8_CANCELLING_WGRAD).ratio <= 1.0
 
 
 def test_fp8_wgrad_of_cancelling_terms_reference() -> None:
-    assert run_check("P3", _backend("reference"), P3_FP8_CANCELLING_WGRAD).ratio <= 1.0
+    assert run_check("P3", available_backend("reference"), P3_FP8_CANCELLING_WGRAD).ratio <= 1.0
 
 
 # The relu kink under FP8 (issue 14): nightly on impl (2026-12-04, 198/200) found impl
@@ -263,7 +254,7 @@ def test_fp8_relu_kink_flip_impl(property_id, case, path, monkeypatch) -> None:
     from splitgrad.properties.paths import ForcedPathBackend
 
     assert kink_sites(case), "the case has FP8 kink sites"
-    backend = _backend("impl")
+    backend = available_backend("impl")
     if path != "none":
         backend = ForcedPathBackend(backend, path)
     assert run_check(property_id, backend, case).ratio <= 1.0

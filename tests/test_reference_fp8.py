@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import splitgrad.reference as ref
 import torch
+from cases import build_fp8, check_fp8_delay_bitwise, fp8_step
 from splitgrad.reference.fp8_quant import (
     DelayedScalingState,
     cast_to_fp8,
@@ -183,70 +184,13 @@ RECIPES = [
 RECIPE_IDS = ["delayed-max", "delayed-recent-e4m3", "current", "mxfp8", "block"]
 
 
-def _fp8_module(kind, recipe, delay, fused, dtype=torch.bfloat16):
-    n = 128 if isinstance(recipe, ref.Float8BlockScaling) else 32
-    kw = dict(params_dtype=dtype, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fused)
-    module = {
-        "Linear": lambda: ref.Linear(n, n, **kw),
-        "LayerNormLinear": lambda: ref.LayerNormLinear(n, 2 * n, **kw),
-        "LayerNormMLP": lambda: ref.LayerNormMLP(n, n, activation="swiglu", **kw),
-        "GroupedLinear": lambda: ref.GroupedLinear(3, n, n, **kw),
-    }[kind]()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.05 if "weight" in name else 0.1))
-            if fused and "weight" in name and not name.startswith("layer_norm"):
-                p.main_grad = torch.randn(p.shape, generator=g)
-    return module, n
-
-
-def _fp8_step(module, n, recipe, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(2 * n, n, generator=g).to(module.params_dtype).requires_grad_()
-    with ref.fp8_autocast(enabled=True, fp8_recipe=recipe):
-        y = module(x, [n, 0, n]) if isinstance(module, ref.GroupedLinear) else module(x)
-    y.backward(torch.randn(y.shape, generator=g).to(y.dtype))
-    return x, y
-
-
-def _state(module):
-    out = {}
-    for name, p in module.named_parameters():
-        out[f"{name}.grad"] = p.grad
-        if hasattr(p, "main_grad"):
-            out[f"{name}.main_grad"] = p.main_grad
-    for key, s in module.fp8_states.items():
-        out[f"{key}.amax_history"] = s.amax_history
-        out[f"{key}.scale"] = s.scale
-    return out
-
-
 @pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
 @pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"])
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
 def test_fp8_delayed_equals_non_delayed_over_steps(recipe, kind, fused):
     """Gradients, amax histories and scales are bitwise equal delayed vs not, over three steps
     whose wgrad runs only after the next step's forward and backward moved the scales."""
-    plain, n = _fp8_module(kind, recipe, False, fused)
-    delayed, _ = _fp8_module(kind, recipe, True, fused)
-    for step in range(3):
-        xp, yp = _fp8_step(plain, n, recipe, step)
-        xd, yd = _fp8_step(delayed, n, recipe, step)
-        torch.testing.assert_close(yd, yp, rtol=0, atol=0)
-        torch.testing.assert_close(xd.grad, xp.grad, rtol=0, atol=0)
-        if step:
-            delayed.backward_dw()  # the previous step's entry, after this step's scale update
-    delayed.backward_dw()
-    expected, actual = _state(plain), _state(delayed)
-    assert expected.keys() == actual.keys()
-    for key, value in expected.items():
-        if value is None:
-            assert actual[key] is None, key
-        else:
-            torch.testing.assert_close(actual[key], value, rtol=0, atol=0, msg=key)
-    if isinstance(recipe, ref.DelayedScaling):
-        assert any(s.amax_history.count_nonzero() > 1 for s in plain.fp8_states.values())
+    check_fp8_delay_bitwise(ref, kind, recipe, fused)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=RECIPE_IDS)
@@ -255,17 +199,13 @@ def test_fp8_is_close_to_high_precision_but_not_equal(recipe, kind):
     """FP8 really quantizes (the result differs from high precision) and stays near it: the
     whole-tensor relative error of each gradient is below 0.25 (E4M3 keeps 3 mantissa bits, a
     relative step of 1/16; errors of chained GEMMs add up, an 8x margin covers them)."""
-    hp, n = _fp8_module(kind, recipe, False, False, dtype=torch.float32)
-    lp, _ = _fp8_module(kind, recipe, False, False, dtype=torch.float32)
+    hp, lp = (build_fp8(ref, kind, recipe) for _ in range(2))
     # two steps so delayed scaling has real scales
     for _ in range(2):
         for p in lp.parameters():
             p.grad = None
-        x_lp, y_lp = _fp8_step(lp, n, recipe, 7)
-    g = torch.Generator().manual_seed(7)
-    x_hp = torch.randn(2 * n, n, generator=g).requires_grad_()
-    y_hp = hp(x_hp)
-    y_hp.backward(torch.randn(y_hp.shape, generator=g))
+        x_lp, y_lp = fp8_step(lp, recipe, 7)
+    x_hp, y_hp = fp8_step(hp, recipe, 7, fp8=False)
     pairs = [("y", y_lp, y_hp), ("x.grad", x_lp.grad, x_hp.grad)]
     pairs += [
         (name, p.grad, q.grad) for (name, p), q in zip(lp.named_parameters(), hp.parameters())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from cases import available_backend
 from hypothesis import Phase, settings
 from splitgrad.properties.backends import get_backend
 from splitgrad.properties.state_machine import make_p6_machine
@@ -11,10 +12,7 @@ from splitgrad.properties.state_machine import make_p6_machine
 def _machine_test(
     backend_name: str, kinds=("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
 ):
-    backend = get_backend(backend_name)
-    why = backend.unavailable_reason()
-    if why:
-        pytest.skip(why)
+    backend = available_backend(backend_name)
     machine = make_p6_machine(backend, kinds=kinds, dtypes=("float32", "bfloat16", "float64"))
     # Short runs: each step already checks every gradient against two twins.
     return machine, settings(settings.default, stateful_step_count=12)
