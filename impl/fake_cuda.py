@@ -264,12 +264,6 @@ class _Ctx:
     def save_for_backward(self, *tensors) -> None:
         self.saved_tensors = tensors
 
-    def mark_non_differentiable(self, *tensors) -> None:
-        pass
-
-    def set_materialize_grads(self, value: bool) -> None:
-        pass
-
 
 def _edge_routes(ctx: _Ctx, present: Sequence[bool]) -> tuple[list, list]:
     """:func:`.base.edge_routes` for a plain ``backward()``: every parameter that requires a

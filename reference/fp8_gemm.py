@@ -32,30 +32,17 @@ from .fp8_quant import (
     Float8BlockScaling,
     MXFP8BlockScaling,
     QuantizedTensor,
-    check_quantizable,
     format_for,
     quantize,
 )
 
-__all__ = ["FP8Gemm", "check_fp8_gemm_shape", "update_delayed_scaling"]
+__all__ = ["FP8Gemm", "update_delayed_scaling"]
 
 ROLES = ("input", "weight", "grad_output")
 
 
 def _per_tensor(recipe: Recipe) -> bool:
     return not isinstance(recipe, (MXFP8BlockScaling, Float8BlockScaling))
-
-
-def check_fp8_gemm_shape(recipe: Recipe, gemm: str, tokens: int, k: int, m: int) -> None:
-    """Raise ``ValueError`` if ``recipe`` cannot quantize the operands of a (tokens, k) x (m, k)
-    GEMM; the message names the recipe, the dimension and the multiple it needs."""
-    if _per_tensor(recipe):
-        return
-    multiple = 32 if isinstance(recipe, MXFP8BlockScaling) else 128
-    prefix = f"{gemm}." if gemm else ""
-    check_quantizable(recipe, f"{prefix}in_features", k, multiple)
-    check_quantizable(recipe, f"{prefix}out_features", m, multiple)
-    check_quantizable(recipe, f"{prefix}tokens", tokens, multiple)
 
 
 def _states(module: torch.nn.Module, recipe: Recipe, gemm: str) -> dict[str, DelayedScalingState]:

@@ -68,8 +68,6 @@ __all__ = [
     "DelayedScalingState",
     "format_for",
     "quantize",
-    "block_multiple",
-    "check_quantizable",
 ]
 
 FLT_MAX = torch.finfo(torch.float32).max
@@ -160,25 +158,6 @@ class DelayedScalingState:
             self.scale = scale_from_amax(amax, fmt, recipe.margin)
         self.amax_history = torch.roll(self.amax_history, 1)
         self.amax_history[0] = 0
-
-
-def block_multiple(recipe: Recipe, role: str) -> tuple[int, int]:
-    """Multiple each dimension of a (rows, cols) operand must have for ``recipe``, as
-    (along the reduction axis, along the other axis); (1, 1) when anything goes."""
-    if isinstance(recipe, MXFP8BlockScaling):
-        return (MX_BLOCK, 1)
-    if isinstance(recipe, Float8BlockScaling):
-        return (TILE, TILE) if role == "weight" else (TILE, 1)
-    return (1, 1)
-
-
-def check_quantizable(recipe: Recipe, name: str, size: int, multiple: int) -> None:
-    """Raise ``ValueError`` naming the recipe, the dimension and the multiple it needs."""
-    if multiple > 1 and size % multiple:
-        raise ValueError(
-            f"{type(recipe).__name__} cannot quantize {name}={size}: it must be a multiple of "
-            f"{multiple}"
-        )
 
 
 def _per_tensor(x32: torch.Tensor, scale: torch.Tensor, fmt: str) -> QuantizedTensor:

@@ -51,7 +51,6 @@ __all__ = [
     "ACTIVATIONS",
     "grouped_linear_fwd",
     "grouped_linear_dgrad",
-    "grouped_linear_wgrad",
 ]
 
 
@@ -315,10 +314,3 @@ def grouped_linear_dgrad(
 ) -> torch.Tensor:
     """dx rows of group i = :func:`linear_dgrad` of that group's rows of dy."""
     return torch.cat([linear_dgrad(g, w) for g, w in zip(dy.split(m_splits), weights)], dim=0)
-
-
-def grouped_linear_wgrad(
-    dy: torch.Tensor, x: torch.Tensor, m_splits: list[int]
-) -> list[torch.Tensor]:
-    """Per group :func:`linear_wgrad`; an empty group gets an all-zero (M, K) gradient."""
-    return [linear_wgrad(g, xi) for g, xi in zip(dy.split(m_splits), x.split(m_splits))]
