@@ -64,7 +64,7 @@ _WRITE_WEIGHT = (
 MUTANTS = (
     Mutant(
         "dw-overwrites",
-        "backward_dw() overwrites .grad instead of accumulating (TE #3437)",
+        "backward_dw() overwrites .grad instead of accumulating (a bug TransformerEngine once had)",
         (
             (
                 "base.py",

@@ -195,7 +195,7 @@ def test_campaign_counts_rejections_apart(monkeypatch) -> None:
     assert cell.status == PASS and cell.examples >= 12 and cell.rejected > 0
 
 
-# ---- the kink under FP8 (issue 14) ---------------------------------------------------------
+# ---- the kink under FP8 ---------------------------------------------------------------------
 
 # Found by the nightly on impl: a 2-token RMSNorm relu MLP under delayed scaling whose fc1
 # pre-activations (0,0) at 0.31, (1,0) at -0.114 and (1,1) at -0.0071 lie inside the FP8 kink band

@@ -24,9 +24,9 @@ def test_p12_fused_all_groups_empty(backend: str) -> None:
     run_check("P12", available_backend(backend), P12_FUSED_EMPTY)
 
 
-# impl's float32 LayerNorm dgrad (torch.native_layer_norm_backward on an uncentred row, mean 0.87,
-# std 0.22) was 17.7x less accurate than the reference on this ordinary input; fixed in impl by
-# running the fused kernels on centred input (commit 7c903ce). Both must now pass.
+# An ordinary float32 input whose uncentred row (mean 0.87, std 0.22) made torch's
+# native_layer_norm_backward 17.7x less accurate than the reference; impl runs its fused kernels
+# on centred input for it. Both must pass.
 P2_LN_FP32 = Case.from_json(
     '{"config":{"activation":"gelu","bias":false,"device":"cpu","dtype":"float32",'
     '"fuse_wgrad_accumulation":false,"in_features":3,"kind":"LayerNormLinear",'
@@ -218,12 +218,12 @@ def test_fp8_wgrad_of_cancelling_terms_reference() -> None:
     assert run_check("P3", available_backend("reference"), P3_FP8_CANCELLING_WGRAD).ratio <= 1.0
 
 
-# The relu kink under FP8 (issue 14): nightly on impl (2026-12-04, 198/200) found impl
-# computing one fc1 pre-activation near 0 on the other side from the naive FP8 reference (impl
-# rounds product + bias once, the reference rounds the product and adds the bias in bf16), so
-# relu' flips at one element of a tiny tensor and fc1_bias / inp.grad move by O(1) (P3:
-# fc1_bias.grad 1.14x over, got 0.883 where truth and naive are 0). Judged against the truth
-# with one or two band sites switched (properties/kink.py, FP8), impl passes.
+# The relu kink under FP8: impl computes one fc1 pre-activation near 0 on the other side from
+# the naive FP8 reference (impl rounds product + bias once, the reference rounds the product
+# and adds the bias in bf16), so relu' flips at one element of a tiny tensor and fc1_bias /
+# inp.grad move by O(1) (P3 against the truth alone: fc1_bias.grad 1.14x over, 0.883 where
+# truth and naive are 0). Judged against the truth with one or two band sites switched
+# (properties/kink.py, FP8), impl passes.
 P3_FP8_RELU_KINK = Case.from_json(
     '{"asked":[],"config":{"activation":"relu","autocast":null,"bias":true,"device":"cpu",'
     '"dtype":"bfloat16","fuse_wgrad_accumulation":false,"in_features":10,"kind":"LayerNormMLP",'
