@@ -462,9 +462,7 @@ def test_gradients_accumulate_into_existing_ones(lib, kind, fused, delay, dtype)
     from splitgrad.properties.budgets import fused_accumulation_tolerance
 
     in_gemm = lib.__name__ == "splitgrad.impl"
-    fresh, prefilled = (
-        build(lib, kind, fused=fused, delay=delay, dtype=dtype) for _ in range(2)
-    )
+    fresh, prefilled = (build(lib, kind, fused=fused, delay=delay, dtype=dtype) for _ in range(2))
     for m in (fresh, prefilled):
         fill(m, 0)
     prefill_grads(prefilled, 1, fused=fused)

@@ -132,8 +132,10 @@ def test_grouped_path_forced_on_cpu(dtype, fused):
 def test_recompute_and_saved_activation_give_identical_gradients():
     """Recomputing ``act(h)`` in backward is the same kernel on the same input as the forward's:
     the two policies agree bitwise."""
-    pair = [_build("LayerNormMLP", False, dtype=torch.bfloat16, bias=True, fused=True,
-                   recompute=r) for r in (True, False)]
+    pair = [
+        _build("LayerNormMLP", False, dtype=torch.bfloat16, bias=True, fused=True, recompute=r)
+        for r in (True, False)
+    ]
     for m in pair:
         fill(m, 0)
         prefill_grads(m, 1, fused=True)

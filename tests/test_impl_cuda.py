@@ -47,8 +47,12 @@ def test_portable_fused_wgrad_accumulates_in_fp32(dtype, overwrite):
 
 def test_overwrite_ignores_nan_in_main_grad():
     main_grad = torch.full((4, 3), float("nan"))
-    gemm.wgrad_into_main_grad_(main_grad, torch.ones(2, 4, dtype=torch.bfloat16),
-                               torch.ones(2, 3, dtype=torch.bfloat16), True)
+    gemm.wgrad_into_main_grad_(
+        main_grad,
+        torch.ones(2, 4, dtype=torch.bfloat16),
+        torch.ones(2, 3, dtype=torch.bfloat16),
+        True,
+    )
     assert torch.equal(main_grad, torch.full((4, 3), 2.0))
 
 
@@ -63,8 +67,9 @@ def test_cuda_out_dtype_fused_wgrad(dtype, overwrite):
 def _delayed_pair(device, dtype):
     mods = []
     for delay in (False, True):
-        m = impl.LayerNormMLP(64, 128, params_dtype=dtype, fuse_wgrad_accumulation=True,
-                              delay_wgrad_compute=delay)
+        m = impl.LayerNormMLP(
+            64, 128, params_dtype=dtype, fuse_wgrad_accumulation=True, delay_wgrad_compute=delay
+        )
         fill(m, 0)
         prefill_grads(m, 1, fused=True)
         m.to(device)

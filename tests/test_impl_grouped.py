@@ -82,8 +82,9 @@ def test_loop_path_bitwise_equals_list_of_linears(dtype):
     torch.testing.assert_close(y, torch.cat(ys), rtol=0, atol=0)
     torch.testing.assert_close(gx, x.grad, rtol=0, atol=0)
     for i, lin in enumerate(linears):
-        torch.testing.assert_close(getattr(grouped, f"weight{i}").grad, lin.weight.grad, rtol=0,
-                                   atol=0)
+        torch.testing.assert_close(
+            getattr(grouped, f"weight{i}").grad, lin.weight.grad, rtol=0, atol=0
+        )
         torch.testing.assert_close(getattr(grouped, f"bias{i}").grad, lin.bias.grad, rtol=0, atol=0)
 
 

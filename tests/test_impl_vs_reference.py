@@ -122,7 +122,6 @@ def test_tolerance_can_fail(monkeypatch):
         _compare("Linear", torch.float32, True)
 
 
-
 @pytest.mark.parametrize("shift", [0.0, 4.0, 30.0])
 @pytest.mark.parametrize("features", [3, 64])
 def test_fp32_layernorm_ill_conditioned_rows(shift, features):
