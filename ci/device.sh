@@ -132,10 +132,11 @@ else
     --junitxml="$WORK/trace.xml" tests/test_cuda_trace.py
 fi
 # bench, memory and verify stop at their CUDA check on a CPU (exit 2, one line): the dry run's
-# end for them; memory-fake needs no GPU and runs everywhere.
+# end for them; memory-fake needs no GPU and runs everywhere (about 10 s; 90 s leaves room for a
+# loaded CPU).
 step bench 90 "${SG[@]}" bench --device cuda --no-compile --no-small --reps 5 --json "$WORK/bench.json"
 step memory 90 "$PYTHON" -m splitgrad.impl.entry_memory --device cuda --json "$WORK/memory.json"
-step memory-fake 30 "$PYTHON" -m splitgrad.impl.entry_memory --device fake --json "$WORK/memory-fake.json"
+step memory-fake 90 "$PYTHON" -m splitgrad.impl.entry_memory --device fake --json "$WORK/memory-fake.json"
 # Last: the longest, and it gets whatever the budget has left.
 step verify 200 "${SG[@]}" verify --device cuda --examples 3 --quiet --json "$WORK/verify.json"
 
