@@ -70,7 +70,7 @@ MUTANTS = (
                 "base.py",
                 "        entry = self._wgrad_store.head()\n",
                 "        entry = self._wgrad_store.head()\n"
-                "        for p in entry.params:\n"
+                "        for _name, p in entry.params:\n"
                 "            if not (self.fuse_wgrad_accumulation and p.dim() == 2):\n"
                 "                p.grad = None\n",
             ),
