@@ -50,7 +50,7 @@ def test_p2_layernorm_fp32_impl(property_id: str) -> None:
 # The nightly campaign on an AMD EPYC: impl's layer_norm_weight.grad over 22 rows of 3 features
 # was 2.06x its budget because the naive run's error (2.3e-8) was a lucky cancellation of row
 # errors of 1-3e-7 each. The naive yardstick is now also taken with the rows reversed
-# (properties/accuracy.py: worse_naive), so a legal summation order no longer fails.
+# (properties/truth.py: worse_naive), so a legal summation order no longer fails.
 P5_LN_GAMMA_FP32 = Case.from_json(
     '{"asked":[],"config":{"activation":"gelu","bias":false,"device":"cpu","dtype":"float32",'
     '"fuse_wgrad_accumulation":false,"in_features":3,"kind":"LayerNormLinear","normalization"'
@@ -190,7 +190,7 @@ def test_smooth_activation_operand_rounding_impl(
 # main_grad. fc2's wgrad sums two activations that nearly cancel; the delayed scale (from
 # micro-batch 0's amax, a step apart between runs) put one of them on the other side of an E4M3
 # rounding boundary, so fc2_weight.main_grad was 2.06x the old gate (relative to |truth|, not to
-# the summed terms). Judged now with the FP8 crossing bound (properties/internals.py: _Arith.quant).
+# the summed terms). Judged now with the FP8 crossing bound (properties/rounding.py: Arith.quant).
 P3_FP8_CANCELLING_WGRAD = Case.from_json(
     '{"asked":[],"config":{"activation":"swiglu","bias":true,"device":"cpu","dtype":"bfloat16",'
     '"fuse_wgrad_accumulation":true,"in_features":3,"kind":"LayerNormMLP",'
