@@ -78,3 +78,14 @@ def gradient_tensor(param: torch.nn.Parameter, uses_main_grad: bool) -> torch.Te
             )
         return mg
     return param.grad
+
+
+def output_tensors(output) -> list[torch.Tensor]:
+    """The tensors of a module's output: a tensor, or one nested in tuples, lists and dicts."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in output_tensors(item)]
+    if isinstance(output, dict):
+        return [t for item in output.values() for t in output_tensors(item)]
+    return []

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from . import _torch_private
-from .modules import SplitModule
+from .modules import SplitModule, output_tensors
 from .reducer_params import ReducedParam
 
 __all__ = ["Step", "Owner", "FinalityTracker", "call_weakly"]
@@ -266,19 +266,9 @@ class _ModuleHook:
     def after_forward(self, module: torch.nn.Module, args, output) -> None:
         if not torch.is_grad_enabled():
             return
-        for t in _tensors(output):
+        for t in output_tensors(output):
             if t.requires_grad:
                 t.register_hook(self._output_grad)
 
     def _output_grad(self, grad: torch.Tensor) -> None:
         call_weakly(self._tracker, "on_output_grad", self._owner)
-
-
-def _tensors(output) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for item in output for t in _tensors(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensors(item)]
-    return []

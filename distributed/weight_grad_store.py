@@ -45,7 +45,7 @@ import weakref
 import torch
 
 from . import _torch_private
-from .modules import SplitModule, split_modules
+from .modules import SplitModule, output_tensors, split_modules
 
 __all__ = ["use_weight_grad_store", "WeightGradStoreHandle", "StoreEntry"]
 
@@ -165,7 +165,7 @@ class WeightGradStoreHandle:
         if not torch.is_grad_enabled():
             return
         token = object()  # this forward call: its outputs' hooks count one reach between them
-        for t in _tensors(output):
+        for t in output_tensors(output):
             if t.requires_grad:
                 t.register_hook(functools.partial(self._on_output_grad, conn, token))
 
@@ -300,13 +300,3 @@ def use_weight_grad_store(model: torch.nn.Module, store: object) -> WeightGradSt
 def _name(store: object) -> str:
     """``WeightGradStore`` for a store that is a class (DualPipe's), else its type's name."""
     return store.__name__ if isinstance(store, type) else type(store).__name__
-
-
-def _tensors(output) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for item in output for t in _tensors(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensors(item)]
-    return []
