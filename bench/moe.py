@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 from splitgrad.distributed import ExpertParallelMoE, RankFailure
-from splitgrad.properties.distributed import load_library, preload_library
+from splitgrad.properties.checks.distributed import load_library, preload_library
 
 from . import ranks
 

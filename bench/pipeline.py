@@ -33,7 +33,7 @@ import sys
 import torch
 import torch.distributed as dist
 from splitgrad.distributed import RankFailure, dw_builder, split_modules
-from splitgrad.properties.distributed import load_library, preload_library, stage_layout
+from splitgrad.properties.checks.distributed import load_library, preload_library, stage_layout
 
 from . import ranks
 from .actions import ActionRecorder, activation_peak, held_between_b_and_w

@@ -1,7 +1,7 @@
 """Where the measuring commands' ranks come from: spawned gloo ranks on this machine
 (:func:`splitgrad.distributed.run_ranks`), or the processes ``torchrun`` started (NCCL and one
 GPU per rank when CUDA is available). The package they import is checked before any starts, by
-:func:`splitgrad.properties.distributed.preload_library`."""
+:func:`splitgrad.properties.checks.distributed.preload_library`."""
 
 from __future__ import annotations
 

@@ -638,7 +638,7 @@ def run_mutant(mutant: Mutant, profile: str, full: bool, workdir: Path) -> Mutan
     cmd = [
         sys.executable,
         "-m",
-        "splitgrad.properties.verify",
+        "splitgrad.properties.front.verify",
         "--backend",
         f"path:{dest}",
         "--profile",

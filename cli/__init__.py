@@ -1,5 +1,5 @@
 """splitgrad.cli — the ``splitgrad`` command: ``splitgrad verify`` (the property campaign,
-:mod:`splitgrad.properties.verify`), ``splitgrad bench`` (speed and memory ratios,
+:mod:`splitgrad.properties.front.verify`), ``splitgrad bench`` (speed and memory ratios,
 :mod:`splitgrad.bench.modules`), ``splitgrad distributed`` (P14-P16, :mod:`.distributed`),
 ``splitgrad pipeline`` and ``splitgrad moe`` (what the split buys across ranks,
 :mod:`splitgrad.bench.pipeline`, :mod:`splitgrad.bench.moe`).
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command == "verify":
-        from splitgrad.properties.verify import main as verify_main
+        from splitgrad.properties.front.verify import main as verify_main
 
         return verify_main(rest)
     if command == "bench":

@@ -1,4 +1,4 @@
-"""``splitgrad distributed``: the harness's P14-P16 (:mod:`splitgrad.properties.distributed`)
+"""``splitgrad distributed``: the harness's P14-P16 (:mod:`splitgrad.properties.checks.distributed`)
 against a package, each check on its own gloo ranks."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 import time
 
 from splitgrad.bench.options import positive_float
-from splitgrad.properties import distributed as harness
+from splitgrad.properties.checks import distributed as harness
 
 _CHECKS = ("p14", "p15", "p16", "p16-pp")
 

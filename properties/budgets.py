@@ -249,7 +249,7 @@ def fused_accumulation_tolerance(start: torch.Tensor, contribution: torch.Tensor
     return FUSED_ACCUMULATION_STEPS * rounding_step(torch.float32, size)
 
 
-# ---- the rounding bound (properties/rounding.py) ---------------------------------------------
+# ---- the rounding bound (properties/oracle/rounding.py) ---
 
 # Independent roundings add as a root sum of squares, taken at this many standard deviations
 # (Higham & Mary's probabilistic model); reductions count their worst case in any order.
@@ -345,7 +345,7 @@ FP8_KINK_PAIRS_UP_TO = 16
 # many FP8 steps of it.
 FP8_KINK_SWITCH_STEPS = 1.0
 
-# ---- the relu kink (properties/kink.py) ------------------------------------------------------
+# ---- the relu kink (properties/oracle/kink.py) ---
 
 # How far a correct run's fc1 pre-activation may be from its truth, in steps of
 # sum|ln_out||W1| + |b1|: 2.5 steps of rounding plus a norm kernel's own; float32's chained
@@ -684,8 +684,8 @@ def gradcheck_reference(config, seed: int = 0, rows: int = 3, backend=None) -> N
     import dataclasses as dc
 
     from .backends import get_backend
-    from .case import MicroBatch
-    from .data import make_state
+    from .cases.case import MicroBatch
+    from .cases.data import make_state
 
     config = dc.replace(config, dtype="float64", autocast=None)
     backend = backend or get_backend("reference")

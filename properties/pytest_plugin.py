@@ -114,7 +114,7 @@ def session_options(config):
     stops the run with a usage error naming the option)."""
     import pytest
 
-    from .session import OptionError, Options
+    from .front.session import OptionError, Options
 
     opts = options_of(config)
 
@@ -151,7 +151,7 @@ def session_of(config):
 def _open_session(options):
     import pytest
 
-    from .session import OptionError, Session
+    from .front.session import OptionError, Session
 
     try:
         return Session.open(options)
@@ -186,7 +186,7 @@ def pytest_configure(config) -> None:
         return
     import pytest
 
-    from .xfails import XfailsFileError, load_xfails
+    from .front.xfails import XfailsFileError, load_xfails
 
     absolute = os.path.abspath(path)
     try:
@@ -229,8 +229,8 @@ def pytest_report_header(config) -> list[str]:
         return []
     import torch
 
-    from .profiles import active_profile_name
-    from .session import Options
+    from .cases.profiles import active_profile_name
+    from .front.session import Options
 
     opts = options_of(config)
     backend = opts["backend"]

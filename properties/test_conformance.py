@@ -2,7 +2,7 @@
 splitgrad.properties``; options from :mod:`splitgrad.properties.pytest_plugin`).
 
 The cells, their ids and the gaps in the backend's API come from the same
-:class:`~splitgrad.properties.session.Session` that ``splitgrad verify`` runs.
+:class:`~splitgrad.properties.front.session.Session` that ``splitgrad verify`` runs.
 ``test_api_complete`` fails once when the backend lacks part of SPEC's API (where ``splitgrad
 verify`` exits 2); ``test_property`` runs one cell of the campaign per test id. Cells listed in
 ``--splitgrad-xfails`` are strict expected failures.
@@ -48,7 +48,7 @@ def pytest_generate_tests(metafunc) -> None:
 
 def test_api_complete(request) -> None:
     """The backend has every part of SPEC's API the chosen properties use."""
-    from splitgrad.properties.xfails import API_COMPLETE
+    from splitgrad.properties.front.xfails import API_COMPLETE
 
     session = session_of(request.config)
     entry = expected_failures(request.config).get(API_COMPLETE)
@@ -69,7 +69,7 @@ def test_api_complete(request) -> None:
 
 def test_property(splitgrad_cell, request) -> None:
     """One cell: a hypothesis campaign of one property on one module kind and dtype."""
-    from splitgrad.properties.campaign import BLOCKED, DEVIATION, NA, PASS
+    from splitgrad.properties.front.campaign import BLOCKED, DEVIATION, NA, PASS
 
     session = session_of(request.config)
     cell = session.run(splitgrad_cell)

@@ -8,8 +8,8 @@ import importlib
 
 import pytest
 import torch
-from splitgrad.properties.campaign import deterministic
-from splitgrad.properties.profiles import load_profile
+from splitgrad.properties.cases.profiles import load_profile
+from splitgrad.properties.front.campaign import deterministic
 
 load_profile()
 

@@ -8,18 +8,18 @@ import contextlib
 import pytest
 import torch
 from splitgrad.properties.backends import get_backend
-from splitgrad.properties.campaign import FAIL, PASS, run_cell
-from splitgrad.properties.data import make_micro_batches
-from splitgrad.properties.plan import AUTOCAST_PROPERTIES, plan_cells
-from splitgrad.properties.registry import PROPERTIES, explicit_cases, run_check
-from splitgrad.properties.results import PropertyViolation
-from splitgrad.properties.rounding import rounding_bounds
-from splitgrad.properties.strategies import KINDS, Case, MicroBatch, ModuleConfig
-from splitgrad.properties.xfails import canonical_id
+from splitgrad.properties.cases.data import make_micro_batches
+from splitgrad.properties.cases.strategies import KINDS, Case, MicroBatch, ModuleConfig
+from splitgrad.properties.checks.registry import PROPERTIES, explicit_cases, run_check
+from splitgrad.properties.checks.results import PropertyViolation
+from splitgrad.properties.front.campaign import FAIL, PASS, run_cell
+from splitgrad.properties.front.plan import AUTOCAST_PROPERTIES, plan_cells
+from splitgrad.properties.front.xfails import canonical_id
+from splitgrad.properties.oracle.rounding import rounding_bounds
 
 
 def test_the_default_plan_has_an_autocast_slice(monkeypatch) -> None:
-    import splitgrad.properties.plan as plan
+    import splitgrad.properties.front.plan as plan
 
     monkeypatch.setattr(plan, "AUTOCAST_IN_DEFAULT_RUN", False)
     assert all(c.autocast is None for c in plan_cells(KINDS, ["float32"], list(PROPERTIES)))
@@ -52,7 +52,7 @@ def test_xfails_name_autocast_cells_in_both_spellings() -> None:
     want = "P4-Linear-float32-none-autocast=bfloat16"
     assert canonical_id(f"test_property[{want}]") == want
     assert canonical_id(want) == want
-    from splitgrad.properties.xfails import XfailsFileError
+    from splitgrad.properties.front.xfails import XfailsFileError
 
     with pytest.raises(XfailsFileError, match="autocast dtype 'int8'"):
         canonical_id("P4-Linear-float32-none-autocast=int8")

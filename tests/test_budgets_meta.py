@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 from splitgrad.properties import budgets as B
-from splitgrad.properties.accuracy import accuracy as _accuracy
 from splitgrad.properties.backends import LibraryBackend, get_backend
-from splitgrad.properties.registry import example_case
+from splitgrad.properties.checks.accuracy import accuracy as _accuracy
+from splitgrad.properties.checks.registry import example_case
 
 LOW = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -207,14 +207,14 @@ def test_module_budgets_pass_on_reference_and_fail_a_few_steps_off(kind: str, dt
     ids=lambda c: "-".join(str(v) for v in c.values()),
 )
 def test_gradcheck_reference(config: dict) -> None:
-    from splitgrad.properties.strategies import ModuleConfig
+    from splitgrad.properties.cases.strategies import ModuleConfig
 
     B.gradcheck_reference(ModuleConfig(**config))
 
 
 def test_gradcheck_fails_on_a_one_percent_wrong_backward() -> None:
     """Meta: tier 3 catches a backward that scales every gradient by 1.01."""
-    from splitgrad.properties.strategies import ModuleConfig
+    from splitgrad.properties.cases.strategies import ModuleConfig
 
     class Scale(torch.autograd.Function):
         @staticmethod
@@ -239,7 +239,7 @@ def test_gradcheck_fails_on_a_one_percent_wrong_backward() -> None:
 
 
 def _mlp_case(activation: str, dtype: str = "bfloat16", fused: bool = True, seed: int = 0):
-    from splitgrad.properties.strategies import Case, MicroBatch, ModuleConfig
+    from splitgrad.properties.cases.strategies import Case, MicroBatch, ModuleConfig
 
     config = ModuleConfig(
         "LayerNormMLP", 6, 4, activation=activation, dtype=dtype, fuse_wgrad_accumulation=fused
@@ -248,7 +248,7 @@ def _mlp_case(activation: str, dtype: str = "bfloat16", fused: bool = True, seed
 
 
 def test_operand_allowances_exist_only_behind_computed_operands() -> None:
-    from splitgrad.properties.internals import dgrad_operand_floors, wgrad_operand_floors
+    from splitgrad.properties.oracle.internals import dgrad_operand_floors, wgrad_operand_floors
 
     for kind in ("Linear", "GroupedLinear"):
         assert wgrad_operand_floors(example_case(kind, num_gemms=2)) == {}
@@ -275,7 +275,7 @@ def test_operand_allowances_stay_at_the_rounding_scale(activation: str, steps: i
     """The allowances are rounding steps of the operands carried to the result: measured
     against the gradient itself they stay a few rounding steps of it (budgets.py has the
     numbers), not a fraction of it."""
-    from splitgrad.properties.internals import dgrad_operand_floors, wgrad_operand_floors
+    from splitgrad.properties.oracle.internals import dgrad_operand_floors, wgrad_operand_floors
 
     case = _mlp_case(activation)
     _, _, truth = _accuracy(get_backend("reference"), case)
@@ -298,7 +298,7 @@ def test_a_slightly_wrong_mlp_gradient_still_fails(
     main_grad contribution ``dw_skew`` times too large, still fails P2 / P3 of a
     smooth-activation MLP despite the operand allowances (gated ones allow more: their second
     half moves with act(a) itself)."""
-    from splitgrad.properties.accuracy import check_p2, check_p3
+    from splitgrad.properties.checks.accuracy import check_p2, check_p3
 
     class Skewed(LibraryBackend):
         def __init__(self, what: str) -> None:

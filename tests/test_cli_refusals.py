@@ -11,11 +11,11 @@ from splitgrad import cli
 from splitgrad.bench import modules as bench
 from splitgrad.bench import moe, pipeline, ranks
 from splitgrad.cli import distributed as distributed_cli
-from splitgrad.properties import distributed as distributed_checks
-from splitgrad.properties import session, verify
-from splitgrad.properties.plan import plan_cells
-from splitgrad.properties.registry import PROPERTIES
-from splitgrad.properties.strategies import KINDS
+from splitgrad.properties.cases.strategies import KINDS
+from splitgrad.properties.checks import distributed as distributed_checks
+from splitgrad.properties.checks.registry import PROPERTIES
+from splitgrad.properties.front import session, verify
+from splitgrad.properties.front.plan import plan_cells
 
 
 @pytest.fixture

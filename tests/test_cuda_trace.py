@@ -8,7 +8,7 @@ outputs of the expected shape, dtype and device; where a shape cannot take the f
 recorded decision names the fallback and why. Modules are stepped by
 :func:`~splitgrad.impl.fake_cuda.module_step` (their autograd Functions' bodies, no engine),
 which is checked against autograd on the CPU first. Shapes come from the harness's strategies
-(``splitgrad.properties.strategies``), plus pinned shapes where the fast paths need alignment
+(``splitgrad.properties.cases.strategies``), plus pinned shapes where the fast paths need alignment
 the strategies rarely draw.
 """
 
@@ -35,9 +35,9 @@ from splitgrad.impl import (
     linear,
 )
 from splitgrad.impl.fp8 import quantize
-from splitgrad.properties import strategies as S
 from splitgrad.properties.backends import build_library_module
-from splitgrad.properties.data import gemm_weight_names, with_layout
+from splitgrad.properties.cases import strategies as S
+from splitgrad.properties.cases.data import gemm_weight_names, with_layout
 
 CAPS = list(fake_cuda.CAPABILITIES.items())
 CAP_IDS = [name for name, _ in CAPS]

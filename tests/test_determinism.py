@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from splitgrad.properties import campaign
 from splitgrad.properties.backends import get_backend
-from splitgrad.properties.campaign import FAIL, NONDETERMINISTIC, deterministic, run_cell
-from splitgrad.properties.verify import main
+from splitgrad.properties.front import campaign
+from splitgrad.properties.front.campaign import FAIL, NONDETERMINISTIC, deterministic, run_cell
+from splitgrad.properties.front.verify import main
 
 UNINITIALIZED = textwrap.dedent(
     '''
@@ -97,7 +97,7 @@ def test_checks_run_deterministic_and_the_caller_mode_comes_back(monkeypatch) ->
 
 
 def cell_case():
-    from splitgrad.properties.registry import example_case
+    from splitgrad.properties.checks.registry import example_case
 
     return example_case("Linear", dtype="bfloat16")
 

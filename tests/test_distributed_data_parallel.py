@@ -14,7 +14,10 @@ import importlib
 import pytest
 import torch
 from splitgrad.distributed import GradientReducer, RankFailure, run_ranks
-from splitgrad.properties.distributed import check_data_parallel, check_pipeline_data_parallel
+from splitgrad.properties.checks.distributed import (
+    check_data_parallel,
+    check_pipeline_data_parallel,
+)
 
 pytestmark = pytest.mark.distributed
 

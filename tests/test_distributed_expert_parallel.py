@@ -10,7 +10,7 @@ import importlib
 import pytest
 import torch
 from splitgrad.distributed import ExpertParallelMoE, run_ranks
-from splitgrad.properties.distributed import check_expert_parallel
+from splitgrad.properties.checks.distributed import check_expert_parallel
 
 pytestmark = pytest.mark.distributed
 

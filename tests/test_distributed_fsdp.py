@@ -15,12 +15,12 @@ import re
 import pytest
 import torch
 from splitgrad.distributed import GradientReducer, run_ranks
-from splitgrad.properties.distributed import (
+from splitgrad.properties.checks.distributed import (
     DistributedReport,
     check_fully_sharded,
     check_pipeline_data_parallel,
 )
-from splitgrad.properties.distributed.fsdp import check_fsdp_launches
+from splitgrad.properties.checks.distributed.fsdp import check_fsdp_launches
 
 pytestmark = pytest.mark.distributed
 

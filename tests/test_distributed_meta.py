@@ -4,8 +4,8 @@ looks fine to P15/P16's pipeline and reducer only until ranks are involved."""
 from __future__ import annotations
 
 import pytest
-from splitgrad.properties import distributed as checks
-from splitgrad.properties.distributed.expert_parallel import overlap_failure
+from splitgrad.properties.checks import distributed as checks
+from splitgrad.properties.checks.distributed.expert_parallel import overlap_failure
 
 pytestmark = pytest.mark.distributed
 

@@ -12,7 +12,7 @@ baseline runs the package without delay (bitwise) and everything is also judged 
 from __future__ import annotations
 
 import pytest
-from splitgrad.properties import distributed as checks
+from splitgrad.properties.checks import distributed as checks
 
 pytestmark = pytest.mark.distributed
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from cases import build, fill, forward, make_dy, make_input
 from splitgrad.distributed import dw_builder
-from splitgrad.properties.distributed import check_pipeline
+from splitgrad.properties.checks.distributed import check_pipeline
 
 pytestmark = pytest.mark.distributed
 

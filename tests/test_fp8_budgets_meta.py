@@ -13,9 +13,9 @@ import torch
 from fp8_doubles import WRONG, LegalFP8, WrongFP8
 from splitgrad.properties import budgets as B
 from splitgrad.properties.backends import LibraryBackend, get_backend
-from splitgrad.properties.registry import run_check
-from splitgrad.properties.results import PropertyViolation
-from splitgrad.properties.strategies import Case, MicroBatch, ModuleConfig, recipe_alignment
+from splitgrad.properties.cases.strategies import Case, MicroBatch, ModuleConfig, recipe_alignment
+from splitgrad.properties.checks.registry import run_check
+from splitgrad.properties.checks.results import PropertyViolation
 
 
 def _case(kind: str, recipe: str, dtype: str = "bfloat16", seed: int = 0, **kw) -> Case:
@@ -200,8 +200,8 @@ def test_p13_catches_a_quantizer_that_ignores_the_axis() -> None:
 
 
 def test_p13_passes_on_the_reference_for_every_recipe_and_value_pattern() -> None:
-    from splitgrad.properties.fp8 import P13_VALUES
-    from splitgrad.properties.strategies import RECIPES
+    from splitgrad.properties.cases.strategies import RECIPES
+    from splitgrad.properties.checks.fp8 import P13_VALUES
 
     ref = get_backend("reference")
     for recipe in RECIPES:

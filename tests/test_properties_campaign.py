@@ -7,7 +7,7 @@ recipe drawn from all of them per example (few examples outside the ``nightly`` 
 backend without FP8 is skipped with the reason). A failure message carries the shrunk case and
 the ``splitgrad verify ... --case`` line that replays it. A failure that the backend declares as
 a known deviation is an ``xfail`` whose reason is the deviation and the observed message.
-Forced paths (:mod:`splitgrad.properties.paths`): one test per (path, property, kind it applies
+Forced paths (``checks/paths.py``): one test per (path, property, kind it applies
 to), a few examples each outside ``nightly``; a cell where the path never ran is an error.
 torch.autocast (SPEC §2): one test per (backend, autocast property, kind), float32 modules with
 every forward under a bf16 autocast, a few examples each outside ``nightly``.
@@ -19,12 +19,12 @@ import pytest
 import torch
 from cases import available_backend
 from splitgrad.properties.backends import get_backend
-from splitgrad.properties.campaign import DEVIATION, NA, PASS, run_cell
-from splitgrad.properties.paths import IMPL_PATHS, ForcedPathBackend
-from splitgrad.properties.plan import AUTOCAST_PROPERTIES, PATH_SLICE_PROPERTIES
-from splitgrad.properties.profiles import active_profile_name
-from splitgrad.properties.registry import PROPERTIES, applicable
-from splitgrad.properties.strategies import DTYPES, KINDS, RECIPES
+from splitgrad.properties.cases.profiles import active_profile_name
+from splitgrad.properties.cases.strategies import DTYPES, KINDS, RECIPES
+from splitgrad.properties.checks.paths import IMPL_PATHS, ForcedPathBackend
+from splitgrad.properties.checks.registry import PROPERTIES, applicable
+from splitgrad.properties.front.campaign import DEVIATION, NA, PASS, run_cell
+from splitgrad.properties.front.plan import AUTOCAST_PROPERTIES, PATH_SLICE_PROPERTIES
 
 BACKENDS = ("reference", "impl", "torch-split")
 FP8_BACKENDS = ("reference", "impl")

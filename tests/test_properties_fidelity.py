@@ -13,16 +13,16 @@ import torch
 from cases import ci_mutants
 from splitgrad.properties import budgets as B
 from splitgrad.properties.backends import Backend, LibraryBackend, get_backend
-from splitgrad.properties.campaign import run_case
-from splitgrad.properties.fidelity import (
+from splitgrad.properties.cases.strategies import Case, MicroBatch, ModuleConfig
+from splitgrad.properties.checks.fidelity import (
     DIFFERENTIATING_VARIANTS,
     EXPLICIT,
     VARIANTS,
     names_module,
 )
-from splitgrad.properties.protocol import PROTOCOL_VARIANTS
-from splitgrad.properties.registry import case_strategy, explicit_cases
-from splitgrad.properties.strategies import Case, MicroBatch, ModuleConfig
+from splitgrad.properties.checks.protocol import PROTOCOL_VARIANTS
+from splitgrad.properties.checks.registry import case_strategy, explicit_cases
+from splitgrad.properties.front.campaign import run_case
 
 
 def _case(
@@ -416,7 +416,7 @@ def test_explicit_cases_enumerate_every_kind() -> None:
 
 
 def _names(case: Case) -> set[str]:
-    from splitgrad.properties.data import param_specs
+    from splitgrad.properties.cases.data import param_specs
 
     return {s.name for s in param_specs(case.config)}
 

@@ -1,4 +1,4 @@
-"""The relu kink (``properties/kink.py``): the candidate truths are right, a legal relu' choice at
+"""The relu kink (``oracle/kink.py``): the candidate truths are right, a legal relu' choice at
 an ambiguous pre-activation passes, and a real relu bug still fails."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from collections.abc import Callable
 import pytest
 import torch
 from splitgrad.properties import budgets as B
-from splitgrad.properties.accuracy import check_p2, check_p3
 from splitgrad.properties.backends import LibraryBackend, get_backend
-from splitgrad.properties.campaign import PASS, run_cell
-from splitgrad.properties.kink import (
+from splitgrad.properties.cases.strategies import Case, MicroBatch, ModuleConfig
+from splitgrad.properties.checks.accuracy import check_p2, check_p3
+from splitgrad.properties.front.campaign import PASS, run_cell
+from splitgrad.properties.oracle.kink import (
     CaseRejected,
     KinkSite,
     kink_choices,
@@ -20,7 +21,6 @@ from splitgrad.properties.kink import (
     kink_sites,
     site_at,
 )
-from splitgrad.properties.strategies import Case, MicroBatch, ModuleConfig
 from splitgrad.reference import functional as F
 from test_properties_pinned import P3_FP8_RELU_KINK, RELU_KINK
 
@@ -66,8 +66,8 @@ def test_the_kink_case_has_one_site_that_the_reference_rounds_onto_zero() -> Non
 def _truth_of(backend, case: Case):
     """The float64 run of ``backend`` on the case's values (rounded to its dtype), as the
     harness's truth is made: an upcast copy of a reference module in the case's dtype."""
-    from splitgrad.properties.data import make_micro_batches
-    from splitgrad.properties.runner import ModuleRun, fb_steps, play
+    from splitgrad.properties.cases.data import make_micro_batches
+    from splitgrad.properties.checks.runner import ModuleRun, fb_steps, play
     from splitgrad.reference import upcast
 
     low = ModuleRun(get_backend("reference"), case, delay=False, hooks=0)
@@ -128,7 +128,7 @@ def _flip_passes_only_with_candidates(monkeypatch, case: Case, where: tuple[int,
     other = ReluGradPatched(_flip_at([where]))
     assert check_p2(other, case).ratio <= 1.0
     assert check_p3(other, case).ratio <= 1.0
-    import splitgrad.properties.accuracy as checks
+    import splitgrad.properties.checks.accuracy as checks
 
     monkeypatch.setattr(checks, "kink_sites", lambda case: [])
     with pytest.raises(B.BudgetViolation) as info:
@@ -183,7 +183,7 @@ def test_too_many_sites_reject_the_example_and_are_not_counted() -> None:
 def test_campaign_counts_rejections_apart(monkeypatch) -> None:
     """A rejected example is neither a pass nor a failure: the cell still runs its full number
     of judged examples and reports the rejections separately."""
-    import splitgrad.properties.accuracy as checks
+    import splitgrad.properties.checks.accuracy as checks
 
     fake = site_at(KINK_CASE, 0, 0, 0)
     real = checks.kink_sites

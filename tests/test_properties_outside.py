@@ -19,17 +19,17 @@ from xml.etree import ElementTree as ET
 import pytest
 from outside_packages import write_packages
 from outside_reexport import write_reexports
-from splitgrad.properties import xfails
 from splitgrad.properties.backends import (
     RecipeMappingError,
     get_backend,
     to_transformer_engine_recipe,
 )
-from splitgrad.properties.campaign import FAIL, NA, PASS, CellResult, api_gaps
+from splitgrad.properties.cases.strategies import ModuleConfig, make_recipe
+from splitgrad.properties.checks.registry import PROPERTIES
+from splitgrad.properties.front import xfails
+from splitgrad.properties.front.campaign import FAIL, NA, PASS, CellResult, api_gaps
+from splitgrad.properties.front.verify import main
 from splitgrad.properties.pytest_plugin import suite_requested
-from splitgrad.properties.registry import PROPERTIES
-from splitgrad.properties.strategies import ModuleConfig, make_recipe
-from splitgrad.properties.verify import main
 
 
 @pytest.fixture(scope="module")
@@ -418,7 +418,7 @@ def test_xfails_judge_verify_cells_strictly() -> None:
 
 
 def test_xfails_option_for_verify_checks_the_file_while_parsing(tmp_path: Path, capsys) -> None:
-    from splitgrad.properties.verify import build_parser
+    from splitgrad.properties.front.verify import build_parser
 
     good, bad = tmp_path / "good.txt", tmp_path / "bad.txt"
     good.write_text("P3-Linear-float32-none  # known\n")
@@ -534,7 +534,7 @@ def test_transformer_engine_recipes_mapped_by_name() -> None:
     assert to_transformer_engine_recipe(fp8.MXFP8BlockScaling(), te) == _TEMX(0, _TEFormat.E4M3)
     assert to_transformer_engine_recipe(fp8.Float8BlockScaling(), te) == _TEBlock(_TEFormat.E4M3)
     # Every recipe the harness draws maps.
-    from splitgrad.properties.strategies import RECIPES
+    from splitgrad.properties.cases.strategies import RECIPES
 
     for name in RECIPES:
         mapped = to_transformer_engine_recipe(make_recipe(name), te)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from cases import available_backend
 from splitgrad.properties.budgets import BudgetViolation
-from splitgrad.properties.registry import run_check
-from splitgrad.properties.results import PropertyViolation
-from splitgrad.properties.strategies import Case, MicroBatch, ModuleConfig
+from splitgrad.properties.cases.strategies import Case, MicroBatch, ModuleConfig
+from splitgrad.properties.checks.registry import run_check
+from splitgrad.properties.checks.results import PropertyViolation
 
 # A harness bug the first campaign found: P12 prefilled .grad on fused Linear weights while the
 # GroupedLinear kept .grad None (fused weights must keep .grad None). Empty input, one group.
@@ -50,7 +50,7 @@ def test_p2_layernorm_fp32_impl(property_id: str) -> None:
 # The nightly campaign on an AMD EPYC: impl's layer_norm_weight.grad over 22 rows of 3 features
 # was 2.06x its budget because the naive run's error (2.3e-8) was a lucky cancellation of row
 # errors of 1-3e-7 each. The naive yardstick is now also taken with the rows reversed
-# (properties/truth.py: worse_naive), so a legal summation order no longer fails.
+# (properties/oracle/truth.py: worse_naive), so a legal summation order no longer fails.
 P5_LN_GAMMA_FP32 = Case.from_json(
     '{"asked":[],"config":{"activation":"gelu","bias":false,"device":"cpu","dtype":"float32",'
     '"fuse_wgrad_accumulation":false,"in_features":3,"kind":"LayerNormLinear","normalization"'
@@ -104,7 +104,7 @@ def test_torch_split_plain_modules_pass_the_queue_properties() -> None:
 # --dtype bfloat16): a bf16 fc1 pre-activation whose float64 truth is -0.00154 (bound 0.056).
 # The naive reference rounds it onto exactly 0.0 (relu' = 0, like the truth); impl's fused addmm
 # lands on +2.7e-4 (relu' = 1), and judged against the truth alone that one flip made inp.grad
-# 22x its budget. With the kink handled (properties/kink.py) impl passes against the truth with
+# 22x its budget. With the kink handled (oracle/kink.py) impl passes against the truth with
 # relu' = 1 there. The report's own JSON was not kept; this case was found by scanning seeds for
 # the same situation (true h near -0.0016, reference exactly on 0, impl just above).
 RELU_KINK = Case(
@@ -119,7 +119,7 @@ RELU_KINK = Case(
 
 @pytest.mark.parametrize("property_id", ["P2", "P3"])
 def test_relu_kink_reported_case_impl(property_id: str) -> None:
-    from splitgrad.properties.kink import kink_sites
+    from splitgrad.properties.oracle.kink import kink_sites
 
     (site,) = kink_sites(RELU_KINK)
     assert site.truth_slope == 0 and abs(site.h) < site.bound
@@ -170,7 +170,7 @@ SMOOTH_ACTIVATION_CASES = [
 def test_smooth_activation_operand_rounding_impl(
     property_id: str, case_json: str, monkeypatch
 ) -> None:
-    import splitgrad.properties.accuracy as checks
+    import splitgrad.properties.checks.accuracy as checks
     from splitgrad.properties.budgets import BudgetViolation
 
     case = Case.from_json(case_json)
@@ -190,7 +190,7 @@ def test_smooth_activation_operand_rounding_impl(
 # main_grad. fc2's wgrad sums two activations that nearly cancel; the delayed scale (from
 # micro-batch 0's amax, a step apart between runs) put one of them on the other side of an E4M3
 # rounding boundary, so fc2_weight.main_grad was 2.06x the old gate (relative to |truth|, not to
-# the summed terms). Judged now with the FP8 crossing bound (properties/rounding.py: Arith.quant).
+# the summed terms). Judged now with the FP8 crossing bound (oracle/rounding.py: Arith.quant).
 P3_FP8_CANCELLING_WGRAD = Case.from_json(
     '{"asked":[],"config":{"activation":"swiglu","bias":true,"device":"cpu","dtype":"bfloat16",'
     '"fuse_wgrad_accumulation":true,"in_features":3,"kind":"LayerNormMLP",'
@@ -206,7 +206,7 @@ P3_FP8_CANCELLING_WGRAD = Case.from_json(
 @pytest.mark.parametrize("path", ["none", "scaled_mm"])
 @pytest.mark.parametrize("property_id", ["P1", "P2", "P3"])
 def test_fp8_wgrad_of_cancelling_terms_impl(property_id: str, path: str) -> None:
-    from splitgrad.properties.paths import ForcedPathBackend
+    from splitgrad.properties.checks.paths import ForcedPathBackend
 
     backend = available_backend("impl")
     if path != "none":
@@ -223,7 +223,7 @@ def test_fp8_wgrad_of_cancelling_terms_reference() -> None:
 # and adds the bias in bf16), so relu' flips at one element of a tiny tensor and fc1_bias /
 # inp.grad move by O(1) (P3 against the truth alone: fc1_bias.grad 1.14x over, 0.883 where
 # truth and naive are 0). Judged against the truth with one or two band sites switched
-# (properties/kink.py, FP8), impl passes.
+# (properties/oracle/kink.py, FP8), impl passes.
 P3_FP8_RELU_KINK = Case.from_json(
     '{"asked":[],"config":{"activation":"relu","autocast":null,"bias":true,"device":"cpu",'
     '"dtype":"bfloat16","fuse_wgrad_accumulation":false,"in_features":10,"kind":"LayerNormMLP",'
@@ -248,10 +248,10 @@ P4_FP8_RELU_KINK_SCALED_MM = Case.from_json(
     ids=["P3", "P4-scaled_mm"],
 )
 def test_fp8_relu_kink_flip_impl(property_id, case, path, monkeypatch) -> None:
-    import splitgrad.properties.accuracy as accuracy
-    import splitgrad.properties.truth as truth
-    from splitgrad.properties.kink import kink_sites
-    from splitgrad.properties.paths import ForcedPathBackend
+    import splitgrad.properties.checks.accuracy as accuracy
+    import splitgrad.properties.oracle.truth as truth
+    from splitgrad.properties.checks.paths import ForcedPathBackend
+    from splitgrad.properties.oracle.kink import kink_sites
 
     assert kink_sites(case), "the case has FP8 kink sites"
     backend = available_backend("impl")

@@ -19,12 +19,12 @@ from splitgrad.properties.backends import (
     TransformerEngineBackend,
     get_backend,
 )
-from splitgrad.properties.campaign import PASS, run_case, run_cell
-from splitgrad.properties.paths import ForcedPathBackend
-from splitgrad.properties.protocol import PROTOCOL_VARIANTS
-from splitgrad.properties.registry import MODULE_PROTOCOL, explicit_cases
-from splitgrad.properties.strategies import KINDS, Case, MicroBatch, ModuleConfig
-from splitgrad.properties.verify import main as verify
+from splitgrad.properties.cases.strategies import KINDS, Case, MicroBatch, ModuleConfig
+from splitgrad.properties.checks.paths import ForcedPathBackend
+from splitgrad.properties.checks.protocol import PROTOCOL_VARIANTS
+from splitgrad.properties.checks.registry import MODULE_PROTOCOL, explicit_cases
+from splitgrad.properties.front.campaign import PASS, run_case, run_cell
+from splitgrad.properties.front.verify import main as verify
 
 
 def _ci_mutant(tmp_path: Path, name: str) -> Backend:
@@ -265,7 +265,7 @@ def test_a_repr_showing_a_wrong_option_is_caught() -> None:
 
 
 def test_repr_values_may_be_quoted_or_not() -> None:
-    from splitgrad.properties.protocol import _shown, _unquoted
+    from splitgrad.properties.checks.protocol import _shown, _unquoted
 
     text = "LayerNormMLP(hidden_size=8, ffn_hidden_size=16, bias=True, normalization=RMSNorm)"
     assert _shown(text, "hidden_size") == ["8"]  # not ffn_hidden_size

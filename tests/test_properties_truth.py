@@ -1,4 +1,4 @@
-"""Meta-tests for tier 2 on the differential properties (properties/truth.py).
+"""Meta-tests for tier 2 on the differential properties (properties/oracle/truth.py).
 
 P4-P8 and P12 compare an implementation with itself. Each planted bug below sits in the writes
 both modes share (it is applied right after every write of gradients: at the end of a
@@ -16,9 +16,9 @@ import dataclasses
 import pytest
 import torch
 from splitgrad.properties.backends import LibraryBackend
-from splitgrad.properties.campaign import FAIL, run_cell
-from splitgrad.properties.registry import run_check
-from splitgrad.properties.strategies import Case, MicroBatch, ModuleConfig
+from splitgrad.properties.cases.strategies import Case, MicroBatch, ModuleConfig
+from splitgrad.properties.checks.registry import run_check
+from splitgrad.properties.front.campaign import FAIL, run_cell
 
 
 def _slot(p: torch.nn.Parameter, fused: bool, weight: bool) -> torch.Tensor | None:
@@ -216,8 +216,8 @@ _IDS = [f"{bug}-{pid}" for bug, pid, *_ in PLANTED]
 
 def _blind(monkeypatch) -> None:
     """Turn the tier-2 judgment of the differential properties off."""
-    import splitgrad.properties.grouped as grouped
-    import splitgrad.properties.split as split
+    import splitgrad.properties.checks.grouped as grouped
+    import splitgrad.properties.checks.split as split
 
     for module in (split, grouped):
         monkeypatch.setattr(module, "judge_steps", lambda *args, **kwargs: None)
@@ -257,9 +257,9 @@ def test_judging_a_correct_reference_passes_every_condition() -> None:
 
 def test_row_reversal_reverses_rows_within_each_group_and_undoes_itself():
     import torch
-    from splitgrad.properties.data import MicroBatchData
-    from splitgrad.properties.strategies import MicroBatch
-    from splitgrad.properties.truth import row_reversal
+    from splitgrad.properties.cases.data import MicroBatchData
+    from splitgrad.properties.cases.strategies import MicroBatch
+    from splitgrad.properties.oracle.truth import row_reversal
 
     x = torch.arange(12.0).reshape(6, 2)
     dy = torch.arange(6.0).reshape(6, 1)
@@ -276,8 +276,8 @@ def test_row_reversal_reverses_rows_within_each_group_and_undoes_itself():
 
 def test_worse_naive_takes_the_run_further_from_the_truth_per_tensor():
     import torch
-    from splitgrad.properties.runner import AccuracyRun
-    from splitgrad.properties.truth import worse_naive
+    from splitgrad.properties.checks.runner import AccuracyRun
+    from splitgrad.properties.oracle.truth import worse_naive
 
     truth = AccuracyRun(
         [torch.zeros(2, 1)], [None], {"g.grad": torch.zeros(3)}, {"w.grad": torch.zeros(2)}

@@ -1,4 +1,4 @@
-"""Meta-tests of the per-element rounding bound (properties/rounding.py: ``rounding_bounds``).
+"""Meta-tests of the per-element rounding bound (oracle/rounding.py: ``rounding_bounds``).
 
 The bound claims to hold for *any* summation order of a GEMM's fp32 reduction (split-K, blocked,
 reversed: what a GPU kernel may do), so the budgets need no retuning on another device. These
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from splitgrad.properties.data import make_micro_batches, make_state
-from splitgrad.properties.rounding import rounding_bounds
-from splitgrad.properties.strategies import Case, MicroBatch, ModuleConfig
+from splitgrad.properties.cases.data import make_micro_batches, make_state
+from splitgrad.properties.cases.strategies import Case, MicroBatch, ModuleConfig
+from splitgrad.properties.oracle.rounding import rounding_bounds
 
 DTYPES = [torch.float32, torch.bfloat16]
 SHAPES = [(3, 5, 7), (64, 48, 17), (200, 33, 40)]  # (in_features K, out_features, rows)
@@ -120,7 +120,7 @@ def test_the_bound_scales_with_the_summed_magnitudes_not_the_result(dtype) -> No
     assert bool((bounds["weight.grad"] <= 4 * (step * result + 32 * 16 * u32 * terms)).all())
 
 
-# ---- the FP8 crossing bound (properties/rounding.py: Arith.quant) ---------------------------
+# ---- the FP8 crossing bound (properties/oracle/rounding.py: Arith.quant) ---
 
 
 @pytest.mark.parametrize("recipe", ["current-hybrid", "delayed-max-e4m3", "mxfp8"])
@@ -128,7 +128,7 @@ def test_fp8_bound_adds_nothing_where_every_quantized_operand_is_an_input(
     recipe: str, monkeypatch
 ) -> None:
     # A Linear quantizes x, W and dy only: the same values on every side, so no crossing.
-    from splitgrad.properties import rounding
+    from splitgrad.properties.oracle import rounding
 
     case = Case(
         ModuleConfig("Linear", 32, 32, dtype="bfloat16", recipe=recipe), (MicroBatch((32,)),), 3
@@ -143,7 +143,7 @@ def test_fp8_bound_adds_nothing_where_every_quantized_operand_is_an_input(
 
 def test_fp8_bound_grows_where_the_module_computes_an_operand(monkeypatch) -> None:
     # LayerNormLinear quantizes its norm output: weight.grad's bound must widen there.
-    from splitgrad.properties import rounding
+    from splitgrad.properties.oracle import rounding
 
     config = ModuleConfig("LayerNormLinear", 32, 32, dtype="bfloat16", recipe="current-hybrid")
     case = Case(config, (MicroBatch((32,)),), 3)
@@ -155,7 +155,7 @@ def test_fp8_bound_grows_where_the_module_computes_an_operand(monkeypatch) -> No
 
 def test_fp8_bound_counts_one_step_of_each_computed_operand() -> None:
     from splitgrad.properties import budgets as B
-    from splitgrad.properties.rounding import Arith, Bounded
+    from splitgrad.properties.oracle.rounding import Arith, Bounded
 
     ar = Arith(torch.bfloat16, recipe="current-e4m3")
     v = torch.tensor([[0.5, -3.0, 1e-4, 7.0]], dtype=torch.float64)

@@ -6,7 +6,7 @@ import pytest
 from cases import available_backend
 from hypothesis import Phase, settings
 from splitgrad.properties.backends import get_backend
-from splitgrad.properties.state_machine import make_p6_machine
+from splitgrad.properties.checks.state_machine import make_p6_machine
 
 
 def _machine_test(
@@ -82,7 +82,7 @@ def test_p6_state_machine_fp8_delayed_histories_move(backend_name: str) -> None:
     """Every forward runs inside fp8_autocast(DelayedScaling): the delayed module's amax
     histories and scales equal the eager twin's after every step, and they do move (some
     history holds several steps)."""
-    from splitgrad.properties.strategies import RECIPE_FAMILIES
+    from splitgrad.properties.cases.strategies import RECIPE_FAMILIES
 
     machine, cfg = _fp8_machine(backend_name, RECIPE_FAMILIES["delayed"])
     _run(machine, cfg)
@@ -91,7 +91,7 @@ def test_p6_state_machine_fp8_delayed_histories_move(backend_name: str) -> None:
 
 @pytest.mark.parametrize("backend_name", ["reference", "impl"])
 def test_p6_state_machine_fp8_block_recipes(backend_name: str) -> None:
-    from splitgrad.properties.strategies import RECIPE_FAMILIES
+    from splitgrad.properties.cases.strategies import RECIPE_FAMILIES
 
     machine, cfg = _fp8_machine(
         backend_name,

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import find as _find
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from splitgrad.properties import strategies as S
-from splitgrad.properties.data import make_micro_batches, make_state, param_specs
-from splitgrad.properties.registry import PROPERTIES, case_strategy
-from splitgrad.properties.variants import MISUSES, Misuse, PartialBackward, parse_variant
+from splitgrad.properties.cases import strategies as S
+from splitgrad.properties.cases.data import make_micro_batches, make_state, param_specs
+from splitgrad.properties.cases.variants import MISUSES, Misuse, PartialBackward, parse_variant
+from splitgrad.properties.checks.registry import PROPERTIES, case_strategy
 
 
 @given(case=S.cases(dtypes=S.DTYPES))
@@ -190,7 +190,7 @@ def test_differential_cases_draw_every_condition_tier_2_judges() -> None:
 
 def test_p17_cases_ask_for_something_and_cover_both_modes() -> None:
     from hypothesis import given, settings
-    from splitgrad.properties.input_only import parse_variant
+    from splitgrad.properties.checks.input_only import parse_variant
 
     s = case_strategy("P17", kinds=("LayerNormLinear",), recipes=(None, "delayed-max-hybrid"))
     assert _found(s, lambda c: parse_variant(c)[0] == "grad" and "inp" not in c.asked)
@@ -209,8 +209,8 @@ def test_p17_cases_ask_for_something_and_cover_both_modes() -> None:
 
 
 def test_plan_ids_are_unique_and_match_verify() -> None:
-    from splitgrad.properties.plan import plan_cells
-    from splitgrad.properties.registry import PROPERTIES as ALL
+    from splitgrad.properties.checks.registry import PROPERTIES as ALL
+    from splitgrad.properties.front.plan import plan_cells
 
     cells = plan_cells(S.KINDS, ("float32", "bfloat16"), list(ALL))
     ids = [c.test_id for c in cells]
@@ -230,8 +230,8 @@ def test_plan_ids_are_unique_and_match_verify() -> None:
 
 def _cell_explicit(cell) -> list[S.Case]:
     """The explicit cases run_cell gives ``cell`` (its recipes and size multiple as there)."""
-    from splitgrad.properties.paths import IMPL_PATHS
-    from splitgrad.properties.registry import explicit_cases
+    from splitgrad.properties.checks.paths import IMPL_PATHS
+    from splitgrad.properties.checks.registry import explicit_cases
 
     recipes, multiple = cell.recipes, 1
     if cell.path != "default":
@@ -245,7 +245,7 @@ def _cell_explicit(cell) -> list[S.Case]:
 
 
 def _default_cells():
-    from splitgrad.properties.plan import plan_cells
+    from splitgrad.properties.front.plan import plan_cells
 
     return plan_cells(S.KINDS, ("float32", "bfloat16"), list(PROPERTIES))
 
@@ -292,10 +292,10 @@ def test_boundary_sizes_sit_at_alignment_edges() -> None:
 
 def test_explicit_cases_run_first_in_a_cell(monkeypatch) -> None:
     """run_cell runs the explicit cases, in order, before hypothesis draws any."""
-    from splitgrad.properties import campaign
     from splitgrad.properties.backends import get_backend
-    from splitgrad.properties.registry import explicit_cases
-    from splitgrad.properties.results import CheckResult
+    from splitgrad.properties.checks.registry import explicit_cases
+    from splitgrad.properties.checks.results import CheckResult
+    from splitgrad.properties.front import campaign
 
     seen: list[S.Case] = []
 
@@ -313,7 +313,7 @@ def test_explicit_cases_run_first_in_a_cell(monkeypatch) -> None:
 def test_p10_enumerates_misuse_x_fused_x_delay_x_first_microbatch() -> None:
     """Every misuse for every (fused, delay); under fused accumulation each misuse that runs a
     backward with every is_first_microbatch flag, each main_grad misuse on every weight."""
-    from splitgrad.properties.misuse import misuses, p10_explicit
+    from splitgrad.properties.checks.misuse import misuses, p10_explicit
 
     for kind in S.KINDS:
         cases = p10_explicit((kind,), ("float32",), ("cpu",), (None,))
@@ -387,9 +387,9 @@ def test_strategies_draw_every_layout() -> None:
 def test_typed_variants_keep_their_string_form_in_case_json() -> None:
     """P10's and P17's variants are typed; their string form is what case JSON (``--case``)
     carries, and a string form given to a case becomes the typed variant."""
-    from splitgrad.properties.fidelity import VARIANTS
-    from splitgrad.properties.fp8 import P13_VALUES
-    from splitgrad.properties.protocol import PROTOCOL_VARIANTS
+    from splitgrad.properties.checks.fidelity import VARIANTS
+    from splitgrad.properties.checks.fp8 import P13_VALUES
+    from splitgrad.properties.checks.protocol import PROTOCOL_VARIANTS
 
     assert str(Misuse("main_grad_shape", "fc2_weight")) == "main_grad_shape:fc2_weight"
     assert str(Misuse("bad_dtype")) == "bad_dtype" and str(PartialBackward("grad", 1)) == "grad@1"

@@ -11,7 +11,7 @@ from pathlib import Path
 from xml.etree import ElementTree as ET
 
 import pytest
-from splitgrad.properties.verify import main
+from splitgrad.properties.front.verify import main
 
 
 def test_unknown_option_is_a_message_not_a_traceback(capsys) -> None:
@@ -151,7 +151,7 @@ def test_failure_prints_shrunk_case_and_a_working_repro(tmp_path: Path, capsys) 
 
 
 def test_replay_of_a_passing_case(capsys) -> None:
-    from splitgrad.properties.registry import example_case
+    from splitgrad.properties.checks.registry import example_case
 
     case = example_case("GroupedLinear", num_gemms=3)
     assert main(["--backend", "reference", "--property", "P12", "--case", case.to_json()]) == 0
@@ -177,7 +177,7 @@ def test_recipe_option_adds_fp8_cells_with_a_recipe_column(tmp_path: Path, capsy
 
 
 def test_default_run_has_a_small_fp8_slice(capsys) -> None:
-    from splitgrad.properties.verify import FP8_SLICE_EXAMPLES
+    from splitgrad.properties.front.verify import FP8_SLICE_EXAMPLES
 
     argv = ["--backend", "reference", "--module", "Linear", "--dtype", "float32,bfloat16"]
     assert main([*argv, "--property", "P4", "--examples", "40"]) == 0
@@ -196,7 +196,7 @@ def test_default_run_has_a_small_fp8_slice(capsys) -> None:
 def test_fp8_case_replays(capsys) -> None:
     import dataclasses
 
-    from splitgrad.properties.registry import example_case
+    from splitgrad.properties.checks.registry import example_case
 
     case = example_case("GroupedLinear", num_gemms=2, in_features=32, out_features=32)
     config = dataclasses.replace(case.config, recipe="delayed-max-e4m3")
@@ -253,8 +253,8 @@ def test_p9_p10_p11_say_what_they_checked(capsys) -> None:
 
 
 def test_unjudged_examples_name_their_cell(capsys, monkeypatch) -> None:
-    import splitgrad.properties.accuracy as accuracy
-    from splitgrad.properties.kink import site_at
+    import splitgrad.properties.checks.accuracy as accuracy
+    from splitgrad.properties.oracle.kink import site_at
 
     fake = site_at(example_case_for_kink(), 0, 0, 0)
     real = accuracy.kink_sites
@@ -269,7 +269,7 @@ def test_unjudged_examples_name_their_cell(capsys, monkeypatch) -> None:
 
 
 def example_case_for_kink():
-    from splitgrad.properties.strategies import Case, MicroBatch, ModuleConfig
+    from splitgrad.properties.cases.strategies import Case, MicroBatch, ModuleConfig
 
     return Case(
         ModuleConfig("LayerNormMLP", 8, 16, activation="relu", dtype="bfloat16"),
@@ -281,7 +281,7 @@ def example_case_for_kink():
 def test_help_texts_are_plain_and_complete(capsys) -> None:
     from splitgrad import cli
     from splitgrad.bench import modules as bench
-    from splitgrad.properties.verify import build_parser
+    from splitgrad.properties.front.verify import build_parser
 
     def run(fn, *args: str) -> str:
         try:
@@ -342,7 +342,7 @@ def test_missing_api_exits_2_and_a_failure_alongside_exits_1(tmp_path: Path, cap
 
 
 def build_parser_help() -> str:
-    from splitgrad.properties.verify import build_parser
+    from splitgrad.properties.front.verify import build_parser
 
     return " ".join(build_parser().format_help().split())
 
@@ -360,7 +360,7 @@ def test_reexport_of_impl_is_complete_and_p13_is_na_once(tmp_path: Path, capsys)
     notes = [ln for ln in out.splitlines() if "no FP8 quantizer" in ln]
     assert len(notes) == 1 and notes[0].startswith("note: FP8 cells n/a: "), out
     case_argv = ["--backend", f"path:{pkg}", "--property", "P13", "--case"]
-    from splitgrad.properties.registry import example_case
+    from splitgrad.properties.checks.registry import example_case
 
     case = example_case("Linear", dtype="bfloat16", recipe="delayed-max-e4m3")
     assert main([*case_argv, case.to_json()]) == 0

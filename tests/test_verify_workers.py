@@ -1,4 +1,4 @@
-"""The two-process cell runner of ``splitgrad verify`` (properties/workers.py): every cell once,
+"""The two-process cell runner of ``splitgrad verify`` (front/workers.py): every cell once,
 results in plan order, cells that draw the same cases on one side, P9 in the main process."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from splitgrad.properties import workers
-from splitgrad.properties.plan import PlannedCell
+from splitgrad.properties.front import workers
+from splitgrad.properties.front.plan import PlannedCell
 
 pytestmark = pytest.mark.skipif(workers.default_jobs() < 2, reason="needs fork and two cores")
 

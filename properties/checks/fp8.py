@@ -1,0 +1,195 @@
+"""P13 (SPEC §6, §7), FP8: a backend's FP8 quantizers equal the reference's bit for bit, and amax
+histories, scales and gradients of a delayed module equal the non-delayed one's over several
+steps.
+
+Quantizers. For every operand the case's GEMMs quantize — input ``(tokens, K)``, weight
+``(M, K)``, grad_output ``(tokens, M)`` per GEMM weight and micro-batch — and each GEMM direction
+it is quantized for (``axis=1``: along rows; ``axis=0``: along columns), the backend's
+``quantize(x, recipe, role, axis, state)`` must return the reference's FP8 bytes (compared as
+``uint8``, so the sign of zero and every saturated value count) and ``scale_inv``. Delayed
+scaling threads one state per role through the operands on both sides and compares the amax
+history and scale after each quantization and after each update. ``case.variant`` picks the
+values: ``randn`` (normal values over a wide exponent range), ``specials`` (+-0, +-inf, values
+past the format's maximum, subnormal-range values, an all-zero block), ``outliers`` (a few
+values 1000x the rest). NaN is left out: SPEC says only that NaN stays NaN, not which NaN.
+
+Modules. A delayed and a non-delayed module run the case's micro-batches (at least two) under
+the recipe; the delayed one runs each entry's ``backward_dw()`` only after the *next*
+micro-batch's forward and backward moved the scales. Outputs, input gradients, amax histories
+and scales compare bitwise after every step, all gradients at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+
+from ..backends import Backend
+from ..cases.data import generator, make_micro_batches
+from ..cases.strategies import RECIPES, Case, cases, make_recipe
+from .results import CheckResult, PropertyViolation, Tracker
+from .runner import ModuleRun
+
+__all__ = [
+    "P13_VALUES",
+    "check_p13",
+    "p13_cases",
+    "quantizer_operands",
+    "check_quantizers",
+    "check_histories",
+]
+
+# Value patterns P13's quantizer operands are drawn with (see the module docstring).
+P13_VALUES = ("randn", "specials", "outliers")
+
+_REFERENCE_QUANTIZER = "splitgrad.reference.fp8_quant"
+
+
+def quantizer_operands(case: Case) -> list[tuple[str, str, torch.Tensor, tuple[int, ...]]]:
+    """``(label, role, tensor, axes)`` for every operand the case's GEMMs quantize (values from
+    the case's seed and ``variant``; empty token counts left out)."""
+    c = case.config
+    token_counts = []
+    for mb in case.micro_batches:
+        token_counts.extend(mb.m_splits if c.kind == "GroupedLinear" else (mb.rows,))
+    shapes = c.gemm_shapes()
+    g = generator(case.seed, 30_000)
+    out = []
+    for gi, (m, k) in enumerate(shapes if c.kind != "GroupedLinear" else shapes[:1]):
+        out.append((f"gemm{gi}.weight", "weight", _values(case, (m, k), g), (1, 0)))
+        for ti, n in enumerate(token_counts):
+            if n == 0:
+                continue
+            out.append((f"gemm{gi}.input[{ti}]", "input", _values(case, (n, k), g), (1, 0)))
+            out.append(
+                (f"gemm{gi}.grad_output[{ti}]", "grad_output", _values(case, (n, m), g), (1, 0))
+            )
+    return out
+
+
+def _values(case: Case, shape: tuple[int, int], g: torch.Generator) -> torch.Tensor:
+    """One operand in the case's dtype: normal values at a drawn exponent, plus the variant's."""
+    scale = 2.0 ** float(torch.randint(-12, 13, (), generator=g))
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * scale
+    flat = x.view(-1)
+    n = flat.numel()
+    if case.variant == "specials" and n:
+        big = 1e6 * scale
+        picks = torch.randperm(n, generator=g)[:8].tolist()
+        # All-zero blocks: row 0 (row-wise blocks and tiles) and column 0 (column-wise ones).
+        x[0].zero_()
+        x[:, 0].zero_()
+        values = [0.0, -0.0, math.inf, -math.inf, big, -big, scale * 2.0**-30, -scale * 2.0**-40]
+        for i, v in zip(picks, values):
+            flat[i] = v
+    elif case.variant == "outliers" and n:
+        picks = torch.randperm(n, generator=g)[: max(1, n // 64)]
+        flat[picks] *= 1000.0
+    return x.to(case.config.torch_dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.uint8)
+
+
+def _compare_quantized(t: Tracker, label: str, got: Any, want: Any) -> None:
+    t.equal(f"{label}: fp8 dtype", got.data.dtype, want.data.dtype)
+    t.bitwise(f"{label}: fp8 bytes", _bits(got.data), _bits(want.data))
+    t.bitwise(f"{label}: scale_inv", _scale_inv(got), want.scale_inv)
+
+
+def _scale_inv(q: Any) -> torch.Tensor:
+    """``scale_inv`` as fp32 (an E8M0 scale is converted exactly: it is a power of two)."""
+    s = q.scale_inv
+    return s if s.dtype == torch.float32 else s.to(torch.float32)
+
+
+def _state_class(quantizer: Any, reference: Any) -> Any:
+    return getattr(quantizer, "DelayedScalingState", reference.DelayedScalingState)
+
+
+def _compare_state(t: Tracker, label: str, got: Any, want: Any) -> None:
+    t.bitwise(f"{label}: amax_history", got.amax_history, want.amax_history)
+    t.bitwise(f"{label}: scale", got.scale, want.scale)
+
+
+def check_quantizers(backend: Backend, case: Case, t: Tracker) -> None:
+    """The quantizer half of P13 (see the module docstring)."""
+    import importlib
+
+    ref = importlib.import_module(_REFERENCE_QUANTIZER)
+    test = backend.fp8_quantizer()
+    recipe = make_recipe(case.config.recipe)
+    delayed = type(recipe).__name__ == "DelayedScaling"
+    states: dict[str, tuple[Any, Any]] = {}
+    for label, role, x, axes in quantizer_operands(case):
+        if delayed and role not in states:
+            device = x.device
+            states[role] = (
+                _state_class(test, ref)(recipe.amax_history_len, device),
+                ref.DelayedScalingState(recipe.amax_history_len, device),
+            )
+        for axis in axes:
+            got_state, want_state = states.get(role, (None, None))
+            want = ref.quantize(x, recipe, role, axis, state=want_state)
+            got = test.quantize(x, recipe, role, axis, state=got_state)
+            _compare_quantized(t, f"{label} {role} axis={axis} ({case.config.recipe})", got, want)
+            if delayed:
+                _compare_state(t, f"{label} {role} after quantizing", got_state, want_state)
+        if delayed:
+            got_state, want_state = states[role]
+            fmt = ref.format_for(recipe, role)
+            want_state.update(recipe, fmt)
+            got_state.update(recipe, fmt)
+            _compare_state(t, f"{label} {role} after the update", got_state, want_state)
+
+
+def check_histories(backend: Backend, case: Case, t: Tracker) -> None:
+    """The module half of P13 (see the module docstring)."""
+    data = make_micro_batches(case)
+    if len(data) < 2:
+        raise PropertyViolation("P13 needs at least two micro-batches (histories must move)")
+    eager = ModuleRun(backend, case, delay=False, prefill_grads=True)
+    late = ModuleRun(backend, case, delay=True, prefill_grads=True)
+    for i, d in enumerate(data):
+        xe, ye = eager.fb(d)
+        xl, yl = late.fb(d)
+        t.bitwise(f"step {i}: output", yl, ye)
+        t.bitwise(f"step {i}: inp.grad", xl.grad, xe.grad)
+        if i:
+            late.dw()  # the previous step's entry, after this step moved the scales
+        t.bitwise_all(f"step {i}: ", late.fp8_snapshot(), eager.fp8_snapshot())
+    late.drain()
+    t.bitwise_all("after draining: ", late.all_snapshot(), eager.all_snapshot())
+    t.bitwise_all("after draining: ", late.fp8_snapshot(), eager.fp8_snapshot())
+    if case.config.recipe.startswith("delayed"):
+        # Harness self-check: the forwards really ran under the recipe and histories moved.
+        moved = [k for k, v in eager.fp8_snapshot().items() if k.endswith(".amax_history")]
+        t.expect(bool(moved), f"no amax history after {len(data)} FP8 steps")
+        t.expect(
+            any(int(eager.fp8_snapshot()[k].count_nonzero()) > 1 for k in moved),
+            "no amax history holds more than one step",
+        )
+
+
+def check_p13(backend: Backend, case: Case) -> CheckResult:
+    """P13 on ``case`` (an FP8 case: ``case.config.recipe`` is set)."""
+    if case.config.recipe is None:
+        raise ValueError("P13 needs an FP8 case (config.recipe is None)")
+    t = Tracker()
+    check_quantizers(backend, case, t)
+    check_histories(backend, case, t)
+    return t.result
+
+
+@st.composite
+def p13_cases(draw, kinds, dtypes, devices, recipes):
+    """FP8 cases (every recipe when ``recipes`` has none) of 2-3 micro-batches, with a value
+    pattern from :data:`P13_VALUES` as ``variant``."""
+    fp8 = tuple(r for r in recipes if r is not None) or tuple(RECIPES)
+    case = draw(cases(kinds, dtypes, devices, n_micro_batches=(2, 3), recipes=fp8))
+    return dataclasses.replace(case, variant=draw(st.sampled_from(P13_VALUES)))

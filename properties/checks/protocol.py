@@ -1,0 +1,575 @@
+"""P18's module-protocol kinds (SPEC §2, "Every module is a well-behaved ``torch.nn.Module``"):
+where parameters are created, ``reset_parameters()``, ``repr``, outputs that are not views, and
+copies. The autograd half of that list (``functional_call``, hooks, double backward,
+``torch.func``) is :mod:`.fidelity`'s; both are P18, one property for SPEC §2's list, so a cell
+reports the module as ``torch.nn`` code sees it. Every check goes through the
+:class:`~.backends.Backend` API (``build``, ``build_with_torch_defaults``, ``to_empty``,
+``reset_parameters``, ``torch_module``, ``fp8_state``); a backend whose modules are the adapter's
+own (``torch-split``'s ``torch.nn`` twins) says so in
+:meth:`~.backends.Backend.module_protocol_reason`, and these kinds are n/a there.
+
+Each case names one kind (``case.variant``, :data:`PROTOCOL_VARIANTS`):
+
+* ``module.placement``: built inside ``with torch.device("meta"):`` without ``device=``, every
+  parameter is on meta (in the case's dtype); after ``torch.set_default_device("meta")`` and
+  ``torch.set_default_dtype(D)`` without ``device=`` and ``params_dtype=``, every parameter is
+  on meta in ``D``; with ``torch.set_default_dtype(D)`` alone and no ``params_dtype=``, on the
+  case's device in ``D`` (``D``: the case's dtype, or float64 when that is already torch's
+  default); an explicit ``device=`` and ``params_dtype=`` win over all of these at once.
+* ``module.reset_parameters``: under one seed, a module built on meta, materialized with
+  ``to_empty(device=...)`` and reset is bitwise one built eagerly (parameters, FP8 scaling
+  state), and both compute the same outputs and gradients over the case's micro-batches,
+  bitwise; a module given other values (the case's) and run is, once reset under that seed,
+  bitwise the eager one again, its FP8 scaling state that of a fresh module.
+* ``module.reset_queued``: with weight-gradient entries queued (every micro-batch run, then
+  ``backward_dw()`` one at a time), ``reset_parameters()`` raises ``RuntimeError`` and changes
+  nothing (values, gradients, ``main_grad``, FP8 state, the queue), the entries then drain to
+  the gradients of a run that never tried; with nothing queued it resets.
+* ``module.repr``: ``repr(module)`` is ``Kind(...)`` showing the sizes as ``name=value`` under
+  SPEC §2's argument names and every option that differs from its default (``bias=False``,
+  ``delay_wgrad_compute=True``, ``fuse_wgrad_accumulation=True``, ``normalization``,
+  ``zero_centered_gamma=True``, ``activation``, ``params_dtype`` when it is not torch's default);
+  an option it shows has the module's value (strings with or without quotes).
+* ``module.output_not_view``: for each micro-batch as a 2-D input in its layout, the output is
+  a tensor of its own (``not y._is_view()``), with grad, under ``torch.no_grad()`` and under
+  ``torch.inference_mode()``.
+* ``module.pickle``, ``module.torch_save``, ``module.deepcopy``, ``module.to_empty``: a copy
+  (``pickle``; ``torch.save``/``torch.load``; ``copy.deepcopy``; a second module run the same
+  way, ``to_empty()`` and given the first one's ``state_dict()``), taken after the first
+  micro-batch when there are two (so FP8 scaling state has moved), has parameters of its own
+  with the same values and FP8 state, and over the remaining micro-batches computes bitwise
+  what the original computes: outputs, input gradients, the queue, every gradient and
+  ``main_grad``.
+
+``.grad`` and ``main_grad`` are not part of a copy (``torch.nn.Parameter``'s ``deepcopy`` drops
+them as it does for ``torch.nn.Linear``): both modules start the remaining micro-batches with
+``.grad`` unset and the same ``main_grad`` prefill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import io
+import pickle
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ..backends import Backend, BackendUnavailable
+from ..cases.case import Case
+from ..cases.data import MicroBatchData, make_micro_batches, make_state, param_specs, with_layout
+from .misuse import _expect_raises, _state_snapshot
+from .results import CheckResult, PropertyViolation, Tracker
+from .runner import ModuleRun, Snapshot
+
+__all__ = ["PROTOCOL_VARIANTS", "check_protocol", "protocol_explicit"]
+
+#: The module-protocol kinds of P18 (``case.variant``), enumerated by every cell.
+PROTOCOL_VARIANTS = (
+    "module.placement",
+    "module.reset_parameters",
+    "module.reset_queued",
+    "module.repr",
+    "module.output_not_view",
+    "module.pickle",
+    "module.torch_save",
+    "module.deepcopy",
+    "module.to_empty",
+)
+
+
+def _what(case: Case) -> str:
+    parts = ["delay" if case.delay else "no delay"]
+    if case.config.fuse_wgrad_accumulation:
+        parts.append("fused")
+    return f"P18 {case.variant} ({', '.join(parts)}): "
+
+
+# =============================================================================================
+# torch's defaults and the global RNG, restored afterwards
+# =============================================================================================
+
+
+@contextlib.contextmanager
+def _torch_defaults(device: str | None = None, dtype: torch.dtype | None = None) -> Iterator[None]:
+    """``torch.set_default_device(device)`` / ``torch.set_default_dtype(dtype)`` for the block,
+    the previous ones restored afterwards (a CPU default as no default at all)."""
+    previous_dtype = torch.get_default_dtype()
+    previous_device = torch.get_default_device()
+    try:
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+        if device is not None:
+            torch.set_default_device(device)
+        yield
+    finally:
+        torch.set_default_device(None if previous_device.type == "cpu" else previous_device)
+        torch.set_default_dtype(previous_dtype)
+
+
+@contextlib.contextmanager
+def _seeded(device: str, seed: int) -> Iterator[None]:
+    """``torch.manual_seed(seed)`` for the block, the caller's RNG state restored afterwards."""
+    dev = torch.device(device)
+    with torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
+def _other_default_dtype(case: Case) -> torch.dtype:
+    """A default dtype that differs from torch's current one: the case's, else float64."""
+    dt = case.config.torch_dtype
+    return dt if dt != torch.get_default_dtype() else torch.float64
+
+
+# =============================================================================================
+# comparing two modules
+# =============================================================================================
+
+
+def _values(backend: Backend, module: Any) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in backend.parameters(module).items()}
+
+
+def _same_parameters(
+    t: Tracker, what: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
+) -> None:
+    """Names, shapes, dtypes, devices and values (bitwise) of two parameter sets."""
+    t.equal(f"{what}parameter names", sorted(got), sorted(want))
+    for name in sorted(want):
+        a, e = got[name], want[name]
+        t.equal(
+            f"{what}{name} (shape, dtype, device)",
+            (tuple(a.shape), a.dtype, a.device),
+            (tuple(e.shape), e.dtype, e.device),
+        )
+        t.bitwise(f"{what}{name}", a, e)
+
+
+@dataclasses.dataclass
+class _Trace:
+    """What one module did over some micro-batches."""
+
+    outputs: list[torch.Tensor]
+    input_grads: list[torch.Tensor | None]
+    pending: list[int]
+    grads: Snapshot
+    fp8: Snapshot
+
+
+def _wrap(backend: Backend, case: Case, module: Any) -> ModuleRun:
+    """``module`` as a :class:`ModuleRun` starting afresh: ``.grad`` unset, the case's
+    ``main_grad`` prefill when fused."""
+    for p in backend.parameters(module).values():
+        p.grad = None
+    return ModuleRun(backend, case, delay=case.delay, module=module, hooks=0)
+
+
+def _trace(run: ModuleRun, data: list[MicroBatchData]) -> _Trace:
+    out = _Trace([], [], [], {}, {})
+    for d in data:
+        x, y = run.fb(d)
+        out.outputs.append(y)
+        out.input_grads.append(None if x.grad is None else x.grad.detach().clone())
+        out.pending.append(run.pending())
+    run.drain()
+    out.grads, out.fp8 = run.all_snapshot(), run.fp8_snapshot()
+    return out
+
+
+def _same_trace(t: Tracker, what: str, got: _Trace, want: _Trace) -> None:
+    for i, (a, e) in enumerate(zip(got.outputs, want.outputs)):
+        t.bitwise(f"{what}output[micro-batch {i}]", a, e)
+    for i, (a, e) in enumerate(zip(got.input_grads, want.input_grads)):
+        t.bitwise(f"{what}inp.grad[micro-batch {i}]", a, e)
+    t.equal(f"{what}pending_wgrad_count after each backward", got.pending, want.pending)
+    t.bitwise_all(what, got.grads, want.grads)
+    t.bitwise_all(what, got.fp8, want.fp8)
+
+
+def _own_storage(t: Tracker, what: str, backend: Backend, copied: Any, original: Any) -> None:
+    """Every parameter of ``copied`` is a tensor of its own, not ``original``'s."""
+    t.expect(copied is not original, f"{what}the copy is the original module object")
+    mine = backend.parameters(original)
+    for name, q in backend.parameters(copied).items():
+        p = mine.get(name)
+        if p is None:
+            continue
+        shared = q is p or (q.numel() > 0 and q.untyped_storage().data_ptr() in _ptrs(mine))
+        t.expect(not shared, f"{what}{name} shares its tensor or storage with the original's")
+
+
+def _ptrs(params: dict[str, torch.Tensor]) -> set[int]:
+    return {p.untyped_storage().data_ptr() for p in params.values() if p.numel() > 0}
+
+
+# =============================================================================================
+# the checks
+# =============================================================================================
+
+
+def _placed(
+    t: Tracker,
+    what: str,
+    backend: Backend,
+    module: Any,
+    case: Case,
+    device: str,
+    dtype: torch.dtype,
+) -> None:
+    params = backend.parameters(module)
+    want = sorted(s.name for s in param_specs(case.config))
+    t.equal(f"{what}parameter names", sorted(params), want)
+    wrong = {
+        n: f"{p.device}, {p.dtype}"
+        for n, p in params.items()
+        if p.device.type != torch.device(device).type or p.dtype != dtype
+    }
+    t.expect(not wrong, f"{what}parameters not on {device} in {dtype}: {wrong}")
+
+
+def _check_placement(backend: Backend, case: Case) -> CheckResult:
+    t = Tracker()
+    what = _what(case)
+    config, delay = case.config, case.delay
+    other = _other_default_dtype(case)
+    with torch.device("meta"):
+        m = backend.build_with_torch_defaults(config, delay=delay, omit=("device",))
+    _placed(
+        t,
+        f'{what}built inside `with torch.device("meta")` without device=: ',
+        backend,
+        m,
+        case,
+        "meta",
+        config.torch_dtype,
+    )
+    with _torch_defaults(device="meta", dtype=other):
+        m = backend.build_with_torch_defaults(config, delay=delay, omit=("device", "params_dtype"))
+    _placed(
+        t,
+        f'{what}built after torch.set_default_device("meta") and set_default_dtype({other}) '
+        "without device= or params_dtype=: ",
+        backend,
+        m,
+        case,
+        "meta",
+        other,
+    )
+    with _torch_defaults(dtype=other):
+        m = backend.build_with_torch_defaults(config, delay=delay, omit=("params_dtype",))
+    _placed(
+        t,
+        f"{what}built after torch.set_default_dtype({other}) without params_dtype=: ",
+        backend,
+        m,
+        case,
+        config.device,
+        other,
+    )
+    with _torch_defaults(device="meta", dtype=other), torch.device("meta"):
+        m = backend.build(config, delay=delay)
+    _placed(
+        t,
+        f"{what}built with device={config.device!r}, params_dtype={config.torch_dtype} inside "
+        f'`with torch.device("meta")` after set_default_device("meta") and '
+        f"set_default_dtype({other}) (the explicit ones must win): ",
+        backend,
+        m,
+        case,
+        config.device,
+        config.torch_dtype,
+    )
+    return t.result
+
+
+def _reset(backend: Backend, module: Any, what: str) -> None:
+    if not callable(getattr(backend.torch_module(module), "reset_parameters", None)):
+        raise PropertyViolation(
+            f"{what}{type(backend.torch_module(module)).__name__} has no reset_parameters() "
+            "(SPEC §2)"
+        )
+    backend.reset_parameters(module)
+
+
+def _check_reset(backend: Backend, case: Case) -> CheckResult:
+    t = Tracker()
+    what = _what(case)
+    config, delay, seed = case.config, case.delay, case.seed
+    data = make_micro_batches(case)
+    with _seeded(config.device, seed):
+        eager = backend.build(config, delay=delay)
+    initial, initial_fp8 = _values(backend, eager), backend.fp8_state(eager)
+    with torch.device("meta"):
+        lazy = backend.build_with_torch_defaults(config, delay=delay, omit=("device",))
+    off_meta = {n: str(p.device) for n, p in backend.parameters(lazy).items() if not p.is_meta}
+    t.expect(
+        not off_meta,
+        f'{what}built inside `with torch.device("meta")` without device=, parameters are not '
+        f"on meta: {off_meta}",
+    )
+    backend.to_empty(lazy, device=config.device)
+    with _seeded(config.device, seed):
+        _reset(backend, lazy, what)
+    label = f"{what}built on meta, to_empty(), reset_parameters() vs built eagerly, same seed: "
+    _same_parameters(t, label, _values(backend, lazy), initial)
+    t.bitwise_all(label, backend.fp8_state(lazy), initial_fp8)
+    _same_trace(
+        t,
+        label,
+        _trace(_wrap(backend, case, lazy), data),
+        _trace(_wrap(backend, case, eager), data),
+    )
+    # A module given other values and run gets its initial values back.
+    with _seeded(config.device, seed):
+        used = backend.build(config, delay=delay)
+    backend.load_state(used, make_state(config, seed))
+    run = ModuleRun(backend, case, delay=delay, module=used, hooks=0)
+    run.fb(data[0])
+    run.drain()
+    with _seeded(config.device, seed):
+        _reset(backend, used, what)
+    label = f"{what}given the case's values, run, then reset_parameters() vs built eagerly: "
+    _same_parameters(t, label, _values(backend, used), initial)
+    t.bitwise_all(label, backend.fp8_state(used), initial_fp8)
+    return t.result
+
+
+def _check_reset_queued(backend: Backend, case: Case) -> CheckResult:
+    t = Tracker()
+    what = _what(case)
+    config, seed = case.config, case.seed
+    data = make_micro_batches(case)
+    run = ModuleRun(backend, case, delay=case.delay, prefill_grads=True, hooks=0)
+    twin = ModuleRun(backend, case, delay=case.delay, prefill_grads=True, hooks=0)
+    for d in data:
+        run.fb(d)
+        twin.fb(d)
+    while run.pending():
+        before, pending = _state_snapshot(run), run.pending()
+        _expect_raises(
+            t,
+            f"{what}reset_parameters() with {pending} weight-gradient entries queued",
+            lambda: _reset(backend, run.module, what),
+            (RuntimeError,),
+        )
+        t.bitwise_all(
+            f"{what}changed by the refused reset_parameters(): ", _state_snapshot(run), before
+        )
+        t.equal(
+            f"{what}pending_wgrad_count after the refused reset_parameters()",
+            run.pending(),
+            pending,
+        )
+        run.dw()
+        twin.dw()
+    label = f"{what}after the refused reset_parameters() calls and draining, vs a run without: "
+    t.bitwise_all(label, run.all_snapshot(), twin.all_snapshot())
+    t.bitwise_all(label, run.fp8_snapshot(), twin.fp8_snapshot())
+    # Nothing queued: the reset goes through.
+    with _seeded(config.device, seed):
+        initial = _values(backend, backend.build(config, delay=case.delay))
+    with _seeded(config.device, seed):
+        _reset(backend, run.module, what)
+    _same_parameters(
+        t,
+        f"{what}reset_parameters() with nothing queued vs built eagerly, same seed: ",
+        _values(backend, run.module),
+        initial,
+    )
+    return t.result
+
+
+def _shown(text: str, name: str) -> list[str]:
+    """The values ``name=...`` has in ``text`` (quotes kept)."""
+    return re.findall(rf"(?<![\w.]){re.escape(name)}=([^,)\s]+)", text)
+
+
+def _unquoted(value: str) -> str:
+    return value[1:-1] if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"" else value
+
+
+def _expected_repr(case: Case) -> tuple[dict[str, str], dict[str, str]]:
+    """(sizes, options that differ from their defaults) as ``name: value`` text."""
+    c = case.config
+    if c.kind == "LayerNormMLP":
+        sizes = {"hidden_size": c.in_features, "ffn_hidden_size": c.out_features}
+    elif c.kind == "GroupedLinear":
+        sizes = {"num_gemms": c.num_gemms, "in_features": c.in_features}
+        sizes["out_features"] = c.out_features
+    else:
+        sizes = {"in_features": c.in_features, "out_features": c.out_features}
+    options: dict[str, str] = {
+        "bias": str(c.bias),
+        "delay_wgrad_compute": str(case.delay),
+        "fuse_wgrad_accumulation": str(c.fuse_wgrad_accumulation),
+    }
+    if c.has_norm:
+        options["normalization"] = c.normalization
+        options["zero_centered_gamma"] = str(c.zero_centered_gamma)
+    if c.kind == "LayerNormMLP":
+        options["activation"] = c.activation
+    return {k: str(v) for k, v in sizes.items()}, options
+
+
+_DEFAULTS = {
+    "bias": "True",
+    "delay_wgrad_compute": "False",
+    "fuse_wgrad_accumulation": "False",
+    "normalization": "LayerNorm",
+    "zero_centered_gamma": "False",
+    "activation": "gelu",
+}
+
+
+def _check_repr(backend: Backend, case: Case) -> CheckResult:
+    t = Tracker()
+    what = _what(case)
+    c = case.config
+    text = repr(backend.torch_module(backend.build(c, delay=case.delay)))
+    shown = f"{what}repr {text!r}"
+    t.expect(text.startswith(f"{c.kind}("), f"{shown} does not start with {c.kind}(")
+    sizes, options = _expected_repr(case)
+    for name, value in sizes.items():
+        t.equal(f"{shown}: the values shown for {name}", _shown(text, name), [value])
+    for name, value in options.items():
+        seen = [_unquoted(v) for v in _shown(text, name)]
+        if value != _DEFAULTS[name]:
+            t.expect(seen, f"{shown} does not show {name}={value} (it differs from the default)")
+        t.expect(
+            all(v == value for v in seen),
+            f"{shown} shows {name}={', '.join(seen)}, but the module has {name}={value}",
+        )
+    if c.torch_dtype != torch.get_default_dtype():
+        dtypes = [v.removeprefix("torch.") for v in _shown(text, "params_dtype")]
+        t.equal(
+            f"{shown}: params_dtype (it differs from torch's default {torch.get_default_dtype()})",
+            dtypes,
+            [c.dtype],
+        )
+    return t.result
+
+
+_MODES: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "with grad": contextlib.nullcontext,
+    "under torch.no_grad()": torch.no_grad,
+    "under torch.inference_mode()": torch.inference_mode,
+}
+
+
+def _check_output_not_view(backend: Backend, case: Case) -> CheckResult:
+    t = Tracker()
+    what = _what(case)
+    k = case.config.in_features
+    # One module per mode: state a forward creates under inference_mode (FP8 scaling) is an
+    # inference tensor, which no later forward outside it may update.
+    runs = {mode: ModuleRun(backend, case, delay=case.delay, hooks=0) for mode in _MODES}
+    for i, d in enumerate(make_micro_batches(case)):
+        x2 = with_layout(d.x.detach().reshape(-1, k), d.spec.x_layout)
+        for mode, context in _MODES.items():
+            x = x2.detach().requires_grad_(mode == "with grad")
+            with context():
+                y = runs[mode].forward(x, d.spec.m_splits, None)
+            base = y._base
+            t.expect(
+                not y._is_view() and y is not x,
+                f"{what}micro-batch {i}: the output for a 2-D input of shape {tuple(x.shape)} "
+                f"({d.spec.x_layout}) {mode} is a view"
+                + (f" of a tensor of shape {tuple(base.shape)}" if base is not None else "")
+                + " (SPEC §2: a tensor of its own, as torch.nn.Linear's)",
+            )
+    return t.result
+
+
+def _torch_save_copy(module: Any) -> Any:
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+_COPIES: dict[str, Callable[[Any], Any]] = {
+    "module.pickle": lambda m: pickle.loads(pickle.dumps(m)),
+    "module.torch_save": _torch_save_copy,
+    "module.deepcopy": copy.deepcopy,
+}
+
+
+def _check_copy(backend: Backend, case: Case) -> CheckResult:
+    t = Tracker()
+    what = _what(case)
+    config = case.config
+    data = make_micro_batches(case)
+    warm, rest = (data[:1], data[1:]) if len(data) > 1 else ([], data)
+    original = ModuleRun(backend, case, delay=case.delay, hooks=0)
+    for d in warm:
+        original.fb(d)
+        original.drain()
+    if case.variant == "module.to_empty":
+        second = ModuleRun(backend, case, delay=case.delay, hooks=0)
+        for d in warm:
+            second.fb(d)
+            second.drain()
+        state = backend.torch_module(original.module).state_dict()
+        backend.to_empty(second.module, device=config.device)
+        backend.torch_module(second.module).load_state_dict(state)
+        copied = second.module
+        label = f"{what}a module run the same way, to_empty() and given its state_dict, vs it: "
+    else:
+        copied = _COPIES[case.variant](original.module)
+        _own_storage(t, what, backend, copied, original.module)
+        label = f"{what}the copy vs the original: "
+    _same_parameters(t, label, _values(backend, copied), _values(backend, original.module))
+    t.bitwise_all(label, backend.fp8_state(copied), backend.fp8_state(original.module))
+    want = _trace(_wrap(backend, case, original.module), rest)
+    got = _trace(_wrap(backend, case, copied), rest)
+    _same_trace(t, label, got, want)
+    return t.result
+
+
+_CHECKS: dict[str, Callable[[Backend, Case], CheckResult]] = {
+    "module.placement": _check_placement,
+    "module.reset_parameters": _check_reset,
+    "module.reset_queued": _check_reset_queued,
+    "module.repr": _check_repr,
+    "module.output_not_view": _check_output_not_view,
+    **{v: _check_copy for v in ("module.pickle", "module.torch_save", "module.deepcopy")},
+    "module.to_empty": _check_copy,
+}
+
+
+def check_protocol(backend: Backend, case: Case) -> CheckResult:
+    """One module-protocol case of P18 (see the module docstring)."""
+    if case.variant not in PROTOCOL_VARIANTS:
+        raise ValueError(
+            f"P18 module-protocol variant must be one of {PROTOCOL_VARIANTS}, got {case.variant!r}"
+        )
+    why = backend.module_protocol_reason()
+    if why is not None:
+        raise BackendUnavailable(f"P18 {case.variant} is n/a on {backend.name}: {why}")
+    return _CHECKS[case.variant](backend, case)
+
+
+def protocol_explicit(base: list[Case], seed: int = 100) -> list[Case]:
+    """The module-protocol cases of a P18 cell: every kind of :data:`PROTOCOL_VARIANTS` on each
+    of the cell's boundary cases ``base`` (sizes, rows, layouts, options, recipes), delay on and
+    off in turn (``module.reset_queued`` always delayed: it needs a queue)."""
+    out = []
+    for variant in PROTOCOL_VARIANTS:
+        for j, c in enumerate(base):
+            delay = variant == "module.reset_queued" or j % 2 == 0
+            out.append(
+                dataclasses.replace(
+                    c,
+                    micro_batches=c.micro_batches[:2],
+                    delay=delay,
+                    variant=variant,
+                    asked=(),
+                    seed=seed + len(out),
+                )
+            )
+    return out
