@@ -187,7 +187,7 @@ def test_report_fails_a_step_that_ran_out_of_time(tmp_path):
 def test_verify_records_the_gemm_paths_it_took(tmp_path):
     """splitgrad verify's JSON carries the GEMM path decisions of its run (on the CPU: the
     portable grouped loop, and why) and the fast paths a GPU missed (none here)."""
-    from splitgrad.properties import verify
+    from splitgrad.properties.front import verify
 
     path = tmp_path / "v.json"
     args = ["--module", "GroupedLinear", "--dtype", "bfloat16", "--property", "P1"]
