@@ -180,37 +180,31 @@ def test_a_stuck_rank_is_killed_at_the_deadline():
 # ---- constructor checks (one process, a world of one) -------------------------------------
 
 
+def _reducer_error(exc_type: type[Exception], model, **kwargs) -> str:
+    """The message of the ``exc_type`` that ``GradientReducer(model, **kwargs)`` raises, or
+    ``"no error"``."""
+    try:
+        GradientReducer(model, **kwargs)
+    except exc_type as exc:
+        return str(exc)
+    return "no error"
+
+
 def _constructor_errors(rank: int, world: int) -> list[str]:
     lib = importlib.import_module("splitgrad.impl")
     model = _model(lib)
     out = []
     for kwargs in ({"num_microbatches": 0}, {"bucket_cap_mb": 0}, {"ignore": ["nope"]}):
-        try:
-            GradientReducer(model, **kwargs)
-            out.append("no error")
-        except ValueError as exc:
-            out.append(str(exc))
+        out.append(_reducer_error(ValueError, model, **kwargs))
     GradientReducer(model)
-    try:
-        GradientReducer(model)
-        out.append("no error")
-    except RuntimeError as exc:
-        out.append(str(exc))
+    out.append(_reducer_error(RuntimeError, model))
     frozen = _model(lib)
     for p in frozen.parameters():
         p.requires_grad_(False)
-    try:
-        GradientReducer(frozen)
-        out.append("no error")
-    except ValueError as exc:
-        out.append(str(exc))
+    out.append(_reducer_error(ValueError, frozen))
     split = _model(lib)
     split[1].to("meta")  # parameters on two devices
-    try:
-        GradientReducer(split)
-        out.append("no error")
-    except ValueError as exc:
-        out.append(str(exc))
+    out.append(_reducer_error(ValueError, split))
     return out
 
 

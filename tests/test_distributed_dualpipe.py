@@ -132,6 +132,15 @@ def _one_group(delayed, store):
     return store.groups[-1]
 
 
+def _owed_group():
+    """A delayed model connected to a ``FifoStore``, the store, and the callables it got from one
+    backward pass (not run)."""
+    delayed, _ = _pair()
+    store = FifoStore()
+    use_weight_grad_store(delayed, store)
+    return delayed, store, _one_group(delayed, store)
+
+
 def test_a_store_that_breaks_fifo_is_refused_and_runs_nothing():
     delayed, plain = _pair()
     store = FifoStore(reverse=True)
@@ -147,10 +156,7 @@ def test_a_store_that_breaks_fifo_is_refused_and_runs_nothing():
 
 
 def test_a_callable_run_twice_is_refused():
-    delayed, _ = _pair()
-    store = FifoStore()
-    use_weight_grad_store(delayed, store)
-    group = _one_group(delayed, store)
+    _, store, group = _owed_group()
     store.pop()
     assert all(e.done for e in group)
     with pytest.raises(RuntimeError, match=r"ran entry #0 of c \(LayerNormMLP\) twice"):
@@ -158,20 +164,14 @@ def test_a_callable_run_twice_is_refused():
 
 
 def test_backward_dw_run_behind_the_stores_back_is_refused():
-    delayed, _ = _pair()
-    store = FifoStore()
-    use_weight_grad_store(delayed, store)
-    group = _one_group(delayed, store)
+    delayed, _, group = _owed_group()
     delayed.c.backward_dw()
     with pytest.raises(RuntimeError, match=r"c \(LayerNormMLP\) has 0 entries pending but owes"):
         group[0]()
 
 
 def test_a_pass_outside_enabled_while_entries_are_owed_raises():
-    delayed, _ = _pair()
-    store = FifoStore()
-    use_weight_grad_store(delayed, store)
-    _one_group(delayed, store)
+    delayed, _, _ = _owed_group()
     with pytest.raises(RuntimeError, match=r"FifoStore.enabled false on modules that still owe"):
         _backward(delayed, 1)
 

@@ -75,13 +75,18 @@ def _backward(stage, seed):
     y.backward(make_dy(stage.b, y, seed))
 
 
-def test_runner_runs_exactly_what_its_backward_queued(lib):
+def _two_runners(lib):
+    """A stage, its builder, and the runners of two backward passes (not run)."""
     stage = _Stage(lib)
     builder = dw_builder(stage)
     _backward(stage, 1)
     r1 = builder()
     _backward(stage, 2)
-    r2 = builder()
+    return stage, builder, r1, builder()
+
+
+def test_runner_runs_exactly_what_its_backward_queued(lib):
+    stage, builder, r1, r2 = _two_runners(lib)
     assert r1.entries == {"a": 1, "b": 1} and r2.entries == {"a": 1, "b": 1}
     assert (stage.a.pending_wgrad_count, stage.b.pending_wgrad_count) == (2, 2)
     r1()
@@ -94,12 +99,7 @@ def test_runner_runs_exactly_what_its_backward_queued(lib):
 
 
 def test_runner_out_of_order_raises_and_runs_nothing(lib):
-    stage = _Stage(lib)
-    builder = dw_builder(stage)
-    _backward(stage, 1)
-    r1 = builder()
-    _backward(stage, 2)
-    r2 = builder()
+    stage, _, r1, r2 = _two_runners(lib)
     before = {n: None if p.grad is None else p.grad.clone() for n, p in stage.named_parameters()}
     with pytest.raises(RuntimeError, match=r"backward #1.*backward #0"):
         r2()
