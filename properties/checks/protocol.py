@@ -1,49 +1,39 @@
 """P18's module-protocol kinds (SPEC §2, "Every module is a well-behaved ``torch.nn.Module``"):
 where parameters are created, ``reset_parameters()``, ``repr``, outputs that are not views, and
-copies. The autograd half of that list (``functional_call``, hooks, double backward,
-``torch.func``) is :mod:`.fidelity`'s; both are P18, one property for SPEC §2's list, so a cell
-reports the module as ``torch.nn`` code sees it. Every check goes through the
-:class:`~.backends.Backend` API (``build``, ``build_with_torch_defaults``, ``to_empty``,
-``reset_parameters``, ``torch_module``, ``fp8_state``); a backend whose modules are the adapter's
-own (``torch-split``'s ``torch.nn`` twins) says so in
-:meth:`~.backends.Backend.module_protocol_reason`, and these kinds are n/a there.
+copies. The autograd half of that list is :mod:`.fidelity`'s, which dispatches both: one
+property, so a cell reports the module as ``torch.nn`` code sees it. Every check goes through the
+:class:`~.backends.Backend` API; a backend whose modules are the adapter's own (``torch-split``'s
+``torch.nn`` twins) says so in :meth:`~.backends.Backend.module_protocol_reason`, and these kinds
+are n/a there.
 
 Each case names one kind (``case.variant``, :data:`PROTOCOL_VARIANTS`):
 
 * ``module.placement``: built inside ``with torch.device("meta"):`` without ``device=``, every
   parameter is on meta (in the case's dtype); after ``torch.set_default_device("meta")`` and
-  ``torch.set_default_dtype(D)`` without ``device=`` and ``params_dtype=``, every parameter is
-  on meta in ``D``; with ``torch.set_default_dtype(D)`` alone and no ``params_dtype=``, on the
-  case's device in ``D`` (``D``: the case's dtype, or float64 when that is already torch's
-  default); an explicit ``device=`` and ``params_dtype=`` win over all of these at once.
-* ``module.reset_parameters``: under one seed, a module built on meta, materialized with
-  ``to_empty(device=...)`` and reset is bitwise one built eagerly (parameters, FP8 scaling
-  state), and both compute the same outputs and gradients over the case's micro-batches,
-  bitwise; a module given other values (the case's) and run is, once reset under that seed,
-  bitwise the eager one again, its FP8 scaling state that of a fresh module.
-* ``module.reset_queued``: with weight-gradient entries queued (every micro-batch run, then
-  ``backward_dw()`` one at a time), ``reset_parameters()`` raises ``RuntimeError`` and changes
-  nothing (values, gradients, ``main_grad``, FP8 state, the queue), the entries then drain to
-  the gradients of a run that never tried; with nothing queued it resets.
-* ``module.repr``: ``repr(module)`` is ``Kind(...)`` showing the sizes as ``name=value`` under
-  SPEC §2's argument names and every option that differs from its default (``bias=False``,
-  ``delay_wgrad_compute=True``, ``fuse_wgrad_accumulation=True``, ``normalization``,
-  ``zero_centered_gamma=True``, ``activation``, ``params_dtype`` when it is not torch's default);
-  an option it shows has the module's value (strings with or without quotes).
-* ``module.output_not_view``: for each micro-batch as a 2-D input in its layout, the output is
-  a tensor of its own (``not y._is_view()``), with grad, under ``torch.no_grad()`` and under
-  ``torch.inference_mode()``.
+  ``torch.set_default_dtype(D)`` without ``device=`` and ``params_dtype=``, on meta in ``D``;
+  after ``torch.set_default_dtype(D)`` alone without ``params_dtype=``, on the case's device in
+  ``D`` (``D``: the case's dtype, or float64 when that is already torch's default); an explicit
+  ``device=`` and ``params_dtype=`` win over all of these at once.
+* ``module.reset_parameters``: under one seed, a module built on meta, ``to_empty()`` and reset
+  is bitwise one built eagerly (parameters, FP8 scaling state) and computes bitwise the same
+  outputs and gradients over the case's micro-batches; a module given the case's values and run
+  is, once reset under that seed, bitwise the eager one again (FP8 state that of a fresh one).
+* ``module.reset_queued``: with weight-gradient entries queued, ``reset_parameters()`` raises
+  ``RuntimeError`` and changes nothing (values, gradients, ``main_grad``, FP8 state, the queue);
+  the entries then drain to the gradients of a run that never tried; with nothing queued it resets.
+* ``module.repr``: ``Kind(...)`` showing the sizes as ``name=value`` under SPEC §2's argument
+  names and every option that differs from its default (``params_dtype`` when it is not torch's
+  default), each with the module's value (strings with or without quotes).
+* ``module.output_not_view``: for each micro-batch as a 2-D input in its layout, the output is a
+  tensor of its own (``not y._is_view()``), with grad, under ``no_grad()`` and ``inference_mode()``.
 * ``module.pickle``, ``module.torch_save``, ``module.deepcopy``, ``module.to_empty``: a copy
-  (``pickle``; ``torch.save``/``torch.load``; ``copy.deepcopy``; a second module run the same
-  way, ``to_empty()`` and given the first one's ``state_dict()``), taken after the first
-  micro-batch when there are two (so FP8 scaling state has moved), has parameters of its own
-  with the same values and FP8 state, and over the remaining micro-batches computes bitwise
-  what the original computes: outputs, input gradients, the queue, every gradient and
-  ``main_grad``.
-
-``.grad`` and ``main_grad`` are not part of a copy (``torch.nn.Parameter``'s ``deepcopy`` drops
-them as it does for ``torch.nn.Linear``): both modules start the remaining micro-batches with
-``.grad`` unset and the same ``main_grad`` prefill.
+  (``pickle``; ``torch.save``/``load``; ``copy.deepcopy``; a second module run the same way,
+  ``to_empty()`` and given the first one's ``state_dict()``), taken after the first micro-batch
+  when there are two (so FP8 scaling state has moved), has parameters of its own with the same
+  values and FP8 state, and over the remaining micro-batches computes bitwise what the original
+  computes: outputs, input gradients, the queue, every gradient and ``main_grad``. ``.grad`` and
+  ``main_grad`` are not part of a copy (``Parameter``'s ``deepcopy`` drops them, as for
+  ``torch.nn.Linear``): both start with ``.grad`` unset and the same ``main_grad`` prefill.
 """
 
 from __future__ import annotations
@@ -59,45 +49,41 @@ from typing import Any
 
 import torch
 
-from ..backends import Backend, BackendUnavailable
+from ..backends import Backend
 from ..cases.case import Case
 from ..cases.data import MicroBatchData, make_micro_batches, make_state, param_specs, with_layout
 from .misuse import _expect_raises, _state_snapshot
 from .results import CheckResult, PropertyViolation, Tracker
 from .runner import ModuleRun, Snapshot
 
-__all__ = ["PROTOCOL_VARIANTS", "check_protocol", "protocol_explicit"]
-
-#: The module-protocol kinds of P18 (``case.variant``), enumerated by every cell.
-PROTOCOL_VARIANTS = (
-    "module.placement",
-    "module.reset_parameters",
-    "module.reset_queued",
-    "module.repr",
-    "module.output_not_view",
-    "module.pickle",
-    "module.torch_save",
-    "module.deepcopy",
-    "module.to_empty",
-)
+__all__ = ["PROTOCOL_CHECKS", "PROTOCOL_VARIANTS", "protocol_explicit"]
 
 
 def _what(case: Case) -> str:
-    parts = ["delay" if case.delay else "no delay"]
+    """The prefix of a P18 message: kind, delay, fused accumulation, targets."""
+    parts = [case.variant, "delay" if case.delay else "no delay"]
     if case.config.fuse_wgrad_accumulation:
         parts.append("fused")
-    return f"P18 {case.variant} ({', '.join(parts)}): "
+    if case.asked:
+        parts.append("on " + ", ".join(case.asked))
+    return f"P18 {parts[0]} ({', '.join(parts[1:])}): "
 
 
-# =============================================================================================
-# torch's defaults and the global RNG, restored afterwards
-# =============================================================================================
+def _start(
+    backend: Backend, case: Case, **kw: Any
+) -> tuple[Tracker, str, list[MicroBatchData], ModuleRun]:
+    """A check's tracker, message prefix, micro-batches and module run (``kw``: its options)."""
+    data = make_micro_batches(case)
+    return Tracker(), _what(case), data, ModuleRun(backend, case, delay=case.delay, hooks=0, **kw)
+
+
+# ---- torch's defaults and the global RNG, restored afterwards ------------------------------
 
 
 @contextlib.contextmanager
 def _torch_defaults(device: str | None = None, dtype: torch.dtype | None = None) -> Iterator[None]:
-    """``torch.set_default_device(device)`` / ``torch.set_default_dtype(dtype)`` for the block,
-    the previous ones restored afterwards (a CPU default as no default at all)."""
+    """``torch.set_default_device(device)`` / ``set_default_dtype(dtype)`` for the block, the
+    previous ones restored afterwards (a CPU default as no default at all)."""
     previous_dtype = torch.get_default_dtype()
     previous_device = torch.get_default_device()
     try:
@@ -112,23 +98,15 @@ def _torch_defaults(device: str | None = None, dtype: torch.dtype | None = None)
 
 
 @contextlib.contextmanager
-def _seeded(device: str, seed: int) -> Iterator[None]:
-    """``torch.manual_seed(seed)`` for the block, the caller's RNG state restored afterwards."""
-    dev = torch.device(device)
+def _seeded(case: Case) -> Iterator[None]:
+    """``torch.manual_seed(case.seed)`` for the block, the caller's RNG state restored after."""
+    dev = torch.device(case.config.device)
     with torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else []):
-        torch.manual_seed(seed)
+        torch.manual_seed(case.seed)
         yield
 
 
-def _other_default_dtype(case: Case) -> torch.dtype:
-    """A default dtype that differs from torch's current one: the case's, else float64."""
-    dt = case.config.torch_dtype
-    return dt if dt != torch.get_default_dtype() else torch.float64
-
-
-# =============================================================================================
-# comparing two modules
-# =============================================================================================
+# ---- comparing two modules -----------------------------------------------------------------
 
 
 def _values(backend: Backend, module: Any) -> dict[str, torch.Tensor]:
@@ -136,9 +114,16 @@ def _values(backend: Backend, module: Any) -> dict[str, torch.Tensor]:
 
 
 def _same_parameters(
-    t: Tracker, what: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
+    t: Tracker,
+    what: str,
+    backend: Backend,
+    module: Any,
+    want: dict[str, torch.Tensor],
+    want_fp8: Snapshot | None = None,
 ) -> None:
-    """Names, shapes, dtypes, devices and values (bitwise) of two parameter sets."""
+    """Names, shapes, dtypes, devices and values (bitwise) of ``module``'s parameters against
+    ``want``, and its FP8 scaling state against ``want_fp8`` when given."""
+    got = _values(backend, module)
     t.equal(f"{what}parameter names", sorted(got), sorted(want))
     for name in sorted(want):
         a, e = got[name], want[name]
@@ -148,6 +133,8 @@ def _same_parameters(
             (tuple(e.shape), e.dtype, e.device),
         )
         t.bitwise(f"{what}{name}", a, e)
+    if want_fp8 is not None:
+        t.bitwise_all(what, backend.fp8_state(module), want_fp8)
 
 
 @dataclasses.dataclass
@@ -161,15 +148,12 @@ class _Trace:
     fp8: Snapshot
 
 
-def _wrap(backend: Backend, case: Case, module: Any) -> ModuleRun:
-    """``module`` as a :class:`ModuleRun` starting afresh: ``.grad`` unset, the case's
+def _trace(backend: Backend, case: Case, module: Any, data: list[MicroBatchData]) -> _Trace:
+    """What ``module`` does over ``data``, starting afresh: ``.grad`` unset, the case's
     ``main_grad`` prefill when fused."""
     for p in backend.parameters(module).values():
         p.grad = None
-    return ModuleRun(backend, case, delay=case.delay, module=module, hooks=0)
-
-
-def _trace(run: ModuleRun, data: list[MicroBatchData]) -> _Trace:
+    run = ModuleRun(backend, case, delay=case.delay, module=module, hooks=0)
     out = _Trace([], [], [], {}, {})
     for d in data:
         x, y = run.fb(d)
@@ -191,99 +175,47 @@ def _same_trace(t: Tracker, what: str, got: _Trace, want: _Trace) -> None:
     t.bitwise_all(what, got.fp8, want.fp8)
 
 
-def _own_storage(t: Tracker, what: str, backend: Backend, copied: Any, original: Any) -> None:
-    """Every parameter of ``copied`` is a tensor of its own, not ``original``'s."""
-    t.expect(copied is not original, f"{what}the copy is the original module object")
-    mine = backend.parameters(original)
-    for name, q in backend.parameters(copied).items():
-        p = mine.get(name)
-        if p is None:
-            continue
-        shared = q is p or (q.numel() > 0 and q.untyped_storage().data_ptr() in _ptrs(mine))
-        t.expect(not shared, f"{what}{name} shares its tensor or storage with the original's")
-
-
-def _ptrs(params: dict[str, torch.Tensor]) -> set[int]:
-    return {p.untyped_storage().data_ptr() for p in params.values() if p.numel() > 0}
-
-
-# =============================================================================================
-# the checks
-# =============================================================================================
-
-
-def _placed(
-    t: Tracker,
-    what: str,
-    backend: Backend,
-    module: Any,
-    case: Case,
-    device: str,
-    dtype: torch.dtype,
-) -> None:
-    params = backend.parameters(module)
-    want = sorted(s.name for s in param_specs(case.config))
-    t.equal(f"{what}parameter names", sorted(params), want)
-    wrong = {
-        n: f"{p.device}, {p.dtype}"
-        for n, p in params.items()
-        if p.device.type != torch.device(device).type or p.dtype != dtype
-    }
-    t.expect(not wrong, f"{what}parameters not on {device} in {dtype}: {wrong}")
+# ---- the checks ----------------------------------------------------------------------------
 
 
 def _check_placement(backend: Backend, case: Case) -> CheckResult:
-    t = Tracker()
-    what = _what(case)
+    t, what = Tracker(), _what(case)
     config, delay = case.config, case.delay
-    other = _other_default_dtype(case)
+    # A default dtype that differs from torch's current one: the case's, else float64.
+    other = config.torch_dtype if config.torch_dtype != torch.get_default_dtype() else torch.float64
+
+    def placed(how: str, module: Any, device: str, dtype: torch.dtype) -> None:
+        params = backend.parameters(module)
+        want = sorted(s.name for s in param_specs(config))
+        t.equal(f"{what}{how}: parameter names", sorted(params), want)
+        wrong = {
+            n: f"{p.device}, {p.dtype}"
+            for n, p in params.items()
+            if p.device.type != torch.device(device).type or p.dtype != dtype
+        }
+        t.expect(not wrong, f"{what}{how}: parameters not on {device} in {dtype}: {wrong}")
+
     with torch.device("meta"):
         m = backend.build_with_torch_defaults(config, delay=delay, omit=("device",))
-    _placed(
-        t,
-        f'{what}built inside `with torch.device("meta")` without device=: ',
-        backend,
-        m,
-        case,
-        "meta",
-        config.torch_dtype,
+    placed(
+        'built inside `with torch.device("meta")` without device=', m, "meta", config.torch_dtype
     )
     with _torch_defaults(device="meta", dtype=other):
         m = backend.build_with_torch_defaults(config, delay=delay, omit=("device", "params_dtype"))
-    _placed(
-        t,
-        f'{what}built after torch.set_default_device("meta") and set_default_dtype({other}) '
-        "without device= or params_dtype=: ",
-        backend,
-        m,
-        case,
-        "meta",
-        other,
-    )
+    how = f'built after torch.set_default_device("meta") and set_default_dtype({other}) without'
+    placed(f"{how} device= or params_dtype=", m, "meta", other)
     with _torch_defaults(dtype=other):
         m = backend.build_with_torch_defaults(config, delay=delay, omit=("params_dtype",))
-    _placed(
-        t,
-        f"{what}built after torch.set_default_dtype({other}) without params_dtype=: ",
-        backend,
-        m,
-        case,
-        config.device,
-        other,
-    )
+    how = f"built after torch.set_default_dtype({other}) without params_dtype="
+    placed(how, m, config.device, other)
     with _torch_defaults(device="meta", dtype=other), torch.device("meta"):
         m = backend.build(config, delay=delay)
-    _placed(
-        t,
-        f"{what}built with device={config.device!r}, params_dtype={config.torch_dtype} inside "
+    how = (
+        f"built with device={config.device!r}, params_dtype={config.torch_dtype} inside "
         f'`with torch.device("meta")` after set_default_device("meta") and '
-        f"set_default_dtype({other}) (the explicit ones must win): ",
-        backend,
-        m,
-        case,
-        config.device,
-        config.torch_dtype,
+        f"set_default_dtype({other}) (the explicit ones must win)"
     )
+    placed(how, m, config.device, config.torch_dtype)
     return t.result
 
 
@@ -297,11 +229,10 @@ def _reset(backend: Backend, module: Any, what: str) -> None:
 
 
 def _check_reset(backend: Backend, case: Case) -> CheckResult:
-    t = Tracker()
-    what = _what(case)
-    config, delay, seed = case.config, case.delay, case.seed
+    t, what = Tracker(), _what(case)
+    config, delay = case.config, case.delay
     data = make_micro_batches(case)
-    with _seeded(config.device, seed):
+    with _seeded(case):
         eager = backend.build(config, delay=delay)
     initial, initial_fp8 = _values(backend, eager), backend.fp8_state(eager)
     with torch.device("meta"):
@@ -313,42 +244,33 @@ def _check_reset(backend: Backend, case: Case) -> CheckResult:
         f"on meta: {off_meta}",
     )
     backend.to_empty(lazy, device=config.device)
-    with _seeded(config.device, seed):
+    with _seeded(case):
         _reset(backend, lazy, what)
     label = f"{what}built on meta, to_empty(), reset_parameters() vs built eagerly, same seed: "
-    _same_parameters(t, label, _values(backend, lazy), initial)
-    t.bitwise_all(label, backend.fp8_state(lazy), initial_fp8)
-    _same_trace(
-        t,
-        label,
-        _trace(_wrap(backend, case, lazy), data),
-        _trace(_wrap(backend, case, eager), data),
-    )
+    _same_parameters(t, label, backend, lazy, initial, initial_fp8)
+    got = _trace(backend, case, lazy, data)
+    _same_trace(t, label, got, _trace(backend, case, eager, data))
     # A module given other values and run gets its initial values back.
-    with _seeded(config.device, seed):
+    with _seeded(case):
         used = backend.build(config, delay=delay)
-    backend.load_state(used, make_state(config, seed))
+    backend.load_state(used, make_state(config, case.seed))
     run = ModuleRun(backend, case, delay=delay, module=used, hooks=0)
     run.fb(data[0])
     run.drain()
-    with _seeded(config.device, seed):
+    with _seeded(case):
         _reset(backend, used, what)
     label = f"{what}given the case's values, run, then reset_parameters() vs built eagerly: "
-    _same_parameters(t, label, _values(backend, used), initial)
-    t.bitwise_all(label, backend.fp8_state(used), initial_fp8)
+    _same_parameters(t, label, backend, used, initial, initial_fp8)
     return t.result
 
 
 def _check_reset_queued(backend: Backend, case: Case) -> CheckResult:
-    t = Tracker()
-    what = _what(case)
-    config, seed = case.config, case.seed
-    data = make_micro_batches(case)
-    run = ModuleRun(backend, case, delay=case.delay, prefill_grads=True, hooks=0)
+    t, what, data, run = _start(backend, case, prefill_grads=True)
     twin = ModuleRun(backend, case, delay=case.delay, prefill_grads=True, hooks=0)
     for d in data:
         run.fb(d)
         twin.fb(d)
+    refused = f"{what}changed by the refused reset_parameters(): "
     while run.pending():
         before, pending = _state_snapshot(run), run.pending()
         _expect_raises(
@@ -357,30 +279,21 @@ def _check_reset_queued(backend: Backend, case: Case) -> CheckResult:
             lambda: _reset(backend, run.module, what),
             (RuntimeError,),
         )
-        t.bitwise_all(
-            f"{what}changed by the refused reset_parameters(): ", _state_snapshot(run), before
-        )
-        t.equal(
-            f"{what}pending_wgrad_count after the refused reset_parameters()",
-            run.pending(),
-            pending,
-        )
+        t.bitwise_all(refused, _state_snapshot(run), before)
+        label = f"{what}pending_wgrad_count after the refused reset_parameters()"
+        t.equal(label, run.pending(), pending)
         run.dw()
         twin.dw()
     label = f"{what}after the refused reset_parameters() calls and draining, vs a run without: "
     t.bitwise_all(label, run.all_snapshot(), twin.all_snapshot())
     t.bitwise_all(label, run.fp8_snapshot(), twin.fp8_snapshot())
     # Nothing queued: the reset goes through.
-    with _seeded(config.device, seed):
-        initial = _values(backend, backend.build(config, delay=case.delay))
-    with _seeded(config.device, seed):
+    with _seeded(case):
+        initial = _values(backend, backend.build(case.config, delay=case.delay))
+    with _seeded(case):
         _reset(backend, run.module, what)
-    _same_parameters(
-        t,
-        f"{what}reset_parameters() with nothing queued vs built eagerly, same seed: ",
-        _values(backend, run.module),
-        initial,
-    )
+    label = f"{what}reset_parameters() with nothing queued vs built eagerly, same seed: "
+    _same_parameters(t, label, backend, run.module, initial)
     return t.result
 
 
@@ -396,13 +309,11 @@ def _unquoted(value: str) -> str:
 def _expected_repr(case: Case) -> tuple[dict[str, str], dict[str, str]]:
     """(sizes, options that differ from their defaults) as ``name: value`` text."""
     c = case.config
+    sizes = {"in_features": c.in_features, "out_features": c.out_features}
     if c.kind == "LayerNormMLP":
         sizes = {"hidden_size": c.in_features, "ffn_hidden_size": c.out_features}
     elif c.kind == "GroupedLinear":
-        sizes = {"num_gemms": c.num_gemms, "in_features": c.in_features}
-        sizes["out_features"] = c.out_features
-    else:
-        sizes = {"in_features": c.in_features, "out_features": c.out_features}
+        sizes = {"num_gemms": c.num_gemms, **sizes}
     options: dict[str, str] = {
         "bias": str(c.bias),
         "delay_wgrad_compute": str(case.delay),
@@ -427,8 +338,7 @@ _DEFAULTS = {
 
 
 def _check_repr(backend: Backend, case: Case) -> CheckResult:
-    t = Tracker()
-    what = _what(case)
+    t, what = Tracker(), _what(case)
     c = case.config
     text = repr(backend.torch_module(backend.build(c, delay=case.delay)))
     shown = f"{what}repr {text!r}"
@@ -446,11 +356,9 @@ def _check_repr(backend: Backend, case: Case) -> CheckResult:
         )
     if c.torch_dtype != torch.get_default_dtype():
         dtypes = [v.removeprefix("torch.") for v in _shown(text, "params_dtype")]
-        t.equal(
-            f"{shown}: params_dtype (it differs from torch's default {torch.get_default_dtype()})",
-            dtypes,
-            [c.dtype],
-        )
+        default = torch.get_default_dtype()
+        label = f"{shown}: params_dtype (it differs from torch's default {default})"
+        t.equal(label, dtypes, [c.dtype])
     return t.result
 
 
@@ -462,8 +370,7 @@ _MODES: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
 
 
 def _check_output_not_view(backend: Backend, case: Case) -> CheckResult:
-    t = Tracker()
-    what = _what(case)
+    t, what = Tracker(), _what(case)
     k = case.config.in_features
     # One module per mode: state a forward creates under inference_mode (FP8 scaling) is an
     # inference tensor, which no later forward outside it may update.
@@ -500,12 +407,8 @@ _COPIES: dict[str, Callable[[Any], Any]] = {
 
 
 def _check_copy(backend: Backend, case: Case) -> CheckResult:
-    t = Tracker()
-    what = _what(case)
-    config = case.config
-    data = make_micro_batches(case)
+    t, what, data, original = _start(backend, case)
     warm, rest = (data[:1], data[1:]) if len(data) > 1 else ([], data)
-    original = ModuleRun(backend, case, delay=case.delay, hooks=0)
     for d in warm:
         original.fb(d)
         original.drain()
@@ -515,43 +418,41 @@ def _check_copy(backend: Backend, case: Case) -> CheckResult:
             second.fb(d)
             second.drain()
         state = backend.torch_module(original.module).state_dict()
-        backend.to_empty(second.module, device=config.device)
+        backend.to_empty(second.module, device=case.config.device)
         backend.torch_module(second.module).load_state_dict(state)
         copied = second.module
         label = f"{what}a module run the same way, to_empty() and given its state_dict, vs it: "
     else:
         copied = _COPIES[case.variant](original.module)
-        _own_storage(t, what, backend, copied, original.module)
+        t.expect(copied is not original.module, f"{what}the copy is the original module object")
+        mine = backend.parameters(original.module)
+        ptrs = {p.untyped_storage().data_ptr() for p in mine.values() if p.numel() > 0}
+        for name, q in backend.parameters(copied).items():
+            p = mine.get(name)
+            shared = p is not None and (
+                q is p or (q.numel() > 0 and q.untyped_storage().data_ptr() in ptrs)
+            )
+            t.expect(not shared, f"{what}{name} shares its tensor or storage with the original's")
         label = f"{what}the copy vs the original: "
-    _same_parameters(t, label, _values(backend, copied), _values(backend, original.module))
-    t.bitwise_all(label, backend.fp8_state(copied), backend.fp8_state(original.module))
-    want = _trace(_wrap(backend, case, original.module), rest)
-    got = _trace(_wrap(backend, case, copied), rest)
-    _same_trace(t, label, got, want)
+    want_fp8 = backend.fp8_state(original.module)
+    _same_parameters(t, label, backend, copied, _values(backend, original.module), want_fp8)
+    want = _trace(backend, case, original.module, rest)
+    _same_trace(t, label, _trace(backend, case, copied, rest), want)
     return t.result
 
 
-_CHECKS: dict[str, Callable[[Backend, Case], CheckResult]] = {
+#: The module-protocol kinds of P18 (``case.variant``), in the order a cell enumerates them,
+#: and their checks.
+PROTOCOL_CHECKS: dict[str, Callable[[Backend, Case], CheckResult]] = {
     "module.placement": _check_placement,
     "module.reset_parameters": _check_reset,
     "module.reset_queued": _check_reset_queued,
     "module.repr": _check_repr,
     "module.output_not_view": _check_output_not_view,
-    **{v: _check_copy for v in ("module.pickle", "module.torch_save", "module.deepcopy")},
+    **dict.fromkeys(("module.pickle", "module.torch_save", "module.deepcopy"), _check_copy),
     "module.to_empty": _check_copy,
 }
-
-
-def check_protocol(backend: Backend, case: Case) -> CheckResult:
-    """One module-protocol case of P18 (see the module docstring)."""
-    if case.variant not in PROTOCOL_VARIANTS:
-        raise ValueError(
-            f"P18 module-protocol variant must be one of {PROTOCOL_VARIANTS}, got {case.variant!r}"
-        )
-    why = backend.module_protocol_reason()
-    if why is not None:
-        raise BackendUnavailable(f"P18 {case.variant} is n/a on {backend.name}: {why}")
-    return _CHECKS[case.variant](backend, case)
+PROTOCOL_VARIANTS = tuple(PROTOCOL_CHECKS)
 
 
 def protocol_explicit(base: list[Case], seed: int = 100) -> list[Case]:
