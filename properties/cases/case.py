@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -54,7 +55,7 @@ RECIPE_FAMILIES: dict[str, tuple[str, ...]] = {
 }
 _ALIGNMENT = {"MXFP8BlockScaling": 32, "Float8BlockScaling": 128}
 
-# Memory layouts of a micro-batch's input and output gradient (see the module docstring):
+# Memory layouts of a micro-batch's input and output gradient, as real models and losses give them:
 # "transposed": t.transpose(0, 1) of a contiguous tensor (column-major for 2-D);
 # "sliced": big[..., ::2]; "narrowed": big[..., :n] of rows one element wider (unaligned rows);
 # "expanded": ones(()).expand (loss.sum()); "expanded_mean": the same at 1/numel (loss.mean());
@@ -166,7 +167,7 @@ class ModuleConfig:
 
     @property
     def has_norm(self) -> bool:
-        return self.kind in ("LayerNormLinear", "LayerNormMLP")
+        return self.kind in NORM_KINDS
 
     def gemm_shapes(self) -> list[tuple[int, int]]:
         """(out, in) of every GEMM weight, in parameter order."""
@@ -229,10 +230,7 @@ class MicroBatch:
 
     @property
     def rows(self) -> int:
-        n = 1
-        for d in self.lead_shape:
-            n *= d
-        return n
+        return math.prod(self.lead_shape)
 
 
 @dataclasses.dataclass(frozen=True)

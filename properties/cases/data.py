@@ -1,13 +1,11 @@
-"""Tensor values for a :class:`~splitgrad.properties.cases.case.Case`, all from its seed.
+"""Tensor values for a :class:`~.case.Case`, all from its seed.
 
 Parameters get values on the scale a trained layer has (weights ~ 1/sqrt(fan_in), non-trivial
 biases and norm scales) rather than the constructors' defaults (zero biases, unit gammas), so a
-dropped bias or gamma gradient shows up as a large error instead of hiding behind a zero.
-
-Each micro-batch's ``x`` and ``dy`` come in the layout its :class:`MicroBatch` names
-(:func:`with_layout`): the values are those of the contiguous tensor, only strides differ (the
-expanded ``dy`` layouts are constants or one repeated row, the values those losses give). The
-gaps of a strided layout hold NaN, so a kernel that reads past a view's elements fails loudly.
+dropped bias or gamma gradient shows up as a large error instead of hiding behind a zero. Each
+micro-batch's ``x`` and ``dy`` come in the layout its :class:`MicroBatch` names
+(:func:`with_layout`); the gaps of a strided layout hold NaN, so a kernel that reads past a
+view's elements fails loudly.
 """
 
 from __future__ import annotations
@@ -131,8 +129,7 @@ class MicroBatchData:
     spec: MicroBatch
 
     def fresh_input(self) -> torch.Tensor:
-        """A new leaf copy of ``x`` in the micro-batch's layout that requires grad (one per
-        module run)."""
+        """A new leaf copy of ``x`` in its layout that requires grad (one per module run)."""
         return with_layout(self.x.detach(), self.spec.x_layout).requires_grad_(True)
 
     def fresh_dy(self) -> torch.Tensor:
@@ -141,7 +138,7 @@ class MicroBatchData:
 
 
 def with_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
-    """A new tensor with ``t``'s values in ``layout`` (:data:`~.strategies.DY_LAYOUTS`), on
+    """A new tensor with ``t``'s values in ``layout`` (:data:`~.case.DY_LAYOUTS`), on
     storage of its own. The expanded layouts need values constant along the expanded
     dimensions (all of them, or the rows for ``"expanded_rows"``): the first element (row) is
     expanded; raises ``ValueError`` naming an unknown layout."""
@@ -151,8 +148,7 @@ def with_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
     if layout == "contiguous":
         return t.clone(memory_format=torch.contiguous_format)
     if layout == "transposed":
-        # t.transpose(0, 1) of a contiguous tensor (dims 0, 1 of the leading shape; a 2-D
-        # tensor becomes column-major).
+        # Dims 0 and 1 of the leading shape swapped in memory (a 2-D tensor: column-major).
         return t.transpose(0, 1).clone(memory_format=torch.contiguous_format).transpose(0, 1)
     if layout in ("sliced", "narrowed"):
         n = t.shape[-1]

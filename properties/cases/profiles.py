@@ -29,6 +29,5 @@ def active_profile_name() -> str:
 
 def load_profile() -> str:
     """Load and return the active profile."""
-    name = active_profile_name()
-    settings.load_profile(name)
+    settings.load_profile(name := active_profile_name())
     return name

@@ -1,52 +1,39 @@
 """Typed hypothesis strategies for the conformance campaign.
 
-Strategies draw *structure* only — module kind, sizes (1 and primes included), flags, dtype,
-device, ``m_splits`` with empty groups, micro-batch schedules and a seed. Every tensor value is
-made later from ``torch.Generator().manual_seed(case.seed)`` (:mod:`.data`), so hypothesis
-shrinks shapes and flags, never float payloads, and a shrunk case prints as a short JSON line.
+Strategies draw *structure* only: module kind, sizes (1 and primes included), flags, dtype,
+device, ``m_splits`` with empty groups, micro-batch schedules and layouts, and a seed. Every
+tensor value is made from the seed (:mod:`.data`), so hypothesis shrinks shapes and flags, never
+float payloads, and a shrunk case prints as a short JSON line. One tunable limit,
+:data:`MAX_WORK` (env ``SPLITGRAD_MAX_WORK``), caps the multiply-adds of one example over all
+its GEMMs and micro-batches; rows are drawn under it by construction (no ``assume``).
 
-One tunable limit, :data:`MAX_WORK` (env ``SPLITGRAD_MAX_WORK``), caps the multiply-adds of one
-example over all its GEMMs and micro-batches; rows are drawn under the cap by construction (no
-``assume``).
+FP8 (SPEC §6): under a block recipe every feature size and token count (each group's included)
+is drawn as a multiple of :func:`recipe_alignment`. Such shapes are bigger, so under the same cap
+they get one aligned unit of tokens per micro-batch (two for a ``GroupedLinear``, so that two
+groups can be non-empty), at most three groups, and sizes of one or two alignment units.
 
-FP8 (SPEC §6): :class:`ModuleConfig` carries ``recipe``, a name from :data:`RECIPES` (``None``:
-high precision). Block recipes need aligned shapes, drawn so by construction: every feature size
-and every token count (each ``GroupedLinear`` group's included) is a multiple of
-:func:`recipe_alignment` (32 for ``mxfp8``, 128 for ``block``; empty groups are multiples too).
-Such shapes are bigger than the high-precision ones, so under the same :data:`MAX_WORK` they get
-one aligned unit of tokens per micro-batch (two for a ``GroupedLinear``, so that two groups can
-be non-empty), at most three groups, and sizes of one or two alignment units.
-
-Layouts (SPEC §7): each micro-batch also draws the memory layout of its input ``x``
-(:data:`X_LAYOUTS`) and of its output gradient ``dy`` (:data:`DY_LAYOUTS`) as real models and
-losses produce them: a transpose of a contiguous tensor (sequence-first activations), a strided
-slice, a row-padded slice, and for ``dy`` the stride-0 gradients of ``loss.sum()``,
-``loss.mean()`` and ``(y * v).sum()``. Values never depend on the layout except for the expanded
-``dy`` (a constant or one row repeated, as such losses give); :mod:`.data` builds both.
-
-Boundary examples (SPEC §7): :func:`boundary_cases` gives the explicit cases every campaign cell
-runs before its drawn ones: 0- and 1-row micro-batches and groups (an all-empty split
-included), feature sizes at alignment edges (15, 16, 17; one and two units of a block recipe),
-every layout, and every FP8 recipe of the cell.
+Layouts (SPEC §7): each micro-batch draws the layouts of its input and output gradient
+(:data:`X_LAYOUTS`, :data:`DY_LAYOUTS`); values depend on them only for the expanded ``dy``.
+:func:`boundary_cases` gives the explicit cases every campaign cell runs before its drawn ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
 
 from hypothesis import strategies as st
 
 from .case import (  # noqa: F401 (re-exported: the campaign names them from here)
-    _ALIGNMENT,
-    _HISTORY,
     ACTIVATIONS,
     AUTOCAST_DTYPES,
     DTYPES,
     DY_LAYOUTS,
     EXPANDED_LAYOUTS,
-    GATED,
     KINDS,
     LOW_PRECISION_DTYPES,
     MAX_WORK,
@@ -58,7 +45,6 @@ from .case import (  # noqa: F401 (re-exported: the campaign names them from her
     Case,
     MicroBatch,
     ModuleConfig,
-    _max_work,
     make_recipe,
     recipe_alignment,
     torch_dtype,
@@ -91,8 +77,6 @@ __all__ = [
     "seeds",
     "cases",
 ]
-
-# ---- building blocks ----------------------------------------------------------------------
 
 
 @functools.cache
@@ -180,9 +164,7 @@ def module_configs(
         fuse_wgrad_accumulation=draw(st.booleans()) if fused is None else fused,
         normalization=draw(_sampled_from(tuple(NORMALIZATIONS))),
         activation=draw(_sampled_from(tuple(ACTIVATIONS))) if kind == "LayerNormMLP" else "gelu",
-        zero_centered_gamma=draw(st.booleans())
-        if kind in ("LayerNormLinear", "LayerNormMLP")
-        else False,
+        zero_centered_gamma=draw(st.booleans()) if kind in NORM_KINDS else False,
         dtype=draw(_sampled_from(tuple(dtypes))),
         device=draw(_sampled_from(tuple(devices))),
         recipe=recipe,
@@ -198,21 +180,14 @@ def with_autocast(case: Case, autocast: str | None) -> Case:
     return dataclasses.replace(case, config=config)
 
 
-def _max_rows(config: ModuleConfig, n_micro_batches: int) -> int:
-    return max(1, MAX_WORK // (config.work_per_row() * max(1, n_micro_batches)))
-
-
 @st.composite
 def micro_batches(
-    draw: st.DrawFn,
-    config: ModuleConfig,
-    count: int,
-    first_flags: bool = True,
+    draw: st.DrawFn, config: ModuleConfig, count: int, first_flags: bool = True
 ) -> tuple[MicroBatch, ...]:
     """``count`` micro-batches for ``config`` under :data:`MAX_WORK`. Non-grouped inputs get 1–3
     leading dimensions; ``GroupedLinear`` gets 2-D inputs with drawn ``m_splits``. Under a block
     recipe every token count is a multiple of its alignment (at least one unit)."""
-    limit = _max_rows(config, count)
+    limit = max(1, MAX_WORK // (config.work_per_row() * max(1, count)))
     align = config.alignment
     out = []
     for _ in range(count):
@@ -252,8 +227,7 @@ def schedules(draw: st.DrawFn, n_micro_batches: int) -> tuple[str, ...]:
     ``"dw"`` (``backward_dw`` while something is pending), ``"zero"`` (zero all gradients).
     Every micro-batch is run once; trailing ``"dw"`` steps drain the queue."""
     ops: list[str] = []
-    pending = 0
-    done = 0
+    pending = done = 0
     while done < n_micro_batches:
         choices = ["fb"] + (["dw"] if pending else []) + ["zero"]
         op = draw(_sampled_from(tuple(choices)))
@@ -284,17 +258,11 @@ def cases(
 ) -> Case:
     """A :class:`Case` with a drawn config (and FP8 recipe among ``recipes``), micro-batches,
     seed and ``delay`` flag."""
-    config = draw(
-        module_configs(
-            kinds, dtypes, devices, fused=fused, bias=bias, square=square, recipes=recipes
-        )
-    )
+    config = draw(module_configs(kinds, dtypes, devices, fused, bias, square, recipes))
     count = draw(st.integers(*n_micro_batches))
     mbs = draw(micro_batches(config, count, first_flags=first_flags))
     return Case(config=config, micro_batches=mbs, seed=draw(seeds()), delay=draw(st.booleans()))
 
-
-# ---- boundary examples ---------------------------------------------------------------------
 
 # (in_features, out_features) per pattern in units: high precision at the 16-element alignment
 # edge of torch._grouped_mm / _scaled_mm (16 and 16 +- 1) and the smallest sizes; block recipes
@@ -314,35 +282,28 @@ _SPLITS = (
 )
 
 
-def _boundary_config(
-    kind: str,
-    pattern: int,
-    dtype: str,
-    device: str,
-    recipe: str | None,
-    fused: bool | None,
-    bias: bool | None,
-    square: bool,
-) -> ModuleConfig:
+def _boundary_config(a: SimpleNamespace, i: int) -> ModuleConfig:
+    """Case ``i``'s config: the pattern ``i % 4``, the ``i``-th kind, dtype, device and recipe."""
+    kind, recipe, pattern = a.kinds[i % len(a.kinds)], a.recipes[i % len(a.recipes)], i % len(_ROWS)
     align = recipe_alignment(recipe)
     if align == 1:
         k, m = _EDGE_SIZES[pattern]
         if kind in NORM_KINDS:
             k = max(k, 3)  # a norm over 1-2 features has no judgeable dx (see module_configs)
     else:
-        k, m = (a * align for a in _UNIT_SIZES[pattern if align < 128 else 2])
+        k, m = (u * align for u in _UNIT_SIZES[pattern if align < 128 else 2])
     return ModuleConfig(
         kind=kind,
         in_features=k,
-        out_features=k if square and kind != "LayerNormMLP" else m,
+        out_features=k if a.square and kind != "LayerNormMLP" else m,
         num_gemms=_SPLITS[pattern][0] if kind == "GroupedLinear" else 1,
-        bias=pattern != 3 if bias is None else bias,
-        fuse_wgrad_accumulation=pattern in (1, 2) if fused is None else fused,
+        bias=pattern != 3 if a.bias is None else a.bias,
+        fuse_wgrad_accumulation=pattern in (1, 2) if a.fused is None else a.fused,
         normalization=NORMALIZATIONS[pattern % 2],
         activation=ACTIVATIONS[pattern] if kind == "LayerNormMLP" else "gelu",
         zero_centered_gamma=kind in NORM_KINDS and pattern == 3,
-        dtype=dtype,
-        device=device,
+        dtype=a.dtypes[i % len(a.dtypes)],
+        device=a.devices[i % len(a.devices)],
         recipe=recipe,
     )
 
@@ -367,52 +328,28 @@ def _boundary_batches(
     out = []
     for j, (lead, splits_j) in enumerate(shapes[:count]):
         first = (True, False, None)[(pattern + j) % 3] if first_flags else None
-        k = slot + j
-        out.append(
-            MicroBatch(
-                lead,
-                splits_j,
-                first,
-                X_LAYOUTS[k % len(X_LAYOUTS)],
-                DY_LAYOUTS[k % len(DY_LAYOUTS)],
-            )
-        )
+        x, dy = X_LAYOUTS[(slot + j) % len(X_LAYOUTS)], DY_LAYOUTS[(slot + j) % len(DY_LAYOUTS)]
+        out.append(MicroBatch(lead, splits_j, first, x, dy))
     return tuple(out)
 
 
-def boundary_cases(
-    kinds: Sequence[str] = KINDS,
-    dtypes: Sequence[str] = ("float32", "bfloat16"),
-    devices: Sequence[str] = ("cpu",),
-    n_micro_batches: tuple[int, int] = (1, 3),
-    fused: bool | None = None,
-    bias: bool | None = None,
-    square: bool = False,
-    first_flags: bool = True,
-    recipes: Sequence[str | None] = (None,),
-) -> list[Case]:
-    """The explicit cases a cell with these arguments (those of :func:`cases`) always runs:
-    four boundary patterns (0- and 1-row micro-batches and groups, an all-empty split, sizes at
-    alignment edges, both norms, every activation, fused and plain, delay on and off), more when
-    there are more recipes, so that every recipe of ``recipes`` and every kind of ``kinds`` is
-    one of them; the micro-batches run through every input and output-gradient layout."""
-    n = max(len(_ROWS), len(recipes), len(kinds))
-    lo, hi = n_micro_batches
+def boundary_cases(*args: Any, **kwargs: Any) -> list[Case]:
+    """The explicit cases a cell drawing ``cases(*args, **kwargs)`` always runs: four boundary
+    patterns (0- and 1-row micro-batches and groups, an all-empty split, sizes at alignment
+    edges, both norms, every activation, fused and plain, delay on and off), more when there are
+    more recipes, so that every recipe of ``recipes`` and every kind of ``kinds`` is one of
+    them; the micro-batches run through every input and output-gradient layout."""
+    bound = inspect.signature(cases).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = SimpleNamespace(**bound.arguments)
+    n = max(len(_ROWS), len(a.recipes), len(a.kinds))
+    lo, hi = a.n_micro_batches
     out, slot = [], 0
     for i in range(n):
         pattern = i % len(_ROWS)
-        config = _boundary_config(
-            kinds[i % len(kinds)],
-            pattern,
-            dtypes[i % len(dtypes)],
-            devices[i % len(devices)],
-            recipes[i % len(recipes)],
-            fused,
-            bias,
-            square,
-        )
+        config = _boundary_config(a, i)
         count = min(max(2, lo), hi)
-        mbs = _boundary_batches(config, pattern, count, first_flags, slot, i // len(_ROWS))
+        mbs = _boundary_batches(config, pattern, count, a.first_flags, slot, i // len(_ROWS))
         slot += count
         out.append(Case(config=config, micro_batches=mbs, seed=i, delay=pattern in (0, 1)))
     # Too few micro-batch slots to reach every layout (one micro-batch per case): more cases.
@@ -420,7 +357,7 @@ def boundary_cases(
         i = len(out) % n
         base = out[i]
         mbs = _boundary_batches(
-            base.config, i % len(_ROWS), len(base.micro_batches), first_flags, slot, len(out) // n
+            base.config, i % len(_ROWS), len(base.micro_batches), a.first_flags, slot, len(out) // n
         )
         slot += len(mbs)
         out.append(dataclasses.replace(base, micro_batches=mbs, seed=len(out)))

@@ -1,17 +1,11 @@
 """The structured choices a case carries for its property (``Case.variant``).
 
-Most properties pick their variant by name from a closed set (P5 ``"prefill"``, P7 ``"tied"``,
-P13 a value pattern, P18 a substitution or module-protocol kind): those stay plain strings. Two
-carry more than a name and get a type:
-
-* :class:`Misuse` (P10): which misuse, and for ``main_grad_*`` / ``wgrad_fails`` which GEMM
-  weight it breaks;
-* :class:`PartialBackward` (P17): how the partial backward asks (``grad``: torch.autograd.grad;
-  ``inputs``: ``backward(inputs=...)``) and which micro-batch gets it.
-
-Each has one string form, used in case JSON (``--case`` replays), printed cases and hypothesis'
-output: ``"main_grad_shape:fc2_weight"``, ``"bad_dtype"``, ``"grad@1"``. :func:`parse_variant`
-turns a string form back into the typed object (a name stays a string).
+Most properties pick a variant by name from a closed set (P5 ``"prefill"``, P7 ``"tied"``, P13 a
+value pattern, P18 a substitution): those stay strings. :class:`Misuse` (P10: which misuse, and
+the GEMM weight a ``main_grad_*`` or ``wgrad_fails`` one breaks) and :class:`PartialBackward`
+(P17: how the partial backward asks and on which micro-batch) carry more. Each has one string
+form, used in case JSON, printed cases and hypothesis' output (``"main_grad_shape:fc2_weight"``,
+``"bad_dtype"``, ``"grad@1"``), which :func:`parse_variant` turns back into the typed object.
 """
 
 from __future__ import annotations
@@ -81,10 +75,7 @@ class PartialBackward:
 
     def __post_init__(self) -> None:
         if self.mode not in INPUT_ONLY_MODES or self.micro_batch < 0:
-            raise ValueError(
-                f"P17 variant must be '<mode>@<micro-batch>' with mode in {INPUT_ONLY_MODES}, "
-                f"got {str(self)!r}"
-            )
+            raise _not_partial(str(self))
 
     def __str__(self) -> str:
         return f"{self.mode}@{self.micro_batch}"
@@ -94,11 +85,14 @@ class PartialBackward:
         """``"grad@1"``."""
         mode, _, index = text.partition("@")
         if not index.isdigit():
-            raise ValueError(
-                f"P17 variant must be '<mode>@<micro-batch>' with mode in {INPUT_ONLY_MODES}, "
-                f"got {text!r}"
-            )
+            raise _not_partial(text)
         return cls(mode, int(index))
+
+
+def _not_partial(text: str) -> ValueError:
+    return ValueError(
+        f"P17 variant must be '<mode>@<micro-batch>' with mode in {INPUT_ONLY_MODES}, got {text!r}"
+    )
 
 
 Variant = str | Misuse | PartialBackward
