@@ -246,19 +246,15 @@ def schedules(draw: st.DrawFn, n_micro_batches: int) -> tuple[str, ...]:
 @st.composite
 def cases(
     draw: st.DrawFn,
-    kinds: Sequence[str] = KINDS,
-    dtypes: Sequence[str] = ("float32", "bfloat16"),
-    devices: Sequence[str] = ("cpu",),
+    *args: Any,
     n_micro_batches: tuple[int, int] = (1, 3),
-    fused: bool | None = None,
-    bias: bool | None = None,
-    square: bool = False,
     first_flags: bool = True,
-    recipes: Sequence[str | None] = (None,),
+    **kwargs: Any,
 ) -> Case:
-    """A :class:`Case` with a drawn config (and FP8 recipe among ``recipes``), micro-batches,
-    seed and ``delay`` flag."""
-    config = draw(module_configs(kinds, dtypes, devices, fused, bias, square, recipes))
+    """A :class:`Case`: a config drawn by ``module_configs(*args, **kwargs)`` (kinds, dtypes,
+    devices, flags, FP8 recipes), ``lo..hi`` micro-batches (``n_micro_batches``), a seed and a
+    ``delay`` flag."""
+    config = draw(module_configs(*args, **kwargs))
     count = draw(st.integers(*n_micro_batches))
     mbs = draw(micro_batches(config, count, first_flags=first_flags))
     return Case(config=config, micro_batches=mbs, seed=draw(seeds()), delay=draw(st.booleans()))
@@ -333,23 +329,25 @@ def _boundary_batches(
     return tuple(out)
 
 
-def boundary_cases(*args: Any, **kwargs: Any) -> list[Case]:
-    """The explicit cases a cell drawing ``cases(*args, **kwargs)`` always runs: four boundary
-    patterns (0- and 1-row micro-batches and groups, an all-empty split, sizes at alignment
-    edges, both norms, every activation, fused and plain, delay on and off), more when there are
-    more recipes, so that every recipe of ``recipes`` and every kind of ``kinds`` is one of
-    them; the micro-batches run through every input and output-gradient layout."""
-    bound = inspect.signature(cases).bind(*args, **kwargs)
+def boundary_cases(
+    *args: Any, n_micro_batches: tuple[int, int] = (1, 3), first_flags: bool = True, **kwargs: Any
+) -> list[Case]:
+    """The explicit cases a cell drawing :func:`cases` with these arguments always runs: four
+    boundary patterns (0- and 1-row micro-batches and groups, an all-empty split, sizes at
+    alignment edges, both norms, every activation, fused and plain, delay on and off), more when
+    there are more recipes, so that every recipe of ``recipes`` and every kind of ``kinds`` is
+    one of them; the micro-batches run through every input and output-gradient layout."""
+    bound = inspect.signature(module_configs).bind(*args, **kwargs)
     bound.apply_defaults()
     a = SimpleNamespace(**bound.arguments)
     n = max(len(_ROWS), len(a.recipes), len(a.kinds))
-    lo, hi = a.n_micro_batches
+    lo, hi = n_micro_batches
     out, slot = [], 0
     for i in range(n):
         pattern = i % len(_ROWS)
         config = _boundary_config(a, i)
         count = min(max(2, lo), hi)
-        mbs = _boundary_batches(config, pattern, count, a.first_flags, slot, i // len(_ROWS))
+        mbs = _boundary_batches(config, pattern, count, first_flags, slot, i // len(_ROWS))
         slot += count
         out.append(Case(config=config, micro_batches=mbs, seed=i, delay=pattern in (0, 1)))
     # Too few micro-batch slots to reach every layout (one micro-batch per case): more cases.
@@ -357,7 +355,7 @@ def boundary_cases(*args: Any, **kwargs: Any) -> list[Case]:
         i = len(out) % n
         base = out[i]
         mbs = _boundary_batches(
-            base.config, i % len(_ROWS), len(base.micro_batches), a.first_flags, slot, len(out) // n
+            base.config, i % len(_ROWS), len(base.micro_batches), first_flags, slot, len(out) // n
         )
         slot += len(mbs)
         out.append(dataclasses.replace(base, micro_batches=mbs, seed=len(out)))
