@@ -110,9 +110,7 @@ class _SplitModule(torch.nn.Module):
         super().__init__()
         if ub_bulk_wgrad and delay_wgrad_compute:
             raise ValueError("ub_bulk_wgrad is not supported when enabling delay_wgrad_compute")
-        self.use_bias = bias
-        self.params_dtype = params_dtype
-        self.device = device
+        self.use_bias, self.params_dtype, self.device = bias, params_dtype, device
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.delay_wgrad_compute = delay_wgrad_compute
         self.ub_bulk_wgrad = ub_bulk_wgrad
@@ -129,15 +127,22 @@ class _SplitModule(torch.nn.Module):
         self.register_parameter(name, p)
         return p
 
-    @property
-    def pending_wgrad_count(self) -> int:
-        return len(self._entries)
+    def _norm_params(self, features: int) -> None:
+        """``layer_norm_weight`` (ones) and ``layer_norm_bias`` (zeros)."""
+        self.layer_norm_weight = self._param("layer_norm_weight", (features,), False)
+        self.layer_norm_bias = self._param("layer_norm_bias", (features,), False)
+        with torch.no_grad():
+            self.layer_norm_weight.fill_(1)
 
     def need_backward_dw(self) -> bool:
         return self.delay_wgrad_compute
 
     def register_wgrad_accumulation_and_reduce_hooks(self, fn) -> None:
         self._hooks.append(fn)
+
+    @property
+    def pending_wgrad_count(self) -> int:
+        return len(self._entries)
 
     def _gemm(self, x, weight, bias, entry):
         if self.delay_wgrad_compute:
@@ -219,10 +224,7 @@ class LayerNormLinear(_SplitModule):
     def __init__(self, in_features: int, out_features: int, *, eps=1e-5, **options) -> None:
         super().__init__(**options)
         self.in_features, self.out_features, self.eps = in_features, out_features, eps
-        self.layer_norm_weight = self._param("layer_norm_weight", (in_features,), False)
-        self.layer_norm_bias = self._param("layer_norm_bias", (in_features,), False)
-        with torch.no_grad():
-            self.layer_norm_weight.fill_(1)
+        self._norm_params(in_features)
         self.weight = self._param("weight", (out_features, in_features), True)
         self.bias = self._param("bias", (out_features,), True) if self.use_bias else None
 
@@ -244,10 +246,7 @@ class LayerNormMLP(_SplitModule):
             raise ValueError(f"activation must be 'gelu' or 'relu', got {activation!r}")
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.eps, self.activation = eps, activation
-        self.layer_norm_weight = self._param("layer_norm_weight", (hidden_size,), False)
-        self.layer_norm_bias = self._param("layer_norm_bias", (hidden_size,), False)
-        with torch.no_grad():
-            self.layer_norm_weight.fill_(1)
+        self._norm_params(hidden_size)
         self.fc1_weight = self._param("fc1_weight", (ffn_hidden_size, hidden_size), True)
         self.fc1_bias = self._param("fc1_bias", (ffn_hidden_size,), True) if self.use_bias else None
         self.fc2_weight = self._param("fc2_weight", (hidden_size, ffn_hidden_size), True)
