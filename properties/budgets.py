@@ -1,23 +1,13 @@
 """Every tolerance of the harness, and the three tiers of oracle that apply them.
 
-1. **Bitwise** (:func:`check_bitwise`): delayed ≡ non-delayed, ``GroupedLinear`` ≡ ``Linear``\\ s
-   on the same kernel. ``rtol=0, atol=0`` on the bit patterns, except that ``-0.0`` and ``+0.0``
-   are the same value (see :func:`check_bitwise`).
-2. **Error budget** (:func:`check_error_budget`): an implementation's error against the float64
-   truth may be at most ``multiplier`` times the naive low-precision reference's own error, plus
-   ``floor_steps`` rounding steps of the compared tensor's dtype at the truth's largest magnitude
-   (or, per element, the larger rounding bound of :mod:`.rounding`)::
+1. Bitwise (:func:`check_bitwise`): ``rtol=0, atol=0`` on the bit patterns, ``-0.0 == +0.0``.
+2. Error budget (:func:`check_error_budget`): ``max|actual - truth| <= multiplier *
+   max|naive - truth| + floor_steps * eps(dtype) * max|truth|`` against the float64 truth;
+   :func:`check_fp8_budget` where two correct FP8 runs may quantize different values.
+3. float64 gradcheck of the reference (:func:`gradcheck_reference`).
 
-       max|actual - truth| <= multiplier * max|naive - truth|
-                              + floor_steps * eps(dtype) * max|truth|
-
-   Under FP8 where two correct runs may quantize different values, :func:`check_fp8_budget`.
-3. **float64 gradcheck of the reference** (:func:`gradcheck_reference`).
-
-Each constant below carries its reason in a line or three; docs/budgets.md derives each value
-and records the measurements and failures that set it. Every failure raises
-:class:`BudgetViolation` (an ``AssertionError``, so hypothesis shrinks on it) whose message
-names the tensor, the worst index, both values and the budget.
+Each constant carries its reason; docs/budgets.md derives each value. Failures raise
+:class:`BudgetViolation` naming the tensor, the worst index, both values and the budget.
 """
 
 from __future__ import annotations
@@ -74,8 +64,8 @@ __all__ = [
 
 
 class BudgetViolation(AssertionError):
-    """A comparison failed. ``ratio`` is worst error / budget (``inf`` for bitwise mismatches,
-    missing tensors, or shape/dtype differences)."""
+    """A comparison failed (an ``AssertionError``, so hypothesis shrinks on it); ``ratio``:
+    worst error / budget (``inf`` for a bitwise mismatch, a missing tensor or another shape)."""
 
     def __init__(self, tensor: str, message: str, ratio: float = math.inf) -> None:
         super().__init__(message)
@@ -87,10 +77,8 @@ class BudgetViolation(AssertionError):
 class ErrorBudget:
     """``max|actual - truth| <= multiplier * max|naive - truth| + floor_steps * eps * max|truth|``.
 
-    ``why`` says where the implementation and the naive reference may round differently — the
-    reason this entry is looser than bitwise; ``fp32_*`` replace the values for a module that
-    computes in float32.
-    """
+    ``why``: where the implementation and the naive reference may round differently; ``fp32_*``
+    replace the values for a module that computes in float32."""
 
     kind: str
     multiplier: float
@@ -102,56 +90,47 @@ class ErrorBudget:
 
     def multiplier_for(self, dtype: torch.dtype) -> float:
         """The multiplier for a module computing in ``dtype``."""
-        if dtype == torch.float32 and self.fp32_multiplier is not None:
-            return self.fp32_multiplier
-        return self.multiplier
+        fp32 = dtype == torch.float32 and self.fp32_multiplier is not None
+        return self.fp32_multiplier if fp32 else self.multiplier
 
     def floor_steps_for(self, dtype: torch.dtype) -> float:
         """Rounding steps of the floor for a module computing in ``dtype``."""
-        if dtype == torch.float32 and self.fp32_floor_steps is not None:
-            return self.fp32_floor_steps
-        return self.floor_steps
+        fp32 = dtype == torch.float32 and self.fp32_floor_steps is not None
+        return self.fp32_floor_steps if fp32 else self.floor_steps
 
 
 # ---- high precision: one budget per kind of tensor ------------------------------------------
-
-# float32: nothing is rounded to a narrower type, so both errors are reduction-order noise of a
-# few ulps; a 4-step floor, one step for each of up to four chained ops (norm, fc1, act, fc2).
-_FP32_NOISE = (
-    "in float32 nothing is rounded to a narrower type, so both errors are pure reduction-order "
-    "noise of a few ulps; the naive run's maximum over a tensor of a handful of elements is a "
-    "noisy yardstick (measured: impl/naive error ratios up to ~{x} on small float32 cases), and "
-    "each of up to four chained float32 ops (norm, fc1, activation, fc2) may round at another "
-    "point than the reference, one step each: hence a 4-step floor"
-)
 _FP32_FLOOR = 4.0
 
-# One GEMM with fp32 accumulation, then the bias add: a fused epilogue rounds once, the
-# reference twice.
+
+def _fp32(multiplier: float, measured: float, more: str = "", floors: int = 1) -> dict:
+    """A budget's float32 fields (``measured``: the largest impl/naive error ratio seen)."""
+    why = (
+        "in float32 both errors are reduction-order noise of a few ulps, and the naive maximum "
+        f"over a few elements is a noisy yardstick (impl/naive ratios up to ~{measured} measured); "
+        "each of up to four chained float32 ops may round elsewhere, one step each: a 4-step floor"
+    )
+    return dict(
+        fp32_multiplier=multiplier, fp32_floor_steps=floors * _FP32_FLOOR, fp32_why=why + more
+    )
+
+
 OUTPUT = ErrorBudget(
     "output",
     2.0,
     1.0,
     "an implementation may fuse the bias add into the GEMM epilogue (one rounding instead of "
     "the reference's two) or reduce the norm statistics in another order",
-    fp32_multiplier=4.0,
-    fp32_floor_steps=_FP32_FLOOR,
-    fp32_why=_FP32_NOISE.format(x=8),
+    **_fp32(4.0, 8),
 )
-# Short sums over the output features, chained through the norm backward.
 DGRAD = ErrorBudget(
     "dgrad",
     2.0,
     1.0,
     "dgrad GEMMs may block the reduction over output features differently, and a fused norm "
     "backward rounds its intermediate sums at other points than the reference's formulas",
-    fp32_multiplier=8.0,
-    fp32_floor_steps=_FP32_FLOOR,
-    fp32_why=_FP32_NOISE.format(x=4) + "; the norm backward is a difference of terms larger "
-    "than the result, so that noise is relatively large",
+    **_fp32(8.0, 4, "; the norm backward, a difference of larger terms, amplifies that noise"),
 )
-# Reductions over every token (split-K, accumulation into main_grad), on saved operands that
-# are themselves rounded: more slack, as llm.c and TransformerEngine give parameter gradients.
 WGRAD = ErrorBudget(
     "wgrad",
     4.0,
@@ -160,22 +139,16 @@ WGRAD = ErrorBudget(
     "(split-K, or accumulating straight into fp32 main_grad) sums in a different order; and the "
     "saved operands (norm output, activation) are themselves rounded to the module dtype, where "
     "a legal one-step difference in the forward moves dW by about one more step",
-    fp32_multiplier=8.0,
-    fp32_floor_steps=_FP32_FLOOR,
-    fp32_why=_FP32_NOISE.format(x=4),
+    **_fp32(8.0, 4),
 )
-# gamma/beta gradients: token reductions too (sum over rows of dy * xhat).
 NORM_GRAD = ErrorBudget(
     "norm_grad",
     4.0,
     1.0,
     "gamma/beta gradients are reductions over all tokens, done by a fused kernel in partial "
     "sums per block rather than the reference's single torch.sum",
-    fp32_multiplier=8.0,
-    fp32_floor_steps=_FP32_FLOOR,
-    fp32_why=_FP32_NOISE.format(x=5.5),
+    **_fp32(8.0, 5.5),
 )
-# P12 on a grouped GEMM kernel: the naive side is the list of Linears itself.
 GROUPED_GEMM = ErrorBudget(
     "grouped_gemm",
     2.0,
@@ -183,8 +156,6 @@ GROUPED_GEMM = ErrorBudget(
     "a grouped GEMM kernel tiles each group's GEMM differently from the single-GEMM kernel a "
     "Linear uses; both round their fp32 accumulation once to the output dtype",
 )
-# P18's gradients of gradients: the backward's formulas run again on rounded first-order
-# results, twice the rounding points of a first-order gradient.
 SECOND_ORDER = ErrorBudget(
     "second_order",
     4.0,
@@ -193,18 +164,15 @@ SECOND_ORDER = ErrorBudget(
     "first-order results that are themselves rounded: twice the rounding points of a "
     "first-order gradient, each of which an implementation may place elsewhere (a fused "
     "kernel, torch's own norm backward) than the reference's formulas",
-    fp32_multiplier=8.0,
-    fp32_floor_steps=2 * _FP32_FLOOR,
-    fp32_why=_FP32_NOISE.format(x=4) + "; a second derivative chains twice as many of them",
+    **_fp32(8.0, 4, "; a second derivative chains twice as many of them", floors=2),
 )
 
 BUDGETS = {b.kind: b for b in (OUTPUT, DGRAD, WGRAD, NORM_GRAD, GROUPED_GEMM, SECOND_ORDER)}
 
 
 def chained(budget: ErrorBudget, uses: int) -> ErrorBudget:
-    """``budget`` for a module applied ``uses`` times in a row (P7's chained variant, ``m(m(x))``):
-    the floor counts rounding points along the chain of ops, and the chain has ``uses`` times as
-    many."""
+    """``budget`` for a module applied ``uses`` times in a row (P7's ``m(m(x))``): ``uses`` times
+    the rounding points, so ``uses`` times the floor."""
     if uses == 1:
         return budget
     fp32 = budget.fp32_floor_steps
@@ -217,7 +185,6 @@ def chained(budget: ErrorBudget, uses: int) -> ErrorBudget:
 
 
 # ---- per-element allowances on top of a budget -----------------------------------------------
-
 # main_grad of a weight whose GEMM operand the module computes (ln_out, the activation, d_fc1):
 # a legal one-step difference in that operand moves dW by eps * sum|dy||a|, per computed operand.
 WGRAD_OPERAND_STEPS = 1.0
@@ -227,36 +194,45 @@ DGRAD_OPERAND_STEPS = 1.0
 DGRAD_OPERAND_SIGMAS = 2.0
 
 
+def _f64(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().double().cpu()
+
+
 def accumulation_magnitude(truth: torch.Tensor, prefill: torch.Tensor) -> float:
-    """The magnitude whose fp32 rounding steps make an accumulated slot's floor: ``max(|truth|,
-    |prefill|, |truth - prefill|)``. ``main_grad += dW`` rounds at the size of its operands,
-    which is far above ``|truth|`` where the prefill and the contribution nearly cancel."""
-    t, p = truth.detach().double().cpu(), prefill.detach().double().cpu()
+    """``max(|truth|, |prefill|, |truth - prefill|)``: ``main_grad += dW`` rounds at the size of
+    its operands, far above ``|truth|`` where the prefill and the contribution nearly cancel."""
+    t, p = _f64(truth), _f64(prefill)
     return float(torch.stack([t.abs().max(), p.abs().max(), (t - p).abs().max()]).max())
 
 
-# main_grad.addmm_ adds the prefill inside the GEMM's fp32 reduction, at a point the kernel
-# chooses (measured: up to 1.2 steps against G0 + mm); a contribution added in bf16 or dropped
-# is off by far more.
+# main_grad.addmm_ adds the prefill inside the GEMM's fp32 reduction where the kernel chooses
+# (measured: up to 1.2 steps off G0 + mm); a contribution added in bf16 or dropped is far more.
 FUSED_ACCUMULATION_STEPS = 4.0
 
 
 def fused_accumulation_tolerance(start: torch.Tensor, contribution: torch.Tensor) -> float:
-    """How far ``main_grad`` after one fused accumulation may be from ``start + contribution``
-    (both fp32): :data:`FUSED_ACCUMULATION_STEPS` fp32 steps of
-    ``max(|start| + |contribution|)``."""
+    """How far ``main_grad`` after one fused accumulation may be from ``start + contribution``:
+    :data:`FUSED_ACCUMULATION_STEPS` fp32 steps of ``max(|start| + |contribution|)``."""
     size = float((start.detach().double().abs() + contribution.detach().double().abs()).max())
     return FUSED_ACCUMULATION_STEPS * rounding_step(torch.float32, size)
 
 
 # ---- the rounding bound (properties/oracle/rounding.py) ---
-
 # Independent roundings add as a root sum of squares, taken at this many standard deviations
 # (Higham & Mary's probabilistic model); reductions count their worst case in any order.
 ROUNDING_SIGMAS = 2.0
-# An activation formula (tanh-GELU, SiLU and their derivatives: a handful of fp32 operations on
-# terms of about |h|) is taken as this many compute-dtype roundings of |h| + |f(h)|.
+# An activation formula (a handful of fp32 operations on terms of about |h|) is taken as this
+# many compute-dtype roundings of |h| + |f(h)|.
 ACTIVATION_EVAL_STEPS = 8.0
+
+
+def _floor(budget, t, dtype, steps_dtype, floor_magnitude) -> tuple[float, float, float]:
+    """(floor steps, magnitude, floor), at ``max|t|`` or ``floor_magnitude`` if larger."""
+    steps = budget.floor_steps_for(steps_dtype)
+    magnitude = float(t.abs().max())
+    if floor_magnitude is not None:
+        magnitude = max(magnitude, floor_magnitude)
+    return steps, magnitude, steps * rounding_step(dtype, magnitude)
 
 
 def with_rounding_bound(
@@ -269,21 +245,16 @@ def with_rounding_bound(
     floor_magnitude: float | None = None,
 ) -> torch.Tensor | None:
     """The ``element_floor`` for :func:`check_error_budget` that makes its budget, per element,
-    ``multiplier * naive + max(floor + element_floor, bound)``: the bound only ever raises the
-    floor (``bound`` from :func:`~.rounding.rounding_bounds`, truth's shape)."""
+    ``multiplier * naive + max(floor + element_floor, bound)`` (``bound``: truth's shape)."""
     if bound is None or truth is None or truth.numel() == 0 or bound.shape != truth.shape:
         return element_floor
-    t = truth.detach().double().cpu()
-    size = float(t.abs().max())
-    if floor_magnitude is not None:
-        size = max(size, floor_magnitude)
-    floor = budget.floor_steps_for(module_dtype or dtype) * rounding_step(dtype, size)
+    t = _f64(truth)
+    floor = _floor(budget, t, dtype, module_dtype or dtype, floor_magnitude)[2]
     extra = torch.zeros_like(t) if element_floor is None else element_floor.double().cpu()
     return torch.maximum(extra + floor, bound.double().cpu()) - floor
 
 
 # ---- FP8 (SPEC §6) ---------------------------------------------------------------------------
-
 # FP8 formats: largest finite value, epsilon, and the spacing of the subnormals.
 FP8_MAX = {"E4M3": 448.0, "E5M2": 57344.0}
 FP8_EPS = {"E4M3": 2.0**-3, "E5M2": 2.0**-2}
@@ -291,28 +262,21 @@ FP8_SUBNORMAL_STEP = {"E4M3": 2.0**-9, "E5M2": 2.0**-16}
 
 
 def fp8_step(v: torch.Tensor, fmt: str, scale_inv: float) -> torch.Tensor:
-    """The largest distance between neighbouring FP8 ``fmt`` values around ``v`` when quantized
-    with ``scale_inv`` (values are ``scale_inv * fp8``): ``eps(fmt) * |v|`` for normal numbers,
-    the subnormal spacing ``* scale_inv`` below them."""
+    """The largest gap between neighbouring FP8 ``fmt`` values around ``v`` quantized with
+    ``scale_inv``: ``eps(fmt) * |v|``, at least the subnormal spacing ``* scale_inv``."""
     return torch.clamp(FP8_EPS[fmt] * v.abs(), min=FP8_SUBNORMAL_STEP[fmt] * scale_inv)
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Budget:
-    """Two gates, both must hold (errors against the high-precision float64 truth ``t`` of a
-    tensor of ``numel`` elements; ``n`` the naive FP8 reference, ``a`` the implementation)::
+    """Two gates, both must hold (``t`` the high-precision float64 truth, ``n`` the naive FP8
+    reference, ``a`` the implementation; docs/budgets.md says why each)::
 
         max|a - t|        <= multiplier * max|n - t|
                              + (floor_steps * eps(dtype) + small) * max|t|
         ||a - t|| / ||t|| <= norm_multiplier * ||n - t|| / ||t||
                              + norm_floor_steps * eps(dtype) + small
-        small = small_tensor_steps * eps(fp8 format) / sqrt(n)
-
-    The element-wise maximum of FP8 noise is dominated by a few elements (a loose multiplier);
-    the norm averages over all of them and catches a small systematic error no single element
-    shows. ``small``: a tensor of few elements has no statistics, so one legal FP8 crossing may
-    move an element by a step of its size; ``n`` is the element count, but no more than the
-    module's smallest GEMM dimension (independent quantizations the statistics average over).
+        small = small_tensor_steps * eps(fp8 format) / sqrt(independent quantizations)
     """
 
     kind: str
@@ -337,51 +301,39 @@ FP8 = Fp8Budget(
     "across FP8 rounding boundaries: the two runs then carry FP8 errors of the same size at "
     "partly different places, compounded through LayerNormMLP's two quantized GEMMs",
 )
-# relu under FP8: the candidate truths switch relu' at one band site, then at two (up to
-# PAIRS_UP_TO sites); past MAX_SITES the truth alone (statistics carry there).
+# relu under FP8: candidate truths switch one band site, or two up to PAIRS_UP_TO sites; past
+# MAX_SITES the truth alone (statistics carry there).
 FP8_KINK_MAX_SITES = 64
 FP8_KINK_PAIRS_UP_TO = 16
-# A switched site's change goes through quantized operands in the FP8 run: the bound gains this
-# many FP8 steps of it.
+# A switched site's change passes quantized operands: the bound gains this many FP8 steps of it.
 FP8_KINK_SWITCH_STEPS = 1.0
 
 # ---- the relu kink (properties/oracle/kink.py) ---
-
-# How far a correct run's fc1 pre-activation may be from its truth, in steps of
-# sum|ln_out||W1| + |b1|: 2.5 steps of rounding plus a norm kernel's own; float32's chained
-# norm ops were measured several steps off.
+# How far a correct run's fc1 pre-activation may be off, in steps of sum|ln_out||W1| + |b1|:
+# 2.5 steps of rounding plus a norm kernel's own (float32's were measured several steps off).
 KINK_ROUNDING_STEPS = {torch.bfloat16: 4.0, torch.float16: 4.0, torch.float32: 16.0}
 # At most 2**3 candidate truths; an example with more ambiguous sites is rejected.
 KINK_MAX_ENUMERATED = 3
 
 # ---- data parallel (P16) ---------------------------------------------------------------------
-
-# The global batch's terms grouped one partial sum per replica, plus the averaging divisions;
-# the yardstick is the single-process global-batch run.
+# The global batch's terms summed per replica, then averaged; the yardstick is the global batch.
 DATA_PARALLEL_MULTIPLIER = 2.0
 DATA_PARALLEL_FLOOR_STEPS = 4.0
 
 
 def data_parallel_tolerance(dtype: torch.dtype, naive_error: float, truth_max: float) -> float:
-    """Budget of one data-parallel gradient against the float64 global-batch truth:
-    ``DATA_PARALLEL_MULTIPLIER * naive_error + DATA_PARALLEL_FLOOR_STEPS`` rounding steps of
-    ``dtype`` at ``truth_max`` (``naive_error``: the single-process run's own error)."""
-    return DATA_PARALLEL_MULTIPLIER * naive_error + DATA_PARALLEL_FLOOR_STEPS * rounding_step(
-        dtype, truth_max
-    )
+    """Budget of one data-parallel gradient against the float64 global-batch truth, given the
+    single-process run's own error and ``max|truth|``."""
+    floor = DATA_PARALLEL_FLOOR_STEPS * rounding_step(dtype, truth_max)
+    return DATA_PARALLEL_MULTIPLIER * naive_error + floor
 
 
 # ---- tier 3: finite differences in float64 (torch.autograd.gradcheck's defaults) -------------
-
 GRADCHECK_EPS = 1e-6
 GRADCHECK_ATOL = 1e-5
 GRADCHECK_RTOL = 1e-3
 
-
-# =============================================================================================
-# The comparisons
-# =============================================================================================
-
+# ---- the comparisons -------------------------------------------------------------------------
 _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
@@ -400,6 +352,18 @@ def _fmt_index(flat_index: int, shape: torch.Size) -> tuple[int, ...]:
 
 def _scalar(t: torch.Tensor, index: tuple[int, ...]) -> float:
     return float(t[index].item()) if t.numel() else float("nan")
+
+
+def _worst(ratios: torch.Tensor) -> tuple[int, float]:
+    """The flat index of the largest ratio, and that ratio."""
+    flat = int(ratios.flatten().argmax())
+    return flat, float(ratios.flatten()[flat])
+
+
+def _abs_err(a: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``|a - t|``, a NaN counted as an infinite error."""
+    err = (a - t).abs()
+    return torch.where(torch.isnan(err), torch.full_like(err, math.inf), err)
 
 
 def check_same_presence(
@@ -423,14 +387,9 @@ def check_same_presence(
 def check_bitwise(name: str, actual: torch.Tensor | None, expected: torch.Tensor | None) -> float:
     """Tier 1: identical bits (and dtype, shape, device, presence). Returns 0.0 or raises.
 
-    Signed zeros: in a floating-point tensor ``-0.0`` and ``+0.0`` compare equal, everywhere in
-    tier 1. SPEC's formulas give a zero no sign: which one a kernel returns depends on the order
-    its exact cancellations happen in (``a + (-a)`` is ``+0.0``, ``-0.0 + -0.0`` is ``-0.0``)
-    and on products with a negative operand (``-x * 0``), so two runs of one correct rule on
-    kernels that order their sums differently (a grouped GEMM and a plain one, a deferred wgrad
-    closure and an inline one) may disagree on it while agreeing on every value. Any other
-    difference counts bit for bit, NaN payloads included. Integer views are compared as they
-    are: P13 compares FP8 bytes as ``uint8``, where the sign of an FP8 zero still counts."""
+    In a floating-point tensor ``-0.0`` and ``+0.0`` compare equal: the sign of an exact zero
+    depends on the order of cancellations, which SPEC does not fix (docs/oracle.md). Anything
+    else counts bit for bit, NaN payloads and the sign of a zero in an integer view included."""
     if not check_same_presence(name, actual, expected):
         return 0.0
     assert actual is not None and expected is not None  # narrowed by check_same_presence
@@ -438,12 +397,11 @@ def check_bitwise(name: str, actual: torch.Tensor | None, expected: torch.Tensor
         raise BudgetViolation(name, f"{name}: dtype {actual.dtype}, expected {expected.dtype}")
     if actual.device != expected.device:
         raise BudgetViolation(name, f"{name}: device {actual.device}, expected {expected.device}")
-    a = actual.detach().contiguous()
-    e = expected.detach().contiguous()
+    a, e = actual.detach().contiguous(), expected.detach().contiguous()
     ibits = _INT_VIEW[a.element_size()]
     differ = a.view(ibits) != e.view(ibits)
     if a.is_floating_point():
-        differ &= ~((a == 0) & (e == 0))  # -0.0 == +0.0 (see the docstring)
+        differ &= ~((a == 0) & (e == 0))
     if not bool(differ.any()):
         return 0.0
     diff = (a.double() - e.double()).abs()
@@ -473,16 +431,11 @@ def check_error_budget(
 ) -> float:
     """Tier 2: ``actual`` against the float64 ``truth``, relative to ``naive``'s own error.
 
-    ``dtype`` is the dtype whose rounding step sets the floor (default: ``actual``'s — e.g.
-    float32 for ``main_grad`` of a bf16 module); ``module_dtype`` the dtype the module computes
-    in, which picks the multiplier (default: ``dtype``). ``naive_error`` replaces
-    ``max|naive - truth|`` when the caller measured the naive run against its own candidate truth
-    (the relu kink); ``note`` is appended to a failure message; ``element_floor`` (truth's
-    shape) is added to the budget element by element (:data:`WGRAD_OPERAND_STEPS`);
-    ``floor_magnitude`` replaces ``max|truth|`` as the magnitude whose rounding steps make the
-    floor when larger (an accumulation rounds at the size of its operands:
-    :func:`accumulation_magnitude`). Returns worst error / budget (<= 1) or raises.
-    """
+    ``dtype`` sets the floor's rounding step (default: ``actual``'s, e.g. float32 for a bf16
+    module's ``main_grad``), ``module_dtype`` the multiplier (default: ``dtype``);
+    ``naive_error`` replaces ``max|naive - truth|`` (the relu kink's candidate truths);
+    ``element_floor`` (truth's shape) adds to the budget per element; ``floor_magnitude`` as in
+    :func:`_floor`; ``note`` ends a failure message. Returns worst error / budget or raises."""
     if not check_same_presence(name, actual, truth):
         return 0.0
     if naive is None:
@@ -494,25 +447,16 @@ def check_error_budget(
         )
     dtype = dtype or actual.dtype
     multiplier = budget.multiplier_for(module_dtype or dtype)
-    floor_steps = budget.floor_steps_for(module_dtype or dtype)
-    t = truth.detach().double().cpu()
-    a = actual.detach().double().cpu()
-    n = naive.detach().double().cpu()
+    t, a, n = _f64(truth), _f64(actual), _f64(naive)
     if t.numel() == 0:
         return 0.0
-    err = (a - t).abs()
-    err = torch.where(torch.isnan(err), torch.full_like(err, math.inf), err)
+    err = _abs_err(a, t)
     naive_err = float((n - t).abs().max()) if naive_error is None else naive_error
-    magnitude = float(t.abs().max())
-    if floor_magnitude is not None:
-        magnitude = max(magnitude, floor_magnitude)
-    floor = floor_steps * rounding_step(dtype, magnitude)
+    floor_steps, magnitude, floor = _floor(budget, t, dtype, module_dtype or dtype, floor_magnitude)
     allowed = multiplier * naive_err + floor
     extra = torch.zeros_like(t) if element_floor is None else element_floor.double().cpu()
-    ratios = err / (allowed + extra)
-    flat = int(ratios.flatten().argmax())
+    flat, ratio = _worst(err / (allowed + extra))
     worst = float(err.flatten()[flat])
-    ratio = float(ratios.flatten()[flat])
     if not ratio <= 1.0:
         idx = _fmt_index(flat, t.shape)
         operand = "" if element_floor is None else f" + operand allowance {float(extra[idx]):.4g}"
@@ -533,7 +477,7 @@ def check_fp8_budget(
     actual: torch.Tensor | None,
     truth: torch.Tensor | None,
     naive: torch.Tensor | None,
-    budget: Fp8Budget,
+    budget: Fp8Budget = FP8,
     dtype: torch.dtype | None = None,
     module_dtype: torch.dtype | None = None,
     recipe: str = "",
@@ -542,15 +486,12 @@ def check_fp8_budget(
     bound: torch.Tensor | None = None,
     naive_truth: torch.Tensor | None = None,
 ) -> float:
-    """Both gates of :class:`Fp8Budget`; returns the larger ratio (<= 1) or raises
-    :class:`BudgetViolation` naming the gate, the tensor, the worst index and both values.
-    ``fp8_eps`` is the epsilon of the coarsest FP8 format on the tensor's way; ``samples`` how
-    many independent quantizations its statistics average over (default: its element count);
-    ``bound``: per element, how far two correct FP8 runs can be apart
-    (:func:`~.rounding.rounding_bounds` with its FP8 crossings). Since
-    ``|a - t| <= |n - t| + |a - n|``, each gate also admits the naive run's error plus that
-    bound where that is the larger. ``naive_truth``: what the naive run's errors are measured
-    against when ``truth`` is a candidate with ``relu'`` switched at kink sites (default
+    """Both gates of :class:`Fp8Budget`; returns the larger ratio or raises naming the gate.
+
+    ``fp8_eps``: the coarsest FP8 format's epsilon on the tensor's way; ``samples``: the
+    independent quantizations its statistics average over (default: its element count);
+    ``bound``: how far two correct FP8 runs can be apart, per element (each gate also admits the
+    naive error plus it); ``naive_truth``: what the naive run is measured against (default
     ``truth``). ``module_dtype`` is accepted for symmetry with :func:`check_error_budget`."""
     del module_dtype
     if not check_same_presence(name, actual, truth):
@@ -568,20 +509,13 @@ def check_fp8_budget(
             f"{name}: the naive run's truth has shape {tuple(naive_truth.shape)}, "
             f"expected {tuple(truth.shape)}",
         )
-    g = _Fp8Gate(
-        name=name,
-        budget=budget,
-        dtype=dtype or actual.dtype,
-        t=truth.detach().double().cpu(),
-        a=actual.detach().double().cpu(),
-        n=naive.detach().double().cpu(),
-        nt=(truth if naive_truth is None else naive_truth).detach().double().cpu(),
-        tag=f"[{budget.kind} budget{', ' + recipe if recipe else ''}]",
-    )
+    tag = f"[{budget.kind} budget{', ' + recipe if recipe else ''}]"
+    nt = truth if naive_truth is None else naive_truth
+    g = _Fp8Gate(name, budget, dtype or actual.dtype, *map(_f64, (truth, actual, naive, nt)), tag)
     n_eff = g.t.numel() if samples is None else max(1, min(samples, g.t.numel()))
     g.small = budget.small_tensor_steps * fp8_eps / math.sqrt(n_eff)
     if bound is not None:
-        g.bound = bound.detach().double().cpu().expand_as(g.t)
+        g.bound = _f64(bound).expand_as(g.t)
     ratio = g.elementwise()
     if float(g.t.norm()) == 0.0:
         return ratio
@@ -606,25 +540,20 @@ class _Fp8Gate:
 
     def elementwise(self) -> float:
         b = self.budget
-        err = (self.a - self.t).abs()
-        err = torch.where(torch.isnan(err), torch.full_like(err, math.inf), err)
+        err = _abs_err(self.a, self.t)
         naive_err = float((self.n - self.nt).abs().max())
         magnitude = float(self.t.abs().max())
         floor = b.floor_steps * rounding_step(self.dtype, magnitude) + self.small * magnitude
         allowed_t = torch.full_like(err, b.multiplier * naive_err + floor)
         if self.bound is not None:
             allowed_t = torch.maximum(allowed_t, b.multiplier * naive_err + self.bound)
-        ratios = err / allowed_t
-        flat = int(ratios.flatten().argmax())
-        ratio = float(ratios.flatten()[flat])
+        flat, ratio = _worst(err / allowed_t)
         if ratio <= 1.0:
             return ratio
         idx = _fmt_index(flat, self.t.shape)
-        crossing = (
-            ""
-            if self.bound is None
-            else f"; FP8 crossing bound there {float(self.bound.flatten()[flat]):.4g}"
-        )
+        crossing = ""
+        if self.bound is not None:
+            crossing = f"; FP8 crossing bound there {float(self.bound.flatten()[flat]):.4g}"
         raise BudgetViolation(
             self.name,
             f"{self.name}: worst error {float(err.flatten()[flat]):.4g} at index {idx}: got "
@@ -651,43 +580,30 @@ class _Fp8Gate:
         ratio = rel / allowed
         if ratio <= 1.0:
             return ratio
+        t, a, n = self.t, self.a, self.n
+        idx = _fmt_index(int(_abs_err(a, t).flatten().argmax()), t.shape)
         raise BudgetViolation(
             self.name,
             f"{self.name}: relative error ||got - truth|| / ||truth|| = {rel:.4g} over the whole "
             f"tensor, naive FP8 {rel_naive:.4g}; whole-tensor budget {allowed:.4g} = "
             f"{b.norm_multiplier} x naive + {b.norm_floor_steps} eps of {self.dtype} + "
-            f"small-tensor {self.small:.3g}; ratio {ratio:.3g} (worst element "
-            f"{self._worst_text()}) {self.tag}",
+            f"small-tensor {self.small:.3g}; ratio {ratio:.3g} (worst element {idx}: got "
+            f"{_scalar(a, idx)!r}, truth {_scalar(t, idx)!r}, naive {_scalar(n, idx)!r}) "
+            f"{self.tag}",
             ratio,
-        )
-
-    def _worst_text(self) -> str:
-        """``index: got, truth, naive`` of the element with the largest error."""
-        err = (self.a - self.t).abs()
-        err = torch.where(torch.isnan(err), torch.full_like(err, math.inf), err)
-        idx = _fmt_index(int(err.flatten().argmax()), self.t.shape)
-        t, a, n = self.t, self.a, self.n
-        return (
-            f"{idx}: got {_scalar(a, idx)!r}, truth {_scalar(t, idx)!r}, naive {_scalar(n, idx)!r}"
         )
 
 
 def gradcheck_reference(config, seed: int = 0, rows: int = 3, backend=None) -> None:
-    """Tier 3: the reference's hand-written backward in float64 against finite differences.
-
-    ``torch.autograd.gradcheck`` covers the input gradient. The reference writes parameter
-    gradients itself (they never reach autograd), so each parameter element is checked by central
-    differences of ``L = sum(y * dy)`` against the ``.grad`` / ``main_grad`` the module wrote.
-    Raises :class:`BudgetViolation` naming the parameter and index. Keep shapes tiny.
-    ``backend`` defaults to the reference (the meta-tests pass a deliberately wrong one).
-    """
-    import dataclasses as dc
-
+    """Tier 3: the reference's hand-written backward in float64 against finite differences:
+    ``torch.autograd.gradcheck`` for the input gradient, central differences of
+    ``L = sum(y * dy)`` per parameter element for the gradients the module writes itself.
+    Raises :class:`BudgetViolation`; ``backend`` defaults to the reference. Keep shapes tiny."""
     from .backends import get_backend
     from .cases.case import MicroBatch
     from .cases.data import make_state
 
-    config = dc.replace(config, dtype="float64", autocast=None)
+    config = dataclasses.replace(config, dtype="float64", autocast=None)
     backend = backend or get_backend("reference")
     splits = None
     if config.kind == "GroupedLinear":
@@ -699,38 +615,27 @@ def gradcheck_reference(config, seed: int = 0, rows: int = 3, backend=None) -> N
     dy = torch.randn(rows, config.output_features, generator=g, dtype=torch.float64)
     module = backend.build(config, delay=False)
     backend.load_state(module, make_state(config, seed))
-    if config.fuse_wgrad_accumulation:
-        for name in backend.gemm_weight_names(module):
-            backend.parameters(module)[name].main_grad = torch.zeros_like(
-                backend.parameters(module)[name], dtype=torch.float64
-            )
+    params = backend.parameters(module)
+    weights = set(backend.gemm_weight_names(module)) if config.fuse_wgrad_accumulation else set()
 
     def fwd(x: torch.Tensor) -> torch.Tensor:
         return backend.forward(module, x, mb.m_splits, None)
 
     x = x0.clone().requires_grad_(True)
-    ok = torch.autograd.gradcheck(
-        fwd,
-        (x,),
-        eps=GRADCHECK_EPS,
-        atol=GRADCHECK_ATOL,
-        rtol=GRADCHECK_RTOL,
-        raise_exception=False,
-    )
-    if not ok:
+    tol = {"eps": GRADCHECK_EPS, "atol": GRADCHECK_ATOL, "rtol": GRADCHECK_RTOL}
+    for name in weights:
+        params[name].main_grad = torch.zeros_like(params[name], dtype=torch.float64)
+    if not torch.autograd.gradcheck(fwd, (x,), raise_exception=False, **tol):
         raise BudgetViolation(
             "x.grad", f"gradcheck of the input gradient failed for {config.label()}"
         )
-    # Parameter gradients: one analytic backward, then finite differences per element.
-    params = backend.parameters(module)
-    for p in params.values():
+    for name, p in params.items():
         p.grad = None
-        if isinstance(getattr(p, "main_grad", None), torch.Tensor):
+        if name in weights:
             p.main_grad.zero_()  # gradcheck's own backward calls accumulated into it
     backend.forward(module, x0.clone().requires_grad_(True), mb.m_splits, None).backward(dy)
-    weights = set(backend.gemm_weight_names(module))
     for name, p in params.items():
-        analytic = p.main_grad if (config.fuse_wgrad_accumulation and name in weights) else p.grad
+        analytic = p.main_grad if name in weights else p.grad
         if analytic is None:
             raise BudgetViolation(name, f"{name}: no gradient written by the float64 reference")
         flat = p.data.view(-1)
@@ -745,10 +650,9 @@ def gradcheck_reference(config, seed: int = 0, rows: int = 3, backend=None) -> N
             numeric = (up - down) / (2 * GRADCHECK_EPS)
             got = float(analytic.reshape(-1)[i])
             if abs(got - numeric) > GRADCHECK_ATOL + GRADCHECK_RTOL * abs(numeric):
-                idx = _fmt_index(i, p.shape)
                 raise BudgetViolation(
                     name,
-                    f"{name}: analytic gradient {got!r} at index {idx} vs finite difference "
-                    f"{numeric!r} (atol {GRADCHECK_ATOL}, rtol {GRADCHECK_RTOL}) "
-                    f"for {config.label()}",
+                    f"{name}: analytic gradient {got!r} at index {_fmt_index(i, p.shape)} vs "
+                    f"finite difference {numeric!r} (atol {GRADCHECK_ATOL}, rtol "
+                    f"{GRADCHECK_RTOL}) for {config.label()}",
                 )

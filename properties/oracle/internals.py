@@ -1,16 +1,14 @@
 """The float64 intermediates of a case, and the operand allowances built from them.
 
-Some budgets depend on values inside a module, not only on what it returns: the relu kink
-(:mod:`.kink`) needs fc1's pre-activations, the operand allowances (:func:`wgrad_operand_floors`,
-:func:`dgrad_operand_floors`) the operands a GEMM multiplies and the activation's derivative.
-:func:`float64_internals` recomputes them in float64 from the case's values (rounded to its
-dtype, as the truth run sees them) with the reference's own formulas, so they equal the truth
-run's intermediates. The allowances' derivation is in docs/budgets.md.
+:func:`float64_internals` recomputes a module's intermediates (fc1's pre-activations for the
+relu kink, the operands of each GEMM for the allowances) with the reference's formulas from the
+case's values, so they equal the truth run's. docs/budgets.md derives the allowances.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
@@ -31,9 +29,8 @@ NORM_EPS = 1e-5  # the modules' default norm epsilon (ModuleConfig has no eps)
 
 @dataclasses.dataclass
 class MicroBatchInternals:
-    """One micro-batch, flattened to rows. ``ln_out``/``stats`` for norm modules; ``h`` (fc1's
-    pre-activation), ``act`` (the activation output), ``d_act`` (``dy @ W2``) and ``d_fc1``
-    (the gradient at ``h``) for ``LayerNormMLP``."""
+    """One micro-batch, flattened to rows: ``ln_out``/``stats`` for norm modules; ``h``, ``act``,
+    ``d_act = dy @ W2`` and ``d_fc1`` (the gradient at ``h``) for ``LayerNormMLP``."""
 
     x: torch.Tensor
     dy: torch.Tensor
@@ -59,15 +56,13 @@ def float64_internals(case: Case) -> tuple[dict[str, torch.Tensor], list[MicroBa
             d.dy.detach().double().cpu().reshape(-1, c.output_features),
         )
         if c.has_norm:
-            gamma = state["layer_norm_weight"]
+            gamma, zero_centered = state["layer_norm_weight"], c.zero_centered_gamma
             if c.normalization == "LayerNorm":
-                ln_out, mean, rstd = F.layer_norm_fwd(
-                    m.x, gamma, state["layer_norm_bias"], NORM_EPS, c.zero_centered_gamma
-                )
-                m.ln_out, m.stats = ln_out, (mean, rstd)
+                beta = state["layer_norm_bias"]
+                m.ln_out, *stats = F.layer_norm_fwd(m.x, gamma, beta, NORM_EPS, zero_centered)
             else:
-                ln_out, rstd = F.rms_norm_fwd(m.x, gamma, NORM_EPS, c.zero_centered_gamma)
-                m.ln_out, m.stats = ln_out, (rstd,)
+                m.ln_out, *stats = F.rms_norm_fwd(m.x, gamma, NORM_EPS, zero_centered)
+            m.stats = tuple(stats)
         if c.kind == "LayerNormMLP":
             m.h = F.linear_fwd(m.ln_out, state["fc1_weight"], state.get("fc1_bias"))
             m.act = F.activation_fwd(m.h, c.activation)
@@ -78,17 +73,11 @@ def float64_internals(case: Case) -> tuple[dict[str, torch.Tensor], list[MicroBa
 
 
 def wgrad_operand_floors(case: Case) -> dict[str, torch.Tensor]:
-    """Per-element allowance for fused weight gradients (``main_grad``) whose GEMM operands the
-    module computes (see :data:`~.budgets.WGRAD_OPERAND_STEPS`), keyed like the harness's
-    snapshots (``"fc2_weight.main_grad"``...); empty for ``Linear``/``GroupedLinear`` (their
-    operands are the inputs themselves), without fused accumulation (``.grad`` in the module
-    dtype has WGRAD's floor of that dtype's steps) and under FP8 (judged by the FP8 budgets)."""
+    """Per-element allowance (:data:`~.budgets.WGRAD_OPERAND_STEPS`) for ``main_grad`` of a
+    weight whose GEMM operands the module computes, by snapshot key; empty for other modules,
+    without fused accumulation (WGRAD's floor covers ``.grad``) and under FP8."""
     c = case.config
-    if (
-        c.kind not in ("LayerNormLinear", "LayerNormMLP")
-        or c.recipe is not None
-        or not c.fuse_wgrad_accumulation
-    ):
+    if not c.has_norm or c.recipe is not None or not c.fuse_wgrad_accumulation:
         return {}
     _, mbs = float64_internals(case)
     steps = B.WGRAD_OPERAND_STEPS * torch.finfo(c.torch_dtype).eps
@@ -113,7 +102,7 @@ def wgrad_operand_floors(case: Case) -> dict[str, torch.Tensor]:
 
 def norm_projection(xhat: torch.Tensor, layer_norm: bool) -> torch.Tensor:
     """Per row, ``P = I - (11^T + xhat xhat^T) / K`` (LayerNorm) or ``I - xhat xhat^T / K``
-    (RMSNorm): the norm backward is ``dx = rstd P (gamma * d_ln)``, and ``d xhat = rstd P dx``."""
+    (RMSNorm): ``dx = rstd P (gamma * d_ln)`` and ``d xhat = rstd P dx``."""
     k = xhat.shape[-1]
     outer = xhat[:, :, None] * xhat[:, None, :]
     if layer_norm:
@@ -123,32 +112,22 @@ def norm_projection(xhat: torch.Tensor, layer_norm: bool) -> torch.Tensor:
 
 def _d_fc1_moves(m: MicroBatchInternals, dh: torch.Tensor, activation: str) -> torch.Tensor:
     """How far ``d_fc1`` moves, per element, when each pre-activation moves by up to ``dh``
-    (finite differences of the reference's own activation backward, every sign; the two
-    halves of a gated activation independently)."""
+    (the reference's activation backward at every sign, a gated one's halves independently)."""
     from splitgrad.reference import functional as F
 
     moved = torch.zeros_like(m.d_fc1)
-    if activation in ("swiglu", "geglu"):
-        half = m.h.shape[-1] // 2
-        shifts = [
-            torch.cat([sa * dh[:, :half], sb * dh[:, half:]], dim=-1)
-            for sa in (-1.0, 1.0)
-            for sb in (-1.0, 1.0)
-        ]
-    else:
-        shifts = [s * dh for s in (-1.0, 1.0)]
-    for shift in shifts:
+    half = m.h.shape[-1] // 2 if activation in ("swiglu", "geglu") else m.h.shape[-1]
+    for sa, sb in itertools.product((-1.0, 1.0), repeat=2):
+        shift = torch.cat([sa * dh[:, :half], sb * dh[:, half:]], dim=-1)
         alt = F.activation_bwd(m.d_act, m.h + shift, activation)
         moved = torch.maximum(moved, (alt - m.d_fc1).abs())
     return moved
 
 
 def dgrad_operand_floors(case: Case) -> dict[str, torch.Tensor]:
-    """Per-element allowance for ``LayerNormMLP``'s input and norm-parameter gradients under a
-    smooth activation (see :data:`~.budgets.DGRAD_OPERAND_STEPS`): keys
-    ``"inp.grad[micro-batch i]"`` (shaped like that gradient) and the norm parameters'
-    ``".grad"`` keys. Empty for other modules, for relu (whose derivative jumps: see
-    :mod:`.kink`) and under FP8."""
+    """Per-element allowance (:data:`~.budgets.DGRAD_OPERAND_STEPS`) for ``LayerNormMLP``'s
+    input and norm-parameter gradients under a smooth activation, by tensor name; empty for
+    other modules, for relu (:mod:`.kink`) and under FP8."""
     c = case.config
     if c.kind != "LayerNormMLP" or c.activation == "relu" or c.recipe is not None:
         return {}
@@ -161,13 +140,10 @@ def dgrad_operand_floors(case: Case) -> dict[str, torch.Tensor]:
     d_beta_sq = torch.zeros_like(gamma)
     layer_norm = c.normalization == "LayerNorm"
     for i, m in enumerate(mbs):
-        # How far a correct run's saved h may be from the reference's: fc1's result rounded
-        # once where the reference rounds the GEMM, then the bias sum.
+        # A correct run's saved h may round GEMM + bias once where the reference rounds twice.
         dh = eps * (1.5 * m.h.abs() + (0.5 * b1.abs() if b1 is not None else 0.0))
         moved = _d_fc1_moves(m, dh, c.activation)
-        # dx = rstd P diag(gamma) W1^T d_fc1: the exact per-row Jacobian of dx in d_fc1 (the
-        # projection's cancellations included); the moves' signs are independent, so they add
-        # as a root sum of squares.
+        # dx = rstd P diag(gamma) W1^T d_fc1, exactly; the moves add as a root sum of squares.
         rstd = m.stats[-1]
         xhat = (m.x - m.stats[0]) * rstd if layer_norm else m.x * rstd
         proj = norm_projection(xhat, layer_norm)

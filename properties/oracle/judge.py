@@ -1,22 +1,15 @@
 """One comparison against the float64 truth, and the loops that make them for a whole run.
 
-A :class:`Comparison` says what is compared (a tensor of the run under test, the naive
-reference's, the truth's) and which allowances apply to it; :func:`judge` picks the regime
-from the case and applies the budget of :mod:`.budgets`:
+:func:`judge` picks a tensor's regime from the case (docs/budgets.md, FP8):
 
 * high precision: the tensor's :class:`~.budgets.ErrorBudget` against the float64 truth, with
   the rounding bound as a per-element floor;
-* FP8, same operands: every quantized operand on the tensor's way is an input, a parameter or
-  ``dy``, so all sides quantize the same values; the same budget, against the same recipe run
-  in float64;
-* FP8, computed operands: some quantized operand is computed by the module (a norm output, an
-  activation), so two correct runs may quantize it differently; the two-gate
-  :data:`~.budgets.FP8` budget against the high-precision truth.
+* FP8, same operands (every quantized operand on the tensor's way is an input, a parameter or
+  ``dy``): the same budget, against the same recipe run in float64;
+* FP8, computed operands: the two-gate :data:`~.budgets.FP8` budget against the truth.
 
-:class:`Judging` holds what every tensor of one example is judged with (the naive run, the
-candidate truths, the allowances) and makes the comparisons of P2 (:func:`compare_dgrads`) and
-P3 (:func:`compare_wgrads`); :func:`best_of` runs them against each candidate truth at a relu
-kink (:mod:`.kink`).
+:class:`Judging` holds what one example is judged with; :func:`best_of` runs P1-P3's
+comparisons against each candidate truth at a relu kink (:mod:`.kink`).
 """
 
 from __future__ import annotations
@@ -33,217 +26,24 @@ from ..checks.runner import AccuracyRun
 from .kink import KinkSite
 
 __all__ = [
-    "HIGH_PRECISION",
-    "FP8_SAME_OPERANDS",
-    "FP8_COMPUTED_OPERANDS",
-    "Comparison",
-    "judge",
     "Judging",
+    "judge",
     "compare_outputs",
     "compare_dgrads",
     "compare_wgrads",
     "best_of",
-    "naive_error",
     "kink_candidates",
     "kink_note",
-    "tensor_of",
 ]
-
-HIGH_PRECISION = "high precision"
-FP8_SAME_OPERANDS = "FP8, same operands"
-FP8_COMPUTED_OPERANDS = "FP8, computed operands"
-
-
-@dataclasses.dataclass(frozen=True)
-class Comparison:
-    """One tensor of ``case`` judged against the float64 truth.
-
-    ``name`` is the tensor's (``"fc1_weight.main_grad"``), ``label`` prefixes it in messages.
-    ``truth`` is the high-precision truth (a candidate at a relu kink), ``truth_fp8`` the same
-    recipe in float64, ``naive_truth`` what the naive run's error is measured against when
-    ``truth`` is a candidate (the truth itself: the yardstick never moves with the candidate).
-    ``floor_dtype`` sets the floor's rounding step (default: ``actual``'s dtype), and
-    ``module_dtype`` the multiplier (default: ``floor_dtype``). Allowances: ``naive_error``
-    (the naive run against its best candidate), ``element_floor`` (operand allowances),
-    ``bound`` (the rounding bound, :mod:`.rounding`), ``prefill`` (what the slot held before
-    the run: the floor is then taken at :func:`~.budgets.accumulation_magnitude`), ``switched``
-    (the candidate's summed ``relu'`` switches on this tensor, under FP8). ``fp8_exact=False``
-    says some quantized operand is computed by the module although ``name`` alone would not
-    tell (a module chained on itself quantizes its own output)."""
-
-    case: Case
-    name: str
-    actual: torch.Tensor | None
-    naive: torch.Tensor | None
-    truth: torch.Tensor | None
-    budget: B.ErrorBudget
-    truth_fp8: torch.Tensor | None = None
-    naive_truth: torch.Tensor | None = None
-    floor_dtype: torch.dtype | None = None
-    module_dtype: torch.dtype | None = None
-    naive_error: float | None = None
-    element_floor: torch.Tensor | None = None
-    bound: torch.Tensor | None = None
-    prefill: torch.Tensor | None = None
-    switched: torch.Tensor | None = None
-    fp8_exact: bool | None = None
-    label: str = ""
-    note: str = ""
-
-    @property
-    def regime(self) -> str:
-        """:data:`HIGH_PRECISION`, :data:`FP8_SAME_OPERANDS` or :data:`FP8_COMPUTED_OPERANDS`."""
-        config = self.case.config
-        if config.recipe is None:
-            return HIGH_PRECISION
-        exact = _fp8_exact_operands(config, self.name) if self.fp8_exact is None else self.fp8_exact
-        return FP8_SAME_OPERANDS if exact else FP8_COMPUTED_OPERANDS
-
-    def dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
-        """(floor dtype, module dtype). Under ``torch.autocast`` every GEMM rounds its operands
-        to the autocast dtype, whatever dtype the tensor comes back in."""
-        if self.case.config.autocast is not None:
-            return self.case.config.compute_dtype, self.case.config.compute_dtype
-        return self.floor_dtype, self.module_dtype
-
-    def floor_magnitude(self, reference: torch.Tensor | None) -> float | None:
-        """Where the slot was prefilled: the size its accumulation rounds at."""
-        if self.prefill is None or reference is None:
-            return None
-        return B.accumulation_magnitude(reference, self.prefill)
-
-
-def _fp8_exact_operands(config: ModuleConfig, name: str) -> bool:
-    """Whether every FP8-quantized operand on the way to tensor ``name`` is a module input,
-    parameter or output gradient (none is computed by the module: no norm or activation output),
-    so that impl, the naive reference and the FP8 truth quantize bit-identical values."""
-    if config.kind in ("Linear", "GroupedLinear"):
-        return True
-    if config.kind == "LayerNormLinear":
-        # dgrad q(dy) q(W) feeds the norm backward; the bias gradient is summed from dy.
-        return name.startswith(("inp.grad", "layer_norm_", "bias."))
-    return name.startswith("fc2_bias.")
-
-
-def judge(t: Tracker, c: Comparison) -> None:
-    """Judge one tensor (see the module docstring for the regimes); records the ratio in ``t``
-    or raises :class:`~.budgets.BudgetViolation` / :class:`~.results.PropertyViolation`."""
-    if isinstance(c.actual, torch.Tensor) and isinstance(c.naive, torch.Tensor):
-        # SPEC §2: outputs in the compute dtype (the autocast dtype under torch.autocast),
-        # input gradients in the input's dtype, parameter gradients in the parameter's.
-        autocast = c.case.config.autocast
-        t.expect(
-            c.actual.dtype == c.naive.dtype,
-            f"{c.label}{c.name}: dtype {c.actual.dtype}, but the reference gives {c.naive.dtype}"
-            + (f" (under torch.autocast to {autocast})" if autocast else ""),
-        )
-    _REGIMES[c.regime](t, c)
-
-
-def _judge_high_precision(t: Tracker, c: Comparison) -> None:
-    dtype, module_dtype = c.dtypes()
-    magnitude = c.floor_magnitude(c.truth)
-    floor = c.element_floor
-    if c.actual is not None:
-        floor = B.with_rounding_bound(
-            c.budget, c.truth, dtype or c.actual.dtype, module_dtype, floor, c.bound, magnitude
-        )
-    t.budget(
-        c.label + c.name,
-        c.actual,
-        c.truth,
-        c.naive,
-        c.budget,
-        dtype,
-        module_dtype,
-        c.naive_error,
-        c.note,
-        floor,
-        magnitude,
-    )
-
-
-def _judge_fp8_same_operands(t: Tracker, c: Comparison) -> None:
-    dtype, module_dtype = c.dtypes()
-    t.budget(
-        c.label + c.name,
-        c.actual,
-        c.truth_fp8,
-        c.naive,
-        c.budget,
-        dtype,
-        module_dtype,
-        note=f" (FP8 {c.case.config.recipe}: against the same recipe in float64)",
-        floor_magnitude=c.floor_magnitude(c.truth_fp8),
-    )
-
-
-def _judge_fp8_computed_operands(t: Tracker, c: Comparison) -> None:
-    dtype, module_dtype = c.dtypes()
-    recipe = c.case.config.recipe
-    # Outputs only meet E4M3; gradients meet E5M2 under HYBRID.
-    coarse = recipe.endswith("hybrid") and not c.name.startswith("output")
-    fp8_eps = 2.0**-2 if coarse else 2.0**-3
-    bound = c.bound
-    if c.switched is not None:
-        extra = B.FP8_KINK_SWITCH_STEPS * fp8_eps * c.switched
-        bound = extra if bound is None else bound + extra
-    t.fp8_budget(
-        c.label + c.name,
-        c.actual,
-        c.truth,
-        c.naive,
-        B.FP8,
-        dtype,
-        module_dtype,
-        recipe,
-        fp8_eps,
-        _smallest_gemm_dimension(c.case),
-        bound,
-        c.naive_truth,
-    )
-
-
-_REGIMES = {
-    HIGH_PRECISION: _judge_high_precision,
-    FP8_SAME_OPERANDS: _judge_fp8_same_operands,
-    FP8_COMPUTED_OPERANDS: _judge_fp8_computed_operands,
-}
-
-
-def _smallest_gemm_dimension(case: Case) -> int:
-    """The fewest values any FP8 GEMM of ``case`` reduces over or spans: feature sizes, fc1's
-    width, and every non-empty token count (group by group)."""
-    c = case.config
-    dims = [d for shape in c.gemm_shapes() for d in shape]
-    for mb in case.micro_batches:
-        dims.extend(n for n in (mb.m_splits or (mb.rows,)) if n > 0)
-    return min(dims)
-
-
-# ---- judging a whole run ---------------------------------------------------------------------
-
-
-def tensor_of(run: AccuracyRun | None, name: str) -> torch.Tensor | None:
-    """The tensor ``name`` of ``run`` (``"output[micro-batch 0]"``, ``"inp.grad[micro-batch
-    1]"`` or a snapshot key); ``None`` where the run has none."""
-    if run is None:
-        return None
-    for prefix, tensors in (("output", run.outputs), ("inp.grad", run.xgrads)):
-        if name.startswith(prefix + "[micro-batch "):
-            i = int(name[len(prefix) + 13 : -1])
-            return tensors[i] if i < len(tensors) else None
-    return run.norm[name] if name in run.norm else run.gemm.get(name)
 
 
 @dataclasses.dataclass
 class Judging:
     """What every tensor of one example is judged with: the naive run, the candidate truths
-    (``candidates[0]`` is the truth itself), the FP8 truth, and the allowances by tensor name
-    (``floors``: operand allowances, ``prefills``: slot values before the run, ``bounds``:
-    rounding bounds). ``note`` ends a failure message, ``label`` begins each tensor name;
-    ``uses``: the module ran that many times in a row (:func:`~.budgets.chained`);
-    ``fp8_exact`` as in :class:`Comparison`."""
+    (``candidates[0]`` the truth itself), the FP8 truth, the allowances by tensor name, and
+    ``uses``, how many times in a row the module ran (:func:`~.budgets.chained`).
+    ``fp8_exact=False``: some quantized operand is computed although a tensor's name alone
+    would not tell (a module chained on itself)."""
 
     case: Case
     naive: AccuracyRun
@@ -257,44 +57,113 @@ class Judging:
     uses: int = 1
     fp8_exact: bool | None = None
 
-    def comparison(
-        self,
-        name: str,
-        actual: torch.Tensor | None,
-        cand: AccuracyRun,
-        budget: B.ErrorBudget,
-        floor_dtype: torch.dtype | None = None,
-        module_dtype: torch.dtype | None = None,
-    ) -> Comparison:
-        """``actual`` (tensor ``name`` of the run under test) against candidate truth ``cand``."""
-        naive = tensor_of(self.naive, name)
-        return Comparison(
-            case=self.case,
-            name=name,
-            actual=actual,
-            naive=naive,
-            truth=tensor_of(cand, name),
-            budget=B.chained(budget, self.uses),
-            truth_fp8=tensor_of(self.truth8, name),
-            naive_truth=tensor_of(self.candidates[0], name),
-            floor_dtype=floor_dtype,
-            module_dtype=module_dtype,
-            naive_error=naive_error(naive, [tensor_of(c, name) for c in self.candidates]),
-            element_floor=self.floors.get(name),
-            bound=self.bounds.get(name),
-            prefill=self.prefills.get(name),
-            switched=cand.switched.get(name),
-            fp8_exact=self.fp8_exact,
-            label=self.label,
-            note=self.note,
+
+def _fp8_exact_operands(config: ModuleConfig, name: str) -> bool:
+    """Whether every FP8-quantized operand on the way to tensor ``name`` is a module input,
+    parameter or output gradient, so that every side quantizes bit-identical values."""
+    if config.kind in ("Linear", "GroupedLinear"):
+        return True
+    if config.kind == "LayerNormLinear":
+        # dgrad q(dy) q(W) feeds the norm backward; the bias gradient is summed from dy.
+        return name.startswith(("inp.grad", "layer_norm_", "bias."))
+    return name.startswith("fc2_bias.")
+
+
+def _accumulated(reference: torch.Tensor | None, prefill: torch.Tensor | None) -> float | None:
+    """Where the slot was prefilled: the size its accumulation rounds at."""
+    if prefill is None or reference is None:
+        return None
+    return B.accumulation_magnitude(reference, prefill)
+
+
+def judge(
+    t: Tracker,
+    j: Judging,
+    name: str,
+    actual: torch.Tensor | None,
+    cand: AccuracyRun,
+    budget: B.ErrorBudget,
+    floor_dtype: torch.dtype | None = None,
+    module_dtype: torch.dtype | None = None,
+) -> None:
+    """Judge tensor ``name`` of the run under test against candidate truth ``cand`` in its
+    regime; ``floor_dtype`` sets the floor's rounding step (default: ``actual``'s),
+    ``module_dtype`` the multiplier. Records the ratio in ``t`` or raises."""
+    config = j.case.config
+    naive, truth, label = tensor_of(j.naive, name), tensor_of(cand, name), j.label + name
+    if isinstance(actual, torch.Tensor) and isinstance(naive, torch.Tensor):
+        # SPEC §2: outputs in the compute dtype (the autocast dtype under torch.autocast),
+        # input gradients in the input's dtype, parameter gradients in the parameter's.
+        under = f" (under torch.autocast to {config.autocast})" if config.autocast else ""
+        t.expect(
+            actual.dtype == naive.dtype,
+            f"{label}: dtype {actual.dtype}, but the reference gives {naive.dtype}{under}",
         )
+    if config.autocast is not None:  # every GEMM rounds its operands to the autocast dtype
+        floor_dtype = module_dtype = config.compute_dtype
+    dtypes = (floor_dtype, module_dtype)
+    budget, prefill = B.chained(budget, j.uses), j.prefills.get(name)
+    if config.recipe is None:
+        magnitude = _accumulated(truth, prefill)
+        floor = j.floors.get(name)
+        if actual is not None:
+            step_dtype, bound = floor_dtype or actual.dtype, j.bounds.get(name)
+            floor = B.with_rounding_bound(
+                budget, truth, step_dtype, module_dtype, floor, bound, magnitude
+            )
+        naive_err = naive_error(naive, [tensor_of(c, name) for c in j.candidates])
+        t.budget(label, actual, truth, naive, budget, *dtypes, naive_err, j.note, floor, magnitude)
+    elif _fp8_exact_operands(config, name) if j.fp8_exact is None else j.fp8_exact:
+        truth8 = tensor_of(j.truth8, name)
+        note = f" (FP8 {config.recipe}: against the same recipe in float64)"
+        magnitude = _accumulated(truth8, prefill)
+        t.budget(
+            label, actual, truth8, naive, budget, *dtypes, note=note, floor_magnitude=magnitude
+        )
+    else:
+        recipe = config.recipe
+        # Outputs only meet E4M3; gradients meet E5M2 under HYBRID.
+        coarse = recipe.endswith("hybrid") and not name.startswith("output")
+        fp8_eps = 2.0**-2 if coarse else 2.0**-3
+        bound, switched = j.bounds.get(name), cand.switched.get(name)
+        if switched is not None:
+            extra = B.FP8_KINK_SWITCH_STEPS * fp8_eps * switched
+            bound = extra if bound is None else bound + extra
+        samples = _smallest_gemm_dimension(j.case)
+        truth0 = tensor_of(j.candidates[0], name)  # the naive error is measured against it
+        t.fp8_budget(
+            label, actual, truth, naive, B.FP8, *dtypes, recipe, fp8_eps, samples, bound, truth0
+        )
+
+
+def _smallest_gemm_dimension(case: Case) -> int:
+    """The fewest values any FP8 GEMM of ``case`` reduces over or spans: feature sizes, fc1's
+    width, and every non-empty token count (group by group)."""
+    c = case.config
+    dims = [d for shape in c.gemm_shapes() for d in shape]
+    for mb in case.micro_batches:
+        dims.extend(n for n in (mb.m_splits or (mb.rows,)) if n > 0)
+    return min(dims)
+
+
+# ---- judging a whole run ---------------------------------------------------------------------
+def tensor_of(run: AccuracyRun | None, name: str) -> torch.Tensor | None:
+    """The tensor ``name`` (``"output[micro-batch 0]"``, ``"inp.grad[micro-batch 1]"`` or a
+    snapshot key) of ``run``, or ``None``."""
+    if run is None:
+        return None
+    for prefix, tensors in (("output", run.outputs), ("inp.grad", run.xgrads)):
+        if name.startswith(prefix + "[micro-batch "):
+            i = int(name[len(prefix) + 13 : -1])
+            return tensors[i] if i < len(tensors) else None
+    return run.norm[name] if name in run.norm else run.gemm.get(name)
 
 
 def compare_outputs(t: Tracker, got: AccuracyRun, cand: AccuracyRun, j: Judging) -> None:
     """P1's comparisons: every micro-batch's output (:data:`~.budgets.OUTPUT`)."""
     for i in range(min(len(got.outputs), len(j.naive.outputs), len(cand.outputs))):
         name = f"output[micro-batch {i}]"
-        judge(t, j.comparison(name, got.outputs[i], cand, B.OUTPUT))
+        judge(t, j, name, got.outputs[i], cand, B.OUTPUT)
 
 
 def compare_dgrads(t: Tracker, got: AccuracyRun, cand: AccuracyRun, j: Judging) -> None:
@@ -302,15 +171,14 @@ def compare_dgrads(t: Tracker, got: AccuracyRun, cand: AccuracyRun, j: Judging) 
     (:data:`~.budgets.DGRAD`) and norm-parameter gradient (:data:`~.budgets.NORM_GRAD`)."""
     for i in range(min(len(got.xgrads), len(j.naive.xgrads), len(cand.xgrads))):
         name = f"inp.grad[micro-batch {i}]"
-        judge(t, j.comparison(name, got.xgrads[i], cand, B.DGRAD))
+        judge(t, j, name, got.xgrads[i], cand, B.DGRAD)
     for key in sorted(cand.norm):
-        judge(t, j.comparison(key, got.norm.get(key), cand, B.NORM_GRAD))
+        judge(t, j, key, got.norm.get(key), cand, B.NORM_GRAD)
 
 
 def compare_wgrads(t: Tracker, got: AccuracyRun, cand: AccuracyRun, j: Judging) -> None:
-    """P3's comparisons against one candidate truth: every GEMM weight/bias gradient and
-    ``main_grad`` (:data:`~.budgets.WGRAD`); a slot the truth leaves ``None`` (a fused weight's
-    ``.grad``, a frozen parameter) must be ``None``."""
+    """P3's comparisons: every GEMM gradient and ``main_grad`` (:data:`~.budgets.WGRAD`); a slot
+    the truth leaves ``None`` (a fused weight's ``.grad``, a frozen one) must be ``None``."""
     config = j.case.config
     for key in sorted(cand.gemm):
         a = got.gemm.get(key)
@@ -322,7 +190,7 @@ def compare_wgrads(t: Tracker, got: AccuracyRun, cand: AccuracyRun, j: Judging) 
             )
             continue
         floor_dtype = torch.float32 if key.endswith(".main_grad") else config.torch_dtype
-        judge(t, j.comparison(key, a, cand, B.WGRAD, floor_dtype, config.torch_dtype))
+        judge(t, j, key, a, cand, B.WGRAD, floor_dtype, config.torch_dtype)
 
 
 def naive_error(naive: torch.Tensor | None, truths: list[torch.Tensor | None]) -> float | None:
@@ -342,10 +210,6 @@ def best_of(
     """Run ``compare`` against each candidate truth: the result of the best one that passes (the
     first one that passes with ``first_wins``: FP8's candidates are tried in order, the truth
     first), or the violation of the one that came closest."""
-    if len(candidates) == 1:
-        t = Tracker()
-        compare(t, candidates[0])
-        return t.result
     best: CheckResult | None = None
     failures: list[AssertionError] = []
     for cand in candidates:
@@ -372,9 +236,8 @@ def kink_candidates(
     reaches: Callable[[KinkSite, str, int | str], bool] | None = None,
 ) -> list[AccuracyRun]:
     """One candidate truth per ``relu'`` assignment in ``picks``: ``truth`` plus each switched
-    site's change (``deltas``, :func:`~.kink.kink_deltas`) on every compared tensor it
-    ``reaches`` (``(site, "x" | "p", micro-batch or snapshot key)``; default: all). Each records
-    what it switched, by tensor name, in ``switched``."""
+    site's change (``deltas``) on every tensor it ``reaches`` (``(site, "x" | "p", micro-batch or
+    snapshot key)``; default: all), recording what it switched by tensor name in ``switched``."""
     candidates = []
     for choice in picks:
         cand = AccuracyRun(

@@ -1,36 +1,14 @@
 """The relu kink: pre-activations too close to 0 for any low-precision run to know relu'.
 
-``relu'(h)`` jumps from 0 to 1 at ``h = 0``. When the float64 truth of an fc1 pre-activation of a
-``LayerNormMLP(activation="relu")`` lies within rounding distance of 0, an implementation in
-bf16/fp16/fp32 may compute it on either side (or exactly on 0) and so legally use either
-derivative there, and that one choice moves ``inp.grad``, the norm-parameter gradients and fc1's
-gradients by O(1). No budget built on rounding steps can absorb that, so the checks of P2 and P3
-compare against *every* truth the ambiguous elements allow instead:
-
-* :func:`kink_sites` finds the ambiguous elements: ``|h_true| <= bound`` with the rigorous bound
-  of :func:`kink_bound` (float64, from :mod:`splitgrad.reference.functional`).
-* Gradients are linear in each ``relu'`` value, so :func:`kink_deltas` computes, per site, what
-  switching its derivative from 0 to 1 adds to every compared tensor (again with the reference's
-  float64 formulas: the dgrad row through the norm backward, one row of fc1's weight gradient, one
-  entry of its bias gradient).
-* The checks accept the implementation if it is within budget of the truth for *some* choice of
-  ``relu'`` on the sites (``2**k`` candidates, ``k <= KINK_MAX_ENUMERATED``); with more sites the
-  example is rejected (:class:`CaseRejected`, a hypothesis rejection), so it is neither passed
-  nor counted.
-
-Under FP8 (:func:`has_fp8_relu_kink`) the band is an FP8 step of fc1's operands wide
-(:func:`fp8_kink_bound`), about a quarter of the pre-activations lie in it, and the naive FP8
-run flips ``relu'`` inside it as well, so its error (the FP8 budget's yardstick) already carries
-flips of its own; what it cannot carry is a flip the implementation makes where the naive run
-did not, in a tensor too small for the flips to even out. So the FP8 candidates are the truth,
-then the truth with one site's ``relu'`` switched (each site in turn), then with two (when there
-are at most :data:`~.budgets.FP8_KINK_PAIRS_UP_TO` sites); the first that passes is taken; the
-naive yardstick stays measured against the truth itself; past
-:data:`~.budgets.FP8_KINK_MAX_SITES` sites the example is judged against the truth alone
-(nothing is rejected). docs/budgets.md has the derivation of both bands.
-
-Everything else stays strict: away from the sites the candidates are the truth
-itself, and one choice must hold for every compared tensor of the property at once.
+Where the float64 truth of an fc1 pre-activation of a relu ``LayerNormMLP`` lies within
+rounding distance of 0 (:func:`kink_sites`, the band of :func:`kink_bound`), a correct run may
+use either derivative there, which moves the gradients by O(1). Gradients are linear in each
+``relu'``, so :func:`kink_deltas` gives, per site, what switching it adds to every compared
+tensor, and the checks accept a result within budget of the truth for *some* choice
+(:func:`kink_choices`): every choice in high precision (past
+:data:`~.budgets.KINK_MAX_ENUMERATED` sites :class:`CaseRejected`), under FP8 (a band an FP8
+step wide, :func:`fp8_kink_bound`) the truth, then one or two sites switched, the first that
+passes. docs/budgets.md derives both bands.
 """
 
 from __future__ import annotations
@@ -43,21 +21,19 @@ import torch
 from hypothesis.errors import UnsatisfiedAssumption
 
 from .. import budgets as B
-from ..cases.case import Case
-from .internals import float64_internals
+from ..cases.case import Case, make_recipe
+from .internals import MicroBatchInternals, float64_internals
 
 __all__ = [
     "CaseRejected",
     "KinkSite",
     "has_relu_kink",
-    "has_fp8_relu_kink",
     "kink_choices",
     "kink_sites",
     "kink_bound",
     "fp8_kink_bound",
     "site_at",
     "kink_deltas",
-    "choices",
 ]
 
 # A compared tensor: ("x", micro_batch_index) for inp.grad, or ("p", "fc1_weight.grad") etc.
@@ -67,19 +43,11 @@ TensorKey = tuple[str, int | str]
 class CaseRejected(UnsatisfiedAssumption):
     """This example cannot be judged (hypothesis rejects it: neither a pass nor a failure)."""
 
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-    def __str__(self) -> str:
-        return self.reason
-
 
 @dataclasses.dataclass(frozen=True)
 class KinkSite:
-    """One fc1 pre-activation within rounding distance of the kink: micro-batch, row (of the
-    flattened input), fc1 output feature, its float64 truth, the bound, and ``d_act`` there (what
-    ``relu' = 1`` passes through)."""
+    """One fc1 pre-activation within rounding distance of the kink: where it is (row of the
+    flattened input), its float64 truth, the bound, and ``d_act`` (what ``relu' = 1`` passes)."""
 
     micro_batch: int
     row: int
@@ -94,30 +62,22 @@ class KinkSite:
         return 1 if self.h > 0 else 0
 
 
+def _relu_mlp(case: Case) -> bool:
+    return case.config.kind == "LayerNormMLP" and case.config.activation == "relu"
+
+
 def has_relu_kink(case: Case) -> bool:
-    """Whether ``case`` runs a relu MLP in high precision (every ``relu'`` choice on its sites is
-    a candidate; FP8 runs: :func:`has_fp8_relu_kink`)."""
-    c = case.config
-    return c.kind == "LayerNormMLP" and c.activation == "relu" and c.recipe is None
-
-
-def has_fp8_relu_kink(case: Case) -> bool:
-    """Whether ``case`` runs a relu MLP under an FP8 recipe (one or two switched ``relu'`` per
-    candidate: see the module docstring)."""
-    c = case.config
-    return c.kind == "LayerNormMLP" and c.activation == "relu" and c.recipe is not None
+    """Whether ``case`` runs a relu MLP in high precision (every ``relu'`` choice a candidate)."""
+    return _relu_mlp(case) and case.config.recipe is None
 
 
 def kink_bound(
     ln_out: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
     """Per fc1 pre-activation (N, F): how far from its float64 truth a correct ``dtype`` run may
-    compute it, ``(steps * eps(dtype) + K * eps(fp32)) * (|ln_out| @ |W1|^T + |b1|)`` (float64
-    operands; see :data:`~.budgets.KINK_ROUNDING_STEPS`)."""
-    k = ln_out.shape[-1]
-    scale = (
-        B.KINK_ROUNDING_STEPS[dtype] * torch.finfo(dtype).eps + k * torch.finfo(torch.float32).eps
-    )
+    compute it, ``(steps * eps(dtype) + K * eps(fp32)) * (|ln_out| @ |W1|^T + |b1|)``."""
+    k, eps32 = ln_out.shape[-1], torch.finfo(torch.float32).eps
+    scale = B.KINK_ROUNDING_STEPS[dtype] * torch.finfo(dtype).eps + k * eps32
     size = ln_out.abs() @ w1.abs().t()
     if b1 is not None:
         size = size + b1.abs()
@@ -128,19 +88,13 @@ def fp8_kink_bound(
     recipe: str, ln_outs: list[torch.Tensor], w1: torch.Tensor, bounds: list[torch.Tensor]
 ) -> list[torch.Tensor]:
     """Per micro-batch, the band of fc1 pre-activations (N, F) whose ``relu'`` an FP8 run under
-    ``recipe`` may legally take on either side: the high-precision band ``bounds``
-    (:func:`kink_bound`) plus :data:`~.budgets.ROUNDING_SIGMAS` root sums of squares of one FP8
-    step per operand element, ``sqrt(step(ln_out)**2 @ (W1**2)^T + ln_out**2 @ step(W1)**2^T)``. A
-    correct run's fc1 GEMM sees each operand element up to half a step from its value
-    (quantization) and, where the module computes it (``ln_out``), possibly on the neighbouring
-    FP8 value (a crossing: half a step more); the signs are independent (the rounding model of
-    :mod:`.rounding`). The step's subnormal floor is taken at the largest scale the
-    recipe can use: twice the amax-based one (block scales round to a power of two), and at
-    least 1 for delayed scaling (its initial scale)."""
+    ``recipe`` may take on either side: the high-precision band ``bounds`` plus
+    :data:`~.budgets.ROUNDING_SIGMAS` root sums of squares of one FP8 step per operand element,
+    ``sqrt(step(ln_out)**2 @ (W1**2)^T + ln_out**2 @ step(W1)**2^T)``. The subnormal floor is
+    taken at the largest scale the recipe can use: twice the amax-based one (block scales round
+    to a power of two), at least 1 for delayed scaling (its initial scale)."""
     from splitgrad.reference import fp8 as R
     from splitgrad.reference.fp8_quant import format_for
-
-    from ..cases.case import make_recipe
 
     r = make_recipe(recipe)
     margin = getattr(r, "margin", 0)
@@ -150,72 +104,50 @@ def fp8_kink_bound(
         s = 2.0 * amax * 2.0**margin / B.FP8_MAX[format_for(r, role)]
         return max(s, 1.0) if delayed else s
 
-    nonempty = [x for x in ln_outs if x.numel()]
-    amax_ln = max((float(x.abs().max()) for x in nonempty), default=0.0)
+    amax_ln = max((float(x.abs().max()) for x in ln_outs if x.numel()), default=0.0)
     w_step = B.fp8_step(w1, format_for(r, "weight"), scale_inv(float(w1.abs().max()), "weight"))
     out = []
     for ln, hp in zip(ln_outs, bounds):
-        if ln.numel() == 0:
-            out.append(hp)
-            continue
-        ln_step = B.fp8_step(ln, format_for(r, "input"), scale_inv(amax_ln, "input"))
-        rss = (ln_step**2 @ (w1**2).t() + ln**2 @ (w_step**2).t()).sqrt()
-        out.append(hp + B.ROUNDING_SIGMAS * rss)
+        if ln.numel():
+            ln_step = B.fp8_step(ln, format_for(r, "input"), scale_inv(amax_ln, "input"))
+            rss = (ln_step**2 @ (w1**2).t() + ln**2 @ (w_step**2).t()).sqrt()
+            hp = hp + B.ROUNDING_SIGMAS * rss
+        out.append(hp)
     return out
 
 
-@dataclasses.dataclass
-class _Forward:
-    """The float64 pieces of one micro-batch that the sites and deltas need."""
-
-    x: torch.Tensor  # (N, K)
-    ln_out: torch.Tensor
-    stats: tuple[torch.Tensor, ...]
-    h: torch.Tensor  # fc1 pre-activation (N, F)
-    d_act: torch.Tensor  # dy @ W2 (N, F)
-    bound: torch.Tensor
-
-
-def _forwards(case: Case) -> tuple[dict[str, torch.Tensor], list[_Forward]]:
+def _forwards(case: Case) -> tuple[dict, list[MicroBatchInternals], list[torch.Tensor]]:
+    """float64 parameters, and each micro-batch's intermediates and band of ambiguous ``h``."""
     state, mbs = float64_internals(case)
     w1, b1 = state["fc1_weight"], state.get("fc1_bias")
-    dtype = case.config.compute_dtype
-    bounds = [kink_bound(m.ln_out, w1, b1, dtype) for m in mbs]
+    bounds = [kink_bound(m.ln_out, w1, b1, case.config.compute_dtype) for m in mbs]
     if case.config.recipe is not None:
         bounds = fp8_kink_bound(case.config.recipe, [m.ln_out for m in mbs], w1, bounds)
-    return state, [
-        _Forward(m.x, m.ln_out, m.stats, m.h, m.d_act, bound) for m, bound in zip(mbs, bounds)
-    ]
+    return state, mbs, bounds
+
+
+def _site(i: int, row: int, feature: int, m: MicroBatchInternals, bound: torch.Tensor) -> KinkSite:
+    at = (row, feature)
+    return KinkSite(i, row, feature, float(m.h[at]), float(bound[at]), float(m.d_act[at]))
 
 
 def kink_sites(case: Case) -> list[KinkSite]:
-    """The ambiguous pre-activations of ``case`` (empty unless :func:`has_relu_kink` or
-    :func:`has_fp8_relu_kink`)."""
-    if not (has_relu_kink(case) or has_fp8_relu_kink(case)):
+    """The ambiguous pre-activations of a relu ``LayerNormMLP`` ``case`` (else none)."""
+    if not _relu_mlp(case):
         return []
-    _, fwds = _forwards(case)
-    sites = []
-    for i, f in enumerate(fwds):
-        for r, j in (f.h.abs() <= f.bound).nonzero().tolist():
-            sites.append(
-                KinkSite(i, r, j, float(f.h[r, j]), float(f.bound[r, j]), float(f.d_act[r, j]))
-            )
-    return sites
+    _, mbs, bounds = _forwards(case)
+    return [
+        _site(i, r, j, m, bound)
+        for i, (m, bound) in enumerate(zip(mbs, bounds))
+        for r, j in (m.h.abs() <= bound).nonzero().tolist()
+    ]
 
 
 def site_at(case: Case, micro_batch: int, row: int, feature: int) -> KinkSite:
     """The pre-activation at ``(micro_batch, row, feature)`` as a :class:`KinkSite`, ambiguous or
     not (tests flip any element with it)."""
-    _, fwds = _forwards(case)
-    f = fwds[micro_batch]
-    return KinkSite(
-        micro_batch,
-        row,
-        feature,
-        float(f.h[row, feature]),
-        float(f.bound[row, feature]),
-        float(f.d_act[row, feature]),
-    )
+    _, mbs, bounds = _forwards(case)
+    return _site(micro_batch, row, feature, mbs[micro_batch], bounds[micro_batch])
 
 
 def kink_deltas(case: Case, sites: list[KinkSite]) -> list[dict[TensorKey, torch.Tensor]]:
@@ -224,29 +156,21 @@ def kink_deltas(case: Case, sites: list[KinkSite]) -> list[dict[TensorKey, torch
     from splitgrad.reference import functional as F
 
     c = case.config
-    state, fwds = _forwards(case)
-    w1 = state["fc1_weight"]
-    fused = c.fuse_wgrad_accumulation
+    state, fwds, _ = _forwards(case)
+    w1, gamma = state["fc1_weight"], state["layer_norm_weight"]
+    fused, zero_centered = c.fuse_wgrad_accumulation, c.zero_centered_gamma
     w1_key = "fc1_weight.main_grad" if fused else "fc1_weight.grad"
     flags = [mb.is_first_microbatch for mb in case.micro_batches]
     out = []
     for s in sites:
         f = fwds[s.micro_batch]
-        rows = f.x.shape[0]
         # d_fc1 gains d_act at (row, feature): d_ln_out gains d_act * W1[feature] on that row.
-        d_ln = torch.zeros(rows, c.in_features, dtype=torch.float64)
+        d_ln = torch.zeros_like(f.x)
         d_ln[s.row] = s.d_act * w1[s.feature]
         if c.normalization == "LayerNorm":
-            mean, rstd = f.stats
-            dx, dgamma, dbeta = F.layer_norm_bwd(
-                d_ln, f.x, state["layer_norm_weight"], mean, rstd, c.zero_centered_gamma
-            )
+            dx, dgamma, dbeta = F.layer_norm_bwd(d_ln, f.x, gamma, *f.stats, zero_centered)
         else:
-            (rstd,) = f.stats
-            dx, dgamma = F.rms_norm_bwd(
-                d_ln, f.x, state["layer_norm_weight"], rstd, c.zero_centered_gamma
-            )
-            dbeta = None
+            (dx, dgamma), dbeta = F.rms_norm_bwd(d_ln, f.x, gamma, *f.stats, zero_centered), None
         lead = case.micro_batches[s.micro_batch].lead_shape
         delta: dict[TensorKey, torch.Tensor] = {
             ("x", s.micro_batch): dx.reshape(*lead, c.in_features),
@@ -254,10 +178,9 @@ def kink_deltas(case: Case, sites: list[KinkSite]) -> list[dict[TensorKey, torch
         }
         if dbeta is not None:
             delta[("p", "layer_norm_bias.grad")] = dbeta
-        # A later micro-batch flagged is_first_microbatch overwrites main_grad (SPEC §3).
-        overwritten = fused and any(flags[s.micro_batch + 1 :])
         dw1 = torch.zeros_like(w1)
-        if not overwritten:
+        # A later micro-batch flagged is_first_microbatch overwrites main_grad (SPEC §3).
+        if not (fused and any(flags[s.micro_batch + 1 :])):
             dw1[s.feature] = s.d_act * f.ln_out[s.row]
         delta[("p", w1_key)] = dw1
         if c.bias:

@@ -1,15 +1,10 @@
 """A rounding-error interpreter: how far a correct low-precision run may be from the float64
 truth, element by element, for any summation order.
 
-:func:`rounding_bounds` replays a case (one forward and backward per micro-batch, or a
-differential check's :class:`~.runner.Step`\\ s) along the reference's formulas in float64 on
-:class:`Bounded` values: each carries its float64 value and the variance-like sum ``s`` of the
-rounding errors a correct run may have accumulated on it. :class:`Arith` holds the rules: a
-stored result or an fp32 elementwise operation adds half an ulp of its value; a reduction adds
-its worst case in any order (Higham's ``sum_gamma(k) * sum|terms|``); a quantized operand the
-module computed adds one FP8 step; errors travel to later results through the exact Jacobian
-of each formula. The budgets use the result as a per-element floor
-(:func:`~.budgets.with_rounding_bound`); docs/budgets.md derives each rule.
+:func:`rounding_bounds` replays a case along the reference's formulas on :class:`Bounded`
+values (a float64 value and the variance-like sum of the rounding errors a correct run may have
+on it); :class:`Arith` holds the rules, and docs/budgets.md derives each. The budgets use the
+result as a per-element floor (:func:`~.budgets.with_rounding_bound`).
 """
 
 from __future__ import annotations
@@ -21,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import budgets as B
-from ..cases.case import Case
+from ..cases.case import Case, make_recipe
 from ..cases.data import (
     GEMM_WEIGHT,
     make_grad_prefill,
@@ -42,9 +37,8 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 
 
 def sum_gamma(k: int, u: float) -> float:
-    """Higham's ``gamma_k = k u / (1 - k u)``: a sum of ``k`` terms in any order, with unit
-    roundoff ``u``, is within ``gamma_k * sum|terms|`` of the exact sum. Raises for ``k u >= 1``
-    (no bound exists)."""
+    """Higham's ``gamma_k = k u / (1 - k u)``: a sum of ``k`` terms in any order is within
+    ``gamma_k * sum|terms|`` of the exact sum (no bound for ``k u >= 1``)."""
     if k * u >= 1.0:
         raise ValueError(f"sum_gamma: no rounding bound for a sum of k={k} terms at u={u}")
     return k * u / (1.0 - k * u)
@@ -52,12 +46,9 @@ def sum_gamma(k: int, u: float) -> float:
 
 @dataclasses.dataclass
 class Bounded:
-    """An intermediate: ``v`` its float64 truth, and ``s``, what a correct low-precision run's
-    error on it adds up to: each rounding point (a stored result, an fp32 elementwise operation)
-    contributes the square of half an ulp of its value, each reduction the square of its worst
-    case in any summation order (Higham's ``sum_gamma(k) * sum|terms|``, counted three times:
-    a uniform rounding of that size has a third of its square as variance), all carried to later
-    results through ``J**2``. The bound is ``ROUNDING_SIGMAS * sqrt(s / 3)``."""
+    """An intermediate: ``v`` its float64 truth, ``s`` the sum of the squares of the rounding
+    errors a correct run may carry on it (half an ulp per rounding point, a reduction's worst
+    case in any order counted three times), carried to later results through ``J**2``."""
 
     v: torch.Tensor
     s: torch.Tensor
@@ -78,15 +69,13 @@ class Bounded:
         return Bounded(self.v.t(), self.s.t())
 
     def bound(self) -> torch.Tensor:
-        """The elementwise rounding bound."""
-        # A rounding to nearest errs uniformly within half an ulp: standard deviation 1/sqrt(3)
-        # of the ulp-half each term of s counts.
+        """The elementwise rounding bound: a rounding to nearest errs uniformly within half an
+        ulp, a standard deviation of 1/sqrt(3) of it."""
         return B.ROUNDING_SIGMAS * (self.s / 3.0).sqrt()
 
 
 def _worst(site: torch.Tensor) -> torch.Tensor:
-    """A reduction's worst case in any order, ``site``, as a term of ``s``: counted at full size
-    (three variances of a uniform rounding of that size)."""
+    """A reduction's worst case ``site`` as a term of ``s``: three variances of its size."""
     return 3.0 * site**2
 
 
@@ -107,25 +96,17 @@ class Arith:
         self.u = unit_roundoff(dtype)
         self.uc = unit_roundoff(torch.float32 if dtype != torch.float64 else dtype)
         self.cast_operands = cast_operands
-        self.recipe = None
-        if recipe is not None:
-            from ..cases.case import make_recipe
-
-            self.recipe = make_recipe(recipe)
-        # Per (GEMM, role): the largest scale_inv a delayed-scaling quantizer may use (it starts
-        # at 1 and follows the amaxes recorded so far), and whether a computed value was among
-        # them (then the scale itself differs between two correct runs).
+        self.recipe = None if recipe is None else make_recipe(recipe)
+        # Per (GEMM, role) under delayed scaling: the largest scale_inv so far, and whether a
+        # computed value was among the amaxes (then the scale itself may differ).
         self._scale_inv: dict[tuple[str, str], float] = {}
         self._tainted: set[tuple[str, str]] = set()
 
     def quant(self, a: Bounded, gemm: str, role: str) -> Bounded:
-        """A GEMM operand quantized to FP8 as ``role`` of GEMM ``gemm`` (no-op without a recipe).
-        Where the operand is computed, two correct runs hold values a little apart (carried in
-        ``s``) and may round them to neighbouring FP8 values: one FP8 step of the element
-        (``B.fp8_step``) more, counted at full size. The quantizer's scale follows the tensor's
-        amax (current scaling), its history (delayed: a computed value there shifts every later
-        element's grid too) or its block's; the step's subnormal floor is taken at the largest
-        scale the recipe can be at (the tensor's amax, or 1 and the history for delayed)."""
+        """A GEMM operand quantized to FP8 as ``role`` of GEMM ``gemm`` (no-op without a recipe):
+        where two correct runs may hold it a little apart (computed, or for delayed scaling a
+        computed value in the scale's history), one FP8 step of the element more, at the largest
+        scale the recipe can be at."""
         if self.recipe is None or a.v.numel() == 0:
             return a
         from splitgrad.reference import fp8 as R
@@ -165,14 +146,12 @@ class Arith:
 
     def mm(self, a: Bounded, b: Bounded) -> Bounded:
         """``a @ b`` accumulated in fp32 in any order."""
-        k = a.v.shape[-1]
-        site = sum_gamma(k, self.uc) * (a.v.abs() @ b.v.abs())
+        site = sum_gamma(a.v.shape[-1], self.uc) * (a.v.abs() @ b.v.abs())
         return Bounded(a.v @ b.v, a.v**2 @ b.s + a.s @ b.v**2 + _worst(site))
 
     def sum0(self, a: Bounded) -> Bounded:
         """Sum over rows in any order."""
-        n = a.v.shape[0]
-        site = sum_gamma(n, self.uc) * a.v.abs().sum(0)
+        site = sum_gamma(a.v.shape[0], self.uc) * a.v.abs().sum(0)
         return Bounded(a.v.sum(0), a.s.sum(0) + _worst(site))
 
     def add(self, a: Bounded, b: Bounded) -> Bounded:
@@ -186,27 +165,22 @@ class Arith:
         return Bounded(v, a.s * b.v**2 + a.v**2 * b.s + (self.uc * v) ** 2)
 
     def fn(self, f, fprime, a: Bounded, size: torch.Tensor) -> Bounded:
-        """Elementwise ``f(a)``: the operand's error through ``f'``, plus the formula's own
-        evaluation, :data:`~.budgets.ACTIVATION_EVAL_STEPS` compute-dtype roundings of ``size``
-        (the terms it combines)."""
+        """Elementwise ``f(a)``: the operand's error through ``f'``, plus the formula's own,
+        :data:`~.budgets.ACTIVATION_EVAL_STEPS` compute-dtype roundings of ``size``."""
         d = fprime(a.v)
         own = (B.ACTIVATION_EVAL_STEPS * self.uc * size) ** 2
         return Bounded(f(a.v), d**2 * a.s + own)
 
 
 def _through(jac: torch.Tensor, a: Bounded) -> torch.Tensor:
-    """``s`` of ``a``'s error through the per-row Jacobian ``jac`` (N, K_out, K_in): the exact
-    Jacobian, so the projection's cancellations are kept."""
+    """``s`` of ``a``'s error through the exact per-row Jacobian ``jac`` (N, K_out, K_in)."""
     return (jac**2 @ a.s[:, :, None]).squeeze(-1)
 
 
 def _norm_fwd(ar: Arith, x: Bounded, state, c) -> tuple[Bounded, dict]:
-    """The norm of ``x`` (``layer_norm_fwd`` / ``rms_norm_fwd``). The input's error goes through
-    the norm's exact Jacobian ``rstd P``. LayerNorm's conditioning is the mean's summation error,
-    ``sum_gamma(K) * mean|x|``: it shifts every ``x - mean`` of the row and is multiplied by
-    ``rstd`` (a row whose mean is large next to its spread, or of a few features, gets a bound
-    far above a rounding of ``|ln_out|``); the variance's summation error moves ``xhat`` by
-    ``|xhat| * gamma_K / 2``; each elementwise operation and ``rsqrt`` round once or twice."""
+    """The norm of ``x`` (``layer_norm_fwd`` / ``rms_norm_fwd``): the input's error through the
+    exact Jacobian ``rstd P``; the mean's summation error shifts every ``x - mean`` of the row
+    and is multiplied by ``rstd``; the variance's moves ``xhat`` by ``|xhat| * gamma_K / 2``."""
     layer_norm = c.normalization == "LayerNorm"
     k = x.v.shape[-1]
     gamma = state["layer_norm_weight"] + (1.0 if c.zero_centered_gamma else 0.0)
@@ -216,8 +190,7 @@ def _norm_fwd(ar: Arith, x: Bounded, state, c) -> tuple[Bounded, dict]:
     rstd = (var + NORM_EPS).rsqrt()
     xhat = d * rstd
     proj = norm_projection(xhat, layer_norm)
-    jac = rstd[:, :, None] * proj
-    sq = _through(jac, x)
+    sq = _through(rstd[:, :, None] * proj, x)
     gk = sum_gamma(k + 1, ar.uc)
     rel_var = var / (var + NORM_EPS)
     if layer_norm:
@@ -235,19 +208,16 @@ def _norm_fwd(ar: Arith, x: Bounded, state, c) -> tuple[Bounded, dict]:
     )
     xh = Bounded(xhat, sq)
     y = xhat * gamma
-    ys = gamma**2 * sq + (ar.uc * y) ** 2 * (1 + (4 if c.zero_centered_gamma else 0))
-    yb = Bounded(y, ys)
+    yb = Bounded(y, gamma**2 * sq + (ar.uc * y) ** 2 * (1 + (4 if c.zero_centered_gamma else 0)))
     if layer_norm:
         yb = ar.add(yb, Bounded.exact(state["layer_norm_bias"].expand_as(y)))
-    saved = {"xhat": xh, "rstd": rstd_b, "gamma": gamma, "proj": proj}
-    return ar.store(yb), saved
+    return ar.store(yb), {"xhat": xh, "rstd": rstd_b, "gamma": gamma, "proj": proj}
 
 
 def _norm_bwd(ar: Arith, dy: Bounded, saved: dict, c) -> tuple[Bounded, Bounded, Bounded | None]:
-    """dx, dgamma, dbeta along ``layer_norm_bwd`` / ``rms_norm_bwd`` (dgamma, dbeta before the
-    slot's rounding). ``d_ln``'s error goes through the exact Jacobian ``rstd P diag(gamma)``;
-    the saved ``xhat`` / ``rstd`` errors through ``dx``'s derivatives in them; the formula's own
-    roundings at the size of its terms (``|g|``, ``|mean g|``, ``|xhat mean(g xhat)|``)."""
+    """dx, dgamma, dbeta along ``layer_norm_bwd`` / ``rms_norm_bwd`` (before the slot's
+    rounding): ``d_ln``'s error through the exact Jacobian ``rstd P diag(gamma)``, the saved
+    ``xhat`` / ``rstd`` errors through ``dx``'s derivatives in them."""
     layer_norm = c.normalization == "LayerNorm"
     xh, rstd, gamma, proj = saved["xhat"], saved["rstd"], saved["gamma"], saved["proj"]
     k = xh.v.shape[-1]
@@ -256,8 +226,7 @@ def _norm_bwd(ar: Arith, dy: Bounded, saved: dict, c) -> tuple[Bounded, Bounded,
     mgx = (g * xh.v).mean(-1, keepdim=True)
     mg = g.mean(-1, keepdim=True) if layer_norm else torch.zeros_like(mgx)
     dx = r * (g - mg - xh.v * mgx)
-    jac = r[:, :, None] * proj * gamma[None, None, :]
-    sq = _through(jac, dy)
+    sq = _through(r[:, :, None] * proj * gamma[None, None, :], dy)
     # Through the saved xhat: d dx = -rstd (d xhat * mean(g xhat) + xhat * mean(g d xhat)).
     sq = sq + r**2 * (xh.s * mgx**2 + xh.v**2 * (g**2 * xh.s).sum(-1, keepdim=True) / k**2)
     # Through rstd: dx is proportional to it.
@@ -269,14 +238,10 @@ def _norm_bwd(ar: Arith, dy: Bounded, saved: dict, c) -> tuple[Bounded, Bounded,
     sq = sq + _worst(r * gk * means) + (ar.uc * r * terms) ** 2 * 5
     dxb = ar.store(Bounded(dx, sq))
     prod = Bounded(dy.v * xh.v, dy.s * xh.v**2 + dy.v**2 * xh.s + (ar.uc * dy.v * xh.v) ** 2)
-    dgamma = ar.sum0(prod)
-    dbeta = ar.sum0(dy) if layer_norm else None
-    return dxb, dgamma, dbeta
+    return dxb, ar.sum0(prod), ar.sum0(dy) if layer_norm else None
 
 
-def _linear_fwd(
-    ar: Arith, x: Bounded, w: torch.Tensor, b: torch.Tensor | None, gemm: str
-) -> Bounded:
+def _linear_fwd(ar: Arith, x: Bounded, w: torch.Tensor, b, gemm: str) -> Bounded:
     """``x W^T + b``: the GEMM rounded to the module dtype, then the bias sum rounded again."""
     xq = ar.quant(ar.operand(x), gemm, "input")
     y = ar.store(ar.mm(xq, ar.quant(ar.param(w), gemm, "weight").t()))
@@ -380,8 +345,7 @@ def _use(ar: Arith, c, state, x: Bounded, dy_of, splits) -> tuple[Bounded, dict]
 
 
 class _Replay:
-    """The gradient slots of one module across a sequence of steps, as :class:`Bounded`
-    values, and the per-micro-batch bounds of its outputs and input gradients."""
+    """One module's gradient slots across steps, and its outputs' and input gradients' bounds."""
 
     def __init__(self, case: Case, prefill_grads: bool, frozen: Sequence[str]) -> None:
         c = self.config = case.config
@@ -393,23 +357,19 @@ class _Replay:
         fused = c.fuse_wgrad_accumulation
         self.main = {s.name for s in param_specs(c) if s.role == GEMM_WEIGHT and fused}
         self.prefill_main = make_main_grads(c, case.seed)
-        prefill_grad = make_grad_prefill(c, case.seed) if prefill_grads else {}
-        self.slots: dict[str, Bounded | None] = {}
-        for spec in param_specs(c):
-            if spec.name in frozen:
-                continue
-            if spec.name in self.main:
-                self.slots[spec.name] = Bounded.exact(self.prefill_main[spec.name])
-            elif prefill_grads:
-                self.slots[spec.name] = Bounded.exact(prefill_grad[spec.name])
-            else:
-                self.slots[spec.name] = None
+        prefill = make_grad_prefill(c, case.seed) if prefill_grads else {}
+        prefill.update({name: self.prefill_main[name] for name in self.main})
+        self.slots: dict[str, Bounded | None] = {
+            s.name: Bounded.exact(prefill[s.name]) if s.name in prefill else None
+            for s in param_specs(c)
+            if s.name not in frozen
+        }
         self.out: dict[str, torch.Tensor] = {}
 
     def accumulate(self, grads: dict[str, Bounded], rows: int, flag: bool | None) -> None:
-        """One use's parameter gradients into their slots (``main_grad`` in fp32, where a
-        flagged contribution overwrites (SPEC §3) and otherwise may enter the GEMM's own
-        reduction and meet each of its terms; ``.grad`` in the module dtype)."""
+        """One use's parameter gradients into their slots: ``main_grad`` in fp32 (a flagged
+        contribution overwrites, SPEC §3; else it may meet each term of the GEMM's reduction),
+        ``.grad`` in the module dtype."""
         ar, u32 = self.ar, unit_roundoff(torch.float32)
         for name, g in grads.items():
             if name not in self.slots:
@@ -435,8 +395,7 @@ class _Replay:
         self.out[f"inp.grad[micro-batch {i}]"] = dx.bound().reshape(*lead, c.in_features)
 
     def use(self, i: int, dy_of=None, x: Bounded | None = None) -> tuple[Bounded, dict]:
-        """Micro-batch ``i`` (or the rows ``x`` in its place) through the module once, its
-        backward from ``dy_of(y)`` (default: the micro-batch's ``dy``)."""
+        """Micro-batch ``i`` (or rows ``x``) through the module once, backward from ``dy_of(y)``."""
         d, c = self.data[i], self.config
         if x is None:
             x = Bounded.exact(d.x.reshape(-1, c.in_features))
@@ -453,7 +412,7 @@ class _Replay:
         i = step.index
         if step.op == "zero":
             return self.zero()
-        rows = self.data[i].x.reshape(-1, self.config.in_features).shape[0]
+        rows = self.case.micro_batches[i].rows
         if step.op == "fb":
             y, g = self.use(i)
             self.record(i, y, g.pop("x"))
@@ -463,8 +422,9 @@ class _Replay:
             y1, g1 = self.use(i + 1)
             self.record(i, y0, g0.pop("x"))
             self.record(i + 1, y1, g1.pop("x"))
-            rows1 = self.data[i + 1].x.reshape(-1, self.config.in_features).shape[0]
-            self.accumulate(g1, rows1, None)  # the second use's wgrad runs first
+            self.accumulate(
+                g1, self.case.micro_batches[i + 1].rows, None
+            )  # the second use's wgrad runs first
             self.accumulate(g0, rows, self.flags[i])
         else:  # chain: y = m(m(x)), one backward
             inner: dict[str, Bounded] = {}
@@ -493,15 +453,11 @@ def rounding_bounds(
     prefill_grads: bool = False,
     frozen: Sequence[str] = (),
 ) -> dict[str, torch.Tensor]:
-    """Per compared tensor, the elementwise bound on a correct run's rounding error after
-    ``steps`` (default: one forward and backward per micro-batch in order), for any summation
-    order of its fp32 reductions: keys ``"output[micro-batch i]"`` (its last forward),
-    ``"inp.grad[micro-batch i]"`` and the snapshot keys of the gradient slots
-    (``"fc1_weight.main_grad"``...), prepared as the check prepared its module
-    (``prefill_grads``, ``frozen``). A module chained on itself (``"chain"``) carries its first
-    use's output bound into the second use. Under FP8 each GEMM operand the module computes
-    also gets a legal FP8 rounding-boundary crossing (:meth:`Arith.quant`): the bound is then
-    on how far two correct FP8 runs can be apart. Empty in float64 (no wider truth)."""
+    """Per compared tensor (``"output[micro-batch i]"``, ``"inp.grad[micro-batch i]"`` and the
+    gradient slots' snapshot keys), the elementwise bound on a correct run's rounding error after
+    ``steps`` (default: one forward and backward per micro-batch), for any summation order, on a
+    module prepared as the check prepared it. Under FP8 it bounds how far two correct runs can
+    be apart (:meth:`Arith.quant`). Empty in float64 (no wider truth)."""
     if case.config.torch_dtype == torch.float64:
         return {}
     replay = _Replay(case, prefill_grads, frozen)
