@@ -11,39 +11,50 @@ from the layer's own account. A replicated projection in front is reduced by a
 
 from __future__ import annotations
 
-import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from splitgrad.distributed import GradientReducer
 
 from .library import load_library
-from .report import DistributedReport, run_checked
+from .report import DistributedReport, baseline, run_checked
 
 __all__ = ["check_expert_parallel", "overlap_failure"]
 
-_MOE = {"tokens": 12, "hidden": 16, "experts": 4}
+_TOKENS, _HIDDEN, _EXPERTS = 12, 16, 4
 
 
-def _moe_data(seed: int, world: int, tokens: int, hidden: int, experts: int):
-    gen = torch.Generator().manual_seed(seed)
-    proj_w = torch.randn(hidden, hidden, generator=gen) * 0.3
-    proj_b = torch.randn(hidden, generator=gen) * 0.1
-    expert_w = [torch.randn(hidden, hidden, generator=gen) * 0.3 for _ in range(experts)]
-    expert_b = [torch.randn(hidden, generator=gen) * 0.1 for _ in range(experts)]
-    xs = [torch.randn(tokens, hidden, generator=gen) for _ in range(world)]
+def _moe_modules(lib: Any, held: range, world: int, **options: Any) -> tuple:
+    """The projection and a ``GroupedLinear`` of the experts ``held`` (built with ``options``),
+    holding the values every rank draws, and each rank's input, routing and output gradient."""
+    gen = torch.Generator().manual_seed(0)
+    proj_w = torch.randn(_HIDDEN, _HIDDEN, generator=gen) * 0.3
+    proj_b = torch.randn(_HIDDEN, generator=gen) * 0.1
+    expert_w = [torch.randn(_HIDDEN, _HIDDEN, generator=gen) * 0.3 for _ in range(_EXPERTS)]
+    expert_b = [torch.randn(_HIDDEN, generator=gen) * 0.1 for _ in range(_EXPERTS)]
+    xs = [torch.randn(_TOKENS, _HIDDEN, generator=gen) for _ in range(world)]
     # rank 0 never routes to the last expert: an empty group on purpose
-    assign = [torch.arange(tokens) % (experts - 1)] + [
-        torch.randint(0, experts, (tokens,), generator=gen) for _ in range(world - 1)
+    assign = [torch.arange(_TOKENS) % (_EXPERTS - 1)] + [
+        torch.randint(0, _EXPERTS, (_TOKENS,), generator=gen) for _ in range(world - 1)
     ]
-    dys = [torch.randn(tokens, hidden, generator=gen) for _ in range(world)]
-    return proj_w, proj_b, expert_w, expert_b, xs, assign, dys
-
-
-def _load(module, values: dict) -> None:
+    dys = [torch.randn(_TOKENS, _HIDDEN, generator=gen) for _ in range(world)]
+    proj = lib.Linear(_HIDDEN, _HIDDEN, **options)
+    grouped = lib.GroupedLinear(len(held), _HIDDEN, _HIDDEN, **options)
     with torch.no_grad():
-        for name, value in values.items():
-            getattr(module, name).copy_(value)
+        proj.weight.copy_(proj_w)
+        proj.bias.copy_(proj_b)
+        for i, e in enumerate(held):
+            getattr(grouped, f"weight{i}").copy_(expert_w[e])
+            getattr(grouped, f"bias{i}").copy_(expert_b[e])
+    return proj, grouped, xs, assign, dys
+
+
+def _expert_grads(grouped: Any, held: range) -> dict:
+    return {
+        e: (getattr(grouped, f"weight{i}").grad, getattr(grouped, f"bias{i}").grad)
+        for i, e in enumerate(held)
+    }
 
 
 def _traced_backward_dw(module, events: list) -> None:
@@ -87,9 +98,7 @@ class _TracedWork:
 
 class _AllToAllTrace:
     """While active, every ``torch.distributed.all_to_all_single`` of this process is numbered
-    and recorded in ``events`` (launched, or run synchronously) and its work handle traced: P14
-    reads what ran while the dispatch all-to-all was in flight from this record, kept by the
-    harness, never from the layer's own account of itself."""
+    and recorded in ``events`` (launched, or run synchronously) and its work handle traced."""
 
     def __init__(self, events: list) -> None:
         self.events = events
@@ -120,24 +129,12 @@ class _AllToAllTrace:
             m.all_to_all_single = fn
 
 
-def _render(events: list) -> list[str]:
-    return [what if index is None else f"all-to-all {index} {what}" for what, index in events]
-
-
 def _moe_rank(rank: int, world: int, lib_name: str, moe_name: str) -> dict:
     lib = load_library(lib_name)
     moe_cls = load_library(moe_name)
-    tokens, hidden, experts = _MOE["tokens"], _MOE["hidden"], _MOE["experts"]
-    local = experts // world
-    proj_w, proj_b, expert_w, expert_b, xs, assign, dys = _moe_data(
-        0, world, tokens, hidden, experts
-    )
-    proj = lib.Linear(hidden, hidden, delay_wgrad_compute=True)
-    _load(proj, {"weight": proj_w, "bias": proj_b})
-    mine = range(rank * local, (rank + 1) * local)
-    grouped = lib.GroupedLinear(local, hidden, hidden, delay_wgrad_compute=True)
-    _load(grouped, {f"weight{i}": expert_w[e] for i, e in enumerate(mine)})
-    _load(grouped, {f"bias{i}": expert_b[e] for i, e in enumerate(mine)})
+    local = _EXPERTS // world
+    held = range(rank * local, (rank + 1) * local)
+    proj, grouped, xs, assign, dys = _moe_modules(lib, held, world, delay_wgrad_compute=True)
     moe = moe_cls(grouped)
     events: list = []
     _traced_backward_dw(grouped, events)
@@ -152,54 +149,37 @@ def _moe_rank(rank: int, world: int, lib_name: str, moe_name: str) -> dict:
         events.append(("backward() called", None))
         y.backward(dys[rank])
         events.append(("backward() returned", None))
-    dw_start = time.perf_counter()
     proj.backward_dw()
     reducer.finish()
     return {
         "y": y.detach(),
         "x.grad": x.grad,
         "proj": {"weight": proj.weight.grad, "bias": proj.bias.grad},
-        "experts": {
-            e: (getattr(grouped, f"weight{i}").grad, getattr(grouped, f"bias{i}").grad)
-            for i, e in enumerate(mine)
-        },
+        "experts": _expert_grads(grouped, held),
         "events": events,
         "pending": (proj.pending_wgrad_count, grouped.pending_wgrad_count),
         "launches": [e["time"] for e in reducer.launch_log],
-        "dw_start": dw_start,
         "finish": reducer.finish_time,
     }
 
 
 def _moe_truth(rank: int, world: int, lib_name: str, nranks: int) -> dict:
-    lib = load_library(lib_name)
-    tokens, hidden, experts = _MOE["tokens"], _MOE["hidden"], _MOE["experts"]
-    proj_w, proj_b, expert_w, expert_b, xs, assign, dys = _moe_data(
-        0, nranks, tokens, hidden, experts
-    )
-    proj = lib.Linear(hidden, hidden)
-    _load(proj, {"weight": proj_w, "bias": proj_b})
-    grouped = lib.GroupedLinear(experts, hidden, hidden)
-    _load(grouped, {f"weight{e}": expert_w[e] for e in range(experts)})
-    _load(grouped, {f"bias{e}": expert_b[e] for e in range(experts)})
+    proj, grouped, xs, assign, dys = _moe_modules(load_library(lib_name), range(_EXPERTS), nranks)
     x = torch.cat(xs).requires_grad_()
     a = torch.cat(assign)
     order = torch.argsort(a, stable=True)  # rank 0's tokens before rank 1's within an expert
     # the projection per rank's tokens: its gradient is then replica 0's + replica 1's, the sum
     # the all-reduce forms (exact in either order for two)
-    h = torch.cat([proj(part) for part in x.split(tokens)])
-    y_sorted = grouped(h[order], torch.bincount(a, minlength=experts).tolist())
+    h = torch.cat([proj(part) for part in x.split(_TOKENS)])
+    y_sorted = grouped(h[order], torch.bincount(a, minlength=_EXPERTS).tolist())
     y = torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
     y.backward(torch.cat(dys))
-    # the projection's data-parallel mean over the ranks
     return {
         "y": y.detach(),
         "x.grad": x.grad,
+        # the projection's data-parallel mean over the ranks
         "proj": {"weight": proj.weight.grad / nranks, "bias": proj.bias.grad / nranks},
-        "experts": {
-            e: (getattr(grouped, f"weight{e}").grad, getattr(grouped, f"bias{e}").grad)
-            for e in range(experts)
-        },
+        "experts": _expert_grads(grouped, range(_EXPERTS)),
     }
 
 
@@ -251,15 +231,11 @@ def check_expert_parallel(
     results = run_checked(
         report, "expert-parallel ranks", _moe_rank, world, lib_name, moe, timeout_s=timeout_s
     )
-    truths = run_checked(
-        report, "single-process baseline", _moe_truth, 1, lib_name, world, timeout_s=timeout_s
-    )
-    if results is None or truths is None:
+    truth = baseline(report, _moe_truth, lib_name, world, timeout_s=timeout_s)
+    if results is None or truth is None:
         return report
-    (truth,) = truths
-    tokens = _MOE["tokens"]
     for rank, got in enumerate(results):
-        rows = slice(rank * tokens, (rank + 1) * tokens)
+        rows = slice(rank * _TOKENS, (rank + 1) * _TOKENS)
         report.bitwise(f"rank {rank} output", got["y"], truth["y"][rows])
         report.bitwise(f"rank {rank} x.grad", got["x.grad"], truth["x.grad"][rows])
         for e, (w, b) in got["experts"].items():
@@ -269,7 +245,7 @@ def check_expert_parallel(
         report.counted()
         why = overlap_failure(got["events"])
         if why:
-            shown = _render(got["events"])
+            shown = [w if i is None else f"all-to-all {i} {w}" for w, i in got["events"]]
             report.failures.append(f"rank {rank}: {why}; events in order: {shown}")
         if got["pending"] != (0, 0):
             report.failures.append(f"rank {rank}: entries left pending {got['pending']}")

@@ -1,13 +1,10 @@
 """P16 under ``fully_shard`` (FSDP2, SPEC §8 "Fully sharded data parallel"): 2 Blocks, each and
-the root wrapped with ``fully_shard``, 2 gloo ranks, 2 micro-batches (``no_sync()`` and
-``num_microbatches``).
+the root wrapped with ``fully_shard``, 2 gloo ranks, 2 micro-batches.
 
 The reducer reduce-scatters each delayed module's gradients into the sharded gradients, the
 first before the last ``backward_dw()`` starts; every full (all-gathered) gradient is bitwise
 equal to FSDP2 alone without delay and within the data-parallel budget of the float64 global
-batch, in fp32 and under FSDP2 mixed precision (:data:`FSDP_PRECISIONS`); in fp32 compute also
-bitwise ``(replica0 + replica1) / 2`` computed in one process. Under a zero-bubble pipeline:
-``check_pipeline_data_parallel(fully_shard=True)`` (:mod:`.pipeline_data_parallel`).
+batch, in fp32 and under FSDP2 mixed precision (:data:`FSDP_PRECISIONS`).
 """
 
 from __future__ import annotations
@@ -18,10 +15,10 @@ import time
 import torch
 from splitgrad.distributed import GradientReducer
 
-from .data_parallel import REDUCER, dp_truth
+from .data_parallel import REDUCER, compare_replica, dp_truth
 from .library import load_library
-from .model import data, drain_entries, loss_of, sizes, two_blocks
-from .report import DistributedReport, judge_truth, run_checked
+from .model import blocks, data, drain_entries, finish_error, loss_of, sizes
+from .report import DistributedReport, check_buckets, run_checked
 
 __all__ = ["FSDP_PRECISIONS", "check_fully_sharded", "check_fsdp_launches", "launch_summary"]
 
@@ -48,25 +45,14 @@ def _sharded_blocks(lib, precision: str, delay: bool) -> torch.nn.Sequential:
 
     param_dtype, reduce_dtype, force_sum = FSDP_PRECISIONS[precision]
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    blocks = two_blocks(lib, fused=False, dtype=torch.float32, delay=delay)
-    for b in blocks:
+    model = blocks(lib, range(2), fused=False, dtype=torch.float32, delay=delay)
+    for b in model:
         fully_shard(b, mp_policy=policy)
-    fully_shard(blocks, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     if force_sum:
-        for m in (*blocks, blocks):
+        for m in (*model, model):
             m.set_force_sum_reduction_for_comms(True)
-    return blocks
-
-
-def _full_grads(blocks: torch.nn.Module, n_mb: int) -> dict:
-    grads = {}
-    for name, p in blocks.named_parameters():
-        if p.grad is None:
-            grads[name] = None
-            continue
-        with torch.no_grad():  # a gradient that requires grad (some packages') stays outside
-            grads[name] = p.grad.detach().full_tensor().div(n_mb)
-    return grads
+    return model
 
 
 def _fsdp_step(
@@ -80,19 +66,17 @@ def _fsdp_step(
     drain: str = "late",
     reducer_cls=GradientReducer,
 ) -> dict:
-    """One step of 2 Blocks, each and the root wrapped with ``fully_shard``, on one rank.
-    Delayed: a GradientReducer, micro-batches marked by ``mode`` ("no_sync": the reducer's
+    """One step of 2 Blocks fully_shard-ed under ``precision`` (:data:`FSDP_PRECISIONS`) on one
+    rank. Delayed: a reducer, micro-batches marked by ``mode`` ("no_sync": the reducer's
     context, which turns FSDP2's gradient sync off too; "count": ``num_microbatches`` and
-    ``set_requires_gradient_sync`` set by hand), every ``backward_dw()`` deferred until after
-    the last backward and run block by block (``drain="late"``) or each micro-batch's run
-    right after its backward (``"each"``). Not delayed: FSDP2 alone. ``precision`` names an
-    entry of :data:`FSDP_PRECISIONS`; ``reducer_cls`` is built as ``GradientReducer`` is.
-    Returns the full (all-gathered) gradients divided by the micro-batch count, and the launch
-    log."""
-    blocks = _sharded_blocks(lib, precision, delay)
+    ``set_requires_gradient_sync`` set by hand), every ``backward_dw()`` run block by block
+    after the last backward (``drain="late"``) or each micro-batch's right after its backward
+    (``"each"``). Not delayed: FSDP2 alone. Returns the full (all-gathered) gradients divided by
+    the micro-batch count, the launch log and the times of passes and drains."""
+    model = _sharded_blocks(lib, precision, delay)
     reducer = None
     if delay:
-        reducer = reducer_cls(blocks, num_microbatches=n_mb if mode == "count" else None)
+        reducer = reducer_cls(model, num_microbatches=n_mb if mode == "count" else None)
     hidden, _, rows = sizes(None)
     x, target = data(100 + rank, n_mb * rows, hidden, torch.float32)
     pass_times = []
@@ -102,31 +86,26 @@ def _fsdp_step(
         if reducer is not None and mode == "no_sync":
             ctx = contextlib.nullcontext() if last else reducer.no_sync()
         else:
-            blocks.set_requires_gradient_sync(last)
+            model.set_requires_gradient_sync(last)
         with ctx:
-            loss_of(blocks(xb), tb).backward()
+            loss_of(model(xb), tb).backward()
         pass_times.append(time.perf_counter())
         if drain == "each" and not last:
-            for b in reversed(list(blocks)):
+            for b in reversed(model):
                 drain_entries(b)
-    return _drained(blocks, reducer, n_mb, pass_times)
-
-
-def _drained(blocks: torch.nn.Module, reducer, n_mb: int, pass_times: list[float]) -> dict:
-    """Every block's entries run, last block first, then ``finish()``: what the step left."""
     dw_starts, dw_ends = [], []
-    for b in reversed(list(blocks)):
+    for b in reversed(model):
         dw_starts.append(time.perf_counter())
         drain_entries(b)
         dw_ends.append(time.perf_counter())
-    error = None
-    if reducer is not None:
-        try:
-            reducer.finish()
-        except RuntimeError as exc:
-            error = str(exc)
+    error = None if reducer is None else finish_error(reducer)
+    with torch.no_grad():  # a gradient that requires grad (some packages') stays outside
+        grads = {
+            name: None if p.grad is None else p.grad.detach().full_tensor().div(n_mb)
+            for name, p in model.named_parameters()
+        }
     return {
-        "grads": _full_grads(blocks, n_mb),
+        "grads": grads,
         "launches": [] if reducer is None else [dict(e) for e in reducer.launch_log],
         "buckets": [] if reducer is None else reducer.bucket_names,
         "finish": None if reducer is None else reducer.finish_time,
@@ -155,7 +134,7 @@ def _fsdp_rank(
             {
                 "n_mb": c["n_mb"],
                 "fused": False,
-                "dtype": FSDP_PRECISIONS[c.get("precision", "fp32")][0] or torch.float32,
+                "dtype": FSDP_PRECISIONS[c["precision"]][0] or torch.float32,
                 "value_dtype": torch.float32,
             }
             for c in configs
@@ -178,50 +157,13 @@ def launch_summary(run: dict) -> str:
 
 
 def check_fsdp_launches(report: DistributedReport, where: str, got: dict) -> None:
-    """Each bucket reduce-scattered once, before finish(), and the first before the last
+    """:func:`~.report.check_buckets`, each a reduce-scatter, the first launched before the last
     block's ``backward_dw()`` started."""
-    launched = [e["bucket"] for e in got["launches"]]
-    report.counted()
-    if sorted(launched) != list(range(len(got["buckets"]))):
-        report.failures.append(
-            f"{where}: buckets launched {launched}, expected each of {len(got['buckets'])} once"
-        )
-    kinds = {e.get("collective") for e in got["launches"]}
-    if got["launches"] and kinds != {"reduce_scatter"}:
-        report.failures.append(f"{where}: launches were {kinds}, expected reduce_scatter")
-    if got["launches"] and got["finish"] is not None:
-        late = [e["bucket"] for e in got["launches"] if e["time"] > got["finish"]]
-        if late:
-            report.failures.append(f"{where}: buckets {late} launched after finish() was called")
+    check_buckets(report, where, got, "reduce_scatter")
     if not got["launches"] or got["launches"][0]["time"] >= got["dw_starts"][-1]:
         report.failures.append(
             f"{where}: no reduce-scatter started before the last backward_dw() began"
         )
-
-
-def _compare(
-    report: DistributedReport, where: str, got: dict, base: dict, truth: dict, compute
-) -> None:
-    """One rank's delayed step against FSDP2 alone (``base``) and the one-process runs."""
-    if got["error"]:
-        report.failures.append(f"{where}: finish() raised: {got['error']}")
-    check_fsdp_launches(report, where, got)
-    for name, g in got["grads"].items():
-        report.bitwise(f"{where} {name} vs FSDP2 without delay", g, base["grads"][name])
-        if compute == torch.float32:
-            report.bitwise(
-                f"{where} {name} vs (replica0 + replica1) / 2 without delay",
-                g,
-                truth["emulated"][name],
-            )
-    judge_truth(
-        report,
-        f"{where} (global batch)",
-        got["grads"],
-        truth["naive"],
-        truth["truth"],
-        dtype=compute,
-    )
 
 
 def check_fully_sharded(
@@ -232,21 +174,17 @@ def check_fully_sharded(
     timeout_s: float = 600.0,
     reducer: str = REDUCER,
 ) -> DistributedReport:
-    """P16 under ``fully_shard`` (FSDP2) on 2 gloo ranks: the reducer's reduce-scatters of the
-    delayed modules launched from the module hooks, before the last ``backward_dw()``;
-    gradients bitwise equal to FSDP2 alone without delay, and within the data-parallel budget
-    of the float64 global batch (the yardstick: the reference in FSDP2's compute dtype). Each
-    of ``precisions`` (:data:`FSDP_PRECISIONS`) runs ``no_sync()`` and ``num_microbatches``
-    with every ``backward_dw()`` after the last backward, and ``no_sync()`` with each
-    micro-batch's right after its backward (label suffix "each").
-    In float32 compute (plain and forced sum) also bitwise ``(replica0 + replica1) / 2``
-    computed in one process: a sum of two, halved, is exact in either order, whichever side
-    divides; in bf16 or fp16 FSDP2's casts and accumulation dtype have no one-process twin.
-    ``reducer`` names the reducer class (``"module:Class"``, built as ``GradientReducer`` is)."""
+    """P16 under ``fully_shard`` (FSDP2) on 2 gloo ranks, for each of ``precisions``: no_sync()
+    and num_microbatches with every ``backward_dw()`` after the last backward, and no_sync()
+    with each micro-batch's right after its backward (label suffix "each"); the yardstick of
+    the float64 truth is the reference in FSDP2's compute dtype. In float32 compute (plain and
+    forced sum) also bitwise ``(replica0 + replica1) / 2`` computed in one process: a sum of
+    two, halved, is exact in either order, whichever side divides; in bf16 or fp16 FSDP2's
+    casts and accumulation dtype have no one-process twin. ``reducer`` names the reducer class
+    (``"module:Class"``, built as ``GradientReducer`` is)."""
     unknown = sorted(set(precisions) - set(FSDP_PRECISIONS))
     if unknown:
         raise ValueError(f"unknown precisions {unknown}; expected some of {list(FSDP_PRECISIONS)}")
-    # the entries run after the last backward, and (no_sync) each micro-batch's after its own
     configs = [
         {"mode": m, "n_mb": n_microbatches, "precision": p, "drain": d}
         for p in precisions
@@ -266,6 +204,7 @@ def check_fully_sharded(
         compute = FSDP_PRECISIONS[cfg["precision"]][0] or torch.float32
         for rank, per_rank in enumerate(results):
             got, base = per_rank["runs"][k], per_rank["baseline"][k]
-            _compare(report, f"{label} rank {rank}", got, base, truth[k], compute)
+            where = f"{label} rank {rank}"
+            compare_replica(report, where, got, truth[k], check_fsdp_launches, base, compute)
     report.notes.append("launch log (rank 0, no_sync): " + launch_summary(results[0]["runs"][0]))
     return report

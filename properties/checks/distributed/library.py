@@ -1,14 +1,11 @@
 """The package a distributed check runs, from the ``--backend`` string that names it.
 
 ``impl``, ``reference``, ``module:NAME``, ``path:DIR`` and ``class:MODULE:ATTR`` mean what they
-mean to ``splitgrad verify`` (:func:`~splitgrad.properties.backends.get_backend`); the checks
-need the backend's package itself (its ``Linear``, ``GroupedLinear``, ...), which every library
-backend has. Two more forms name a package the ranks can import by name: a bare import name
-(``splitgrad.impl``, ``mypkg``) and ``NAME:ATTR``, a namespace object inside a module
-(``mypkg.testing:buggy``). The reducer and expert-parallel classes a check is given
-(``splitgrad.distributed:GradientReducer``) are named the same way.
-
-Each rank resolves the string again (ranks are spawned): what a process loaded once, it keeps.
+mean to ``splitgrad verify`` (:func:`~splitgrad.properties.backends.get_backend`), which must give
+a library backend (the checks build its ``Linear``, ``GroupedLinear``, ...); a bare import name
+(``mypkg``) or ``NAME:ATTR`` (``mypkg.testing:buggy``) names a package or object the ranks import
+by name, as do the reducer and expert-parallel classes a check is given. Each rank resolves the
+string again (ranks are spawned); what a process loaded once, it keeps.
 """
 
 from __future__ import annotations
@@ -45,14 +42,10 @@ def preload_library(name: str) -> None:
     line saying why it cannot be loaded."""
     try:
         load_library(name)
-    except BackendUnavailable as exc:
-        cause = exc.__cause__
+    except Exception as exc:  # an import error, a missing attribute, a package that raises
+        cause = exc.__cause__ if isinstance(exc, BackendUnavailable) else exc
         if cause is None:  # the harness says why (a directory that does not exist)
             raise ValueError(f"--backend {name}: {exc}") from None
         raise ValueError(
             f"--backend {name}: cannot load it ({type(cause).__name__}: {cause})"
-        ) from None
-    except Exception as exc:  # an import error, a missing attribute, a package that raises
-        raise ValueError(
-            f"--backend {name}: cannot load it ({type(exc).__name__}: {exc})"
         ) from None

@@ -1,27 +1,34 @@
-"""The model every distributed check builds, and the steps they share: :class:`Block` of the
-package under test, its gradients by name, draining its entries, the loss and the data."""
+"""The model every distributed check builds (:class:`Block` of the package under test), the
+steps they share, and the single-process runs without delay they are compared with."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from splitgrad.distributed import in_shape_inference, split_modules
 
+from .library import load_library
+
 __all__ = [
     "RECIPES",
     "Block",
+    "blocks",
     "gradients",
-    "clone",
+    "gradient_copies",
     "drain_entries",
     "scale",
+    "replica_mean",
+    "finish_error",
     "loss_of",
     "autocast",
     "make_recipe",
     "data",
     "sizes",
-    "two_blocks",
+    "without_delay",
+    "reference_runs",
 ]
 
 #: FP8 recipes by short name (the classes are looked up in the package under test).
@@ -36,19 +43,18 @@ _WEIGHT_NAMES = ("weight", "fc1_weight", "fc2_weight")
 
 class Block(torch.nn.Module):
     """``x + proj(tanh(gate(mlp(x))))``: a ``LayerNormMLP`` and a ``Linear`` of the package under
-    test (delayed, plain or fused) around a ``torch.nn.Linear`` (reduced from autograd's hooks).
+    test (delayed unless ``delay=False``, plain or ``fused``) around a ``torch.nn.Linear``
+    (reduced from autograd's hooks).
 
-    ``delay=False`` builds the same block without delay (the single-process baselines).
-    ``microbatches_per_step``: pass ``is_first_microbatch=True`` to the first forward of every
-    step (counting forwards, pipelining's shape-inference pass excluded), as a training loop with
-    fused accumulation does; ``main_grad`` then starts from ``prefill_seed``'s random values,
-    which the first micro-batch must overwrite. ``proj_twice``: ``proj`` is applied twice in
-    every forward, ``x + proj(tanh(proj(tanh(gate(mlp(x))))))``, so each backward queues two of
-    its entries (SPEC §4: a weight used twice in one graph); its first use passes
-    ``is_first_microbatch=False`` (its entry runs second and must add to what the second use's
-    overwrite left). ``tied``: a further delayed ``Linear`` ``out`` shares ``proj``'s weight
-    (neither has a bias), ``x + out(tanh(proj(...)))``: one weight written by two modules'
-    entries (drained ``out`` first, so ``out`` overwrites and every ``proj`` entry adds)."""
+    ``microbatches_per_step`` (fused only): the first forward of every step (pipelining's
+    shape-inference pass not counted) passes ``is_first_microbatch=True``, as a training loop
+    with fused accumulation does; ``main_grad`` starts from ``prefill_seed``'s random values,
+    which that micro-batch must overwrite. ``proj_twice``: ``proj`` is applied twice, so each
+    backward queues two of its entries (SPEC §4: a weight used twice in one graph); its first use
+    passes ``is_first_microbatch=False`` (its entry runs second and must add to the overwrite).
+    ``tied``: a further ``Linear`` ``out`` shares ``proj``'s weight (neither has a bias),
+    ``x + out(tanh(proj(...)))``: one weight written by two modules' entries (drained ``out``
+    first, so ``out`` overwrites and every ``proj`` entry adds)."""
 
     def __init__(
         self,
@@ -82,7 +88,7 @@ class Block(torch.nn.Module):
                 # to value_dtype first, so a float64 twin holds the same numbers
                 value = (torch.randn(p.shape, generator=gen) * 0.3).to(value_dtype or dtype)
                 p.copy_(value.to(dtype))
-        self.microbatches_per_step = microbatches_per_step
+        self.microbatches_per_step = microbatches_per_step if fused else None
         self.proj_twice, self.tied = proj_twice, tied
         self._forwards = 0
         if fused:
@@ -111,6 +117,15 @@ class Block(torch.nn.Module):
         return x + self.proj(h, is_first_microbatch=first)
 
 
+def blocks(
+    lib: Any, indices: Iterable[int], recipe: str | None = None, **options: Any
+) -> torch.nn.Sequential:
+    """The Blocks ``indices`` of ``lib`` in sequence, at ``recipe``'s sizes, built with
+    ``options`` (:class:`Block`'s keywords)."""
+    hidden, ffn, _ = sizes(recipe)
+    return torch.nn.Sequential(*(Block(lib, hidden, ffn, i, **options) for i in indices))
+
+
 def gradients(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     """Every parameter's gradient by name: ``main_grad`` for fused GEMM weights, else ``.grad``."""
     fused = {
@@ -124,8 +139,9 @@ def gradients(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     }
 
 
-def clone(grads: dict) -> dict:
-    return {k: None if v is None else v.detach().clone() for k, v in grads.items()}
+def gradient_copies(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """:func:`gradients`, each detached and copied."""
+    return {k: None if v is None else v.detach().clone() for k, v in gradients(module).items()}
 
 
 def drain_entries(module: torch.nn.Module, passes: int = 1) -> None:
@@ -148,6 +164,32 @@ def scale(module: torch.nn.Module, factor: int) -> None:
         for g in gradients(module).values():
             if g is not None:
                 g.div_(factor)
+
+
+def replica_mean(replicas: list[dict], n_mb: int) -> dict:
+    """Per name, the replicas' sum divided by their count, then by ``n_mb``: the two divisions
+    a data-parallel step makes; ``None`` where a replica has no gradient (reported by name where
+    it is compared)."""
+    out = {}
+    for name in replicas[0]:
+        grads = [r[name] for r in replicas]
+        if any(g is None for g in grads):
+            out[name] = None
+            continue
+        total = grads[0].clone()
+        for g in grads[1:]:
+            total += g
+        out[name] = total.div_(len(replicas)).div_(n_mb)
+    return out
+
+
+def finish_error(reducer: Any) -> str | None:
+    """Run ``reducer.finish()``: what it raised (a ``RuntimeError``), or ``None``."""
+    try:
+        reducer.finish()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
 
 
 def loss_of(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -183,8 +225,58 @@ def sizes(recipe: str | None) -> tuple[int, int, int]:
     return 16, 32, 8
 
 
-def two_blocks(lib: Any, **options: Any) -> torch.nn.Sequential:
-    """Blocks 0 and 1 of ``lib`` in sequence, at the high-precision sizes, built with
-    ``options`` (:class:`Block`'s keywords)."""
-    hidden, ffn, _ = sizes(None)
-    return torch.nn.Sequential(*(Block(lib, hidden, ffn, i, **options) for i in range(2)))
+def without_delay(
+    lib: Any,
+    count: int,
+    seeds: tuple[int, ...],
+    n_mb: int,
+    *,
+    dtype: torch.dtype,
+    value_dtype: torch.dtype,
+    recipe: str | None = None,
+    **options: Any,
+) -> tuple[torch.nn.Sequential, list[torch.Tensor]]:
+    """SPEC §7's baseline: Blocks ``0..count-1`` of ``lib`` without delay, run one after the
+    other on each seed's ``n_mb`` micro-batches in one process as one step (only the very first
+    micro-batch overwrites a fused ``main_grad``), on values rounded to ``value_dtype`` and
+    computed in ``dtype``. Returns the blocks and every micro-batch's loss."""
+    hidden, _, rows = sizes(recipe)
+    model = blocks(
+        lib,
+        range(count),
+        recipe,
+        dtype=dtype,
+        value_dtype=value_dtype,
+        microbatches_per_step=n_mb * len(seeds),
+        prefill_seed=99,
+        delay=False,
+        **options,
+    )
+    losses = []
+    fp8_recipe = make_recipe(lib, recipe)
+    for seed in seeds:
+        x, target = data(seed, n_mb * rows, hidden, value_dtype)
+        for xb, tb in zip(x.to(dtype).split(rows), target.to(dtype).split(rows)):
+            with autocast(lib, fp8_recipe):
+                out = model(xb)
+            loss = loss_of(out, tb)
+            losses.append(loss.detach().clone())
+            loss.backward()
+            for b in reversed(model):
+                drain_entries(b)
+    return model, losses
+
+
+def reference_runs(
+    count: int, seeds: tuple[int, ...], n_mb: int, **options: Any
+) -> tuple[torch.nn.Sequential, torch.nn.Sequential]:
+    """:func:`without_delay` through ``splitgrad.reference`` (not the package under test, so a
+    bug its delayed and non-delayed paths share still shows), gradients divided by the count of
+    micro-batches: as ``options`` say (the naive yardstick), and plain in float64 (the truth)."""
+    ref = load_library("reference")
+    naive, _ = without_delay(ref, count, seeds, n_mb, **options)
+    options.update(dtype=torch.float64, fused=False)
+    truth, _ = without_delay(ref, count, seeds, n_mb, **options)
+    for run in (naive, truth):
+        scale(run, n_mb * len(seeds))
+    return naive, truth

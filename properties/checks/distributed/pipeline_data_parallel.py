@@ -11,9 +11,16 @@ import torch
 import torch.distributed as dist
 
 from .library import load_library
-from .model import clone, gradients
-from .pipeline import PipelineConfig, reference_runs, run_pipeline, single_pipeline, stage_layout
-from .report import DistributedReport, judge_truth, mean, run_checked
+from .model import gradients, replica_mean
+from .pipeline import (
+    PipelineConfig,
+    compare_stage,
+    reference_stages,
+    run_pipeline,
+    single_pipeline,
+    stage_layout,
+)
+from .report import DistributedReport, baseline, run_checked
 
 __all__ = ["check_pipeline_data_parallel"]
 
@@ -24,38 +31,17 @@ def _pp_dp_rank(
     """Ranks (0, 1) and (2, 3) are two pipelines; (0, 2) and (1, 3) reduce over replicas
     (``sharded``: each stage module is fully_shard-ed over them)."""
     lib = load_library(lib_name)
-    pp = 2
-    replica, pp_rank = divmod(rank, pp)
+    replica, pp_rank = divmod(rank, 2)
     if sharded:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (2, pp), mesh_dim_names=("dp", "pp"))
-        return [
-            run_pipeline(
-                lib,
-                cfg,
-                pp_rank,
-                pp,
-                group=mesh["pp"].get_group(),
-                data_seed=replica,
-                fsdp_mesh=mesh["dp"],
-            )
-            for cfg in configs
-        ]
-    pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    return [
-        run_pipeline(
-            lib,
-            cfg,
-            pp_rank,
-            pp,
-            group=pp_groups[replica],
-            reducer_group=dp_groups[pp_rank],
-            data_seed=replica,
-        )
-        for cfg in configs
-    ]
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+        groups = {"group": mesh["pp"].get_group(), "fsdp_mesh": mesh["dp"]}
+    else:
+        pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        groups = {"group": pp_groups[replica], "reducer_group": dp_groups[pp_rank]}
+    return [run_pipeline(lib, cfg, pp_rank, 2, data_seed=replica, **groups) for cfg in configs]
 
 
 def _pp_dp_truth(rank: int, world: int, lib_name: str, configs: list[PipelineConfig]) -> list:
@@ -63,50 +49,35 @@ def _pp_dp_truth(rank: int, world: int, lib_name: str, configs: list[PipelineCon
     out = []
     for cfg in configs:
         _, num_stages = stage_layout(cfg.schedule, 0, 2)
-        reps = [single_pipeline(lib, cfg, num_stages, data_seeds=(r,)) for r in range(2)]
-        emulated = []
-        for i in range(num_stages):
-            g0, g1 = gradients(reps[0]["blocks"][i]), gradients(reps[1]["blocks"][i])
-            means = {n: mean([g0[n], g1[n]], 2) for n in g0}
-            emulated.append(
-                {n: None if g is None else g.div_(cfg.n_microbatches) for n, g in means.items()}
-            )
-        out.append(
-            {
-                "grads": [clone(d) for d in emulated],
-                "losses": [r["losses"] for r in reps],
-                **reference_runs(cfg, num_stages, data_seeds=(0, 1)),
-            }
-        )
+        replicas = [single_pipeline(lib, cfg, num_stages, seeds=(r,)) for r in range(2)]
+        grads = [
+            replica_mean([gradients(model[i]) for model, _ in replicas], cfg.n_microbatches)
+            for i in range(num_stages)
+        ]
+        losses = [run_losses for _, run_losses in replicas]
+        stages = reference_stages(cfg, num_stages, seeds=(0, 1))
+        out.append({"grads": grads, "losses": losses, **stages})
     return out
 
 
-def _compare_stage(report: DistributedReport, where: str, got: dict, want: dict, i: int) -> None:
-    """Stage ``i`` of one rank's step against the one-process runs ``want``."""
-    grads = got["grads"][i]
-    for name, g in grads.items():
-        report.bitwise(
-            f"{where} stage {i} {name} vs (replica0 + replica1) / 2 without delay",
-            g,
-            want["grads"][i][name],
-        )
-    if want["truth"] is not None:
-        judge_truth(
-            report,
-            f"{where} stage {i} (global batch)",
-            grads,
-            want["naive"][i],
-            want["truth"][i],
-        )
-    launches = got["launches"][i]
-    report.counted()
-    if not launches:
-        report.failures.append(f"{where} stage {i}: no reduction launched")
-    elif max(t for _, t in launches) > got["finish"][i]:
-        report.failures.append(f"{where} stage {i}: a reduction launched after finish()")
-    left = {n: c for n, c in got["pending"][i].items() if c}
-    if left:
-        report.failures.append(f"{where} stage {i}: entries pending {left}")
+def _compare(report: DistributedReport, where: str, got: dict, want: dict, replica: int) -> None:
+    """One rank's step against the one-process runs ``want``."""
+    for error in got["errors"]:
+        report.failures.append(f"{where}: finish() raised: {error}")
+    for i, grads in got["grads"].items():
+        versus = "(replica0 + replica1) / 2 without delay"
+        compare_stage(report, where, grads, want, i, versus, " (global batch)")
+        launches = got["launches"][i]
+        report.counted()
+        if not launches:
+            report.failures.append(f"{where} stage {i}: no reduction launched")
+        elif max(launches) > got["finish"][i]:
+            report.failures.append(f"{where} stage {i}: a reduction launched after finish()")
+        left = {n: c for n, c in got["pending"][i].items() if c}
+        if left:
+            report.failures.append(f"{where} stage {i}: entries pending {left}")
+    for j, loss in enumerate(got["losses"]):
+        report.bitwise(f"{where} loss {j}", loss, want["losses"][replica][j])
 
 
 def check_pipeline_data_parallel(
@@ -128,26 +99,11 @@ def check_pipeline_data_parallel(
     results = run_checked(
         report, "ranks", _pp_dp_rank, 4, lib_name, configs, fully_shard, timeout_s=timeout_s
     )
-    truths = run_checked(
-        report,
-        "single-process baseline",
-        _pp_dp_truth,
-        1,
-        lib_name,
-        configs,
-        timeout_s=timeout_s,
-    )
-    if results is None or truths is None:
+    truth = baseline(report, _pp_dp_truth, lib_name, configs, timeout_s=timeout_s)
+    if results is None or truth is None:
         return report
-    (truth,) = truths
     for k, cfg in enumerate(configs):
-        for rank, got in enumerate(per_rank[k] for per_rank in results):
-            replica = rank // 2
-            where = f"{cfg.label} rank {rank} (replica {replica})"
-            for error in got["errors"]:
-                report.failures.append(f"{where}: finish() raised: {error}")
-            for i in got["grads"]:
-                _compare_stage(report, where, got, truth[k], i)
-            for j, loss in enumerate(got["losses"]):
-                report.bitwise(f"{where} loss {j}", loss, truth[k]["losses"][replica][j])
+        for rank, per_rank in enumerate(results):
+            where = f"{cfg.label} rank {rank} (replica {rank // 2})"
+            _compare(report, where, per_rank[k], truth[k], rank // 2)
     return report

@@ -1,9 +1,6 @@
 """What a distributed check returns: every comparison counted as the harness counts a cell's
-(:class:`~splitgrad.properties.checks.results.CheckResult`: comparisons, the bitwise ones, the worst
-error/budget ratio) and every mismatch kept as a line, so one run names all of them.
-
-Also the pieces every check shares: ranks whose failure becomes a line of the report
-(:func:`run_checked`) and the float64 truth's judgement (:func:`judge_truth`)."""
+(:class:`~splitgrad.properties.checks.results.CheckResult`) and every mismatch kept as a line, so
+one run names all of them; and the ranks, launches and float64 truth every check judges."""
 
 from __future__ import annotations
 
@@ -18,7 +15,14 @@ from splitgrad.distributed import RankFailure, run_ranks
 from ...budgets import data_parallel_tolerance
 from ..results import CheckResult, Tracker
 
-__all__ = ["DistributedReport", "merge_reports", "run_checked", "judge_truth", "mean"]
+__all__ = [
+    "DistributedReport",
+    "merge_reports",
+    "run_checked",
+    "baseline",
+    "check_buckets",
+    "judge_truth",
+]
 
 
 @dataclasses.dataclass
@@ -126,15 +130,34 @@ def run_checked(
         return None
 
 
-def mean(grads: list[torch.Tensor | None], divisor: float) -> torch.Tensor | None:
-    """``sum(grads) / divisor``, or ``None`` if a gradient is missing (reported by name where it
-    is compared)."""
-    if any(g is None for g in grads):
-        return None
-    total = grads[0].clone()
-    for g in grads[1:]:
-        total += g
-    return total.div_(divisor)
+def baseline(
+    report: DistributedReport, fn: Callable[..., Any], *args: Any, timeout_s: float
+) -> Any:
+    """``fn`` on one rank (:func:`run_checked`): the single-process baseline, in a process of its
+    own with the ranks' thread count (CPU kernels may reduce in another order with more)."""
+    out = run_checked(report, "single-process baseline", fn, 1, *args, timeout_s=timeout_s)
+    return None if out is None else out[0]
+
+
+def check_buckets(
+    report: DistributedReport, where: str, got: dict, collective: str | None = None
+) -> None:
+    """Each of ``got``'s buckets launched once (by ``collective`` where given), none after
+    ``finish()``: one comparison."""
+    launches = got["launches"]
+    launched = [e["bucket"] for e in launches]
+    report.counted()
+    if sorted(launched) != list(range(len(got["buckets"]))):
+        report.failures.append(
+            f"{where}: buckets launched {launched}, expected each of {len(got['buckets'])} once"
+        )
+    kinds = {e.get("collective") for e in launches}
+    if collective and launches and kinds != {collective}:
+        report.failures.append(f"{where}: launches were {kinds}, expected {collective}")
+    if launches and got["finish"] is not None:
+        late = [e["bucket"] for e in launches if e["time"] > got["finish"]]
+        if late:
+            report.failures.append(f"{where}: buckets {late} launched after finish() was called")
 
 
 def judge_truth(
@@ -145,11 +168,10 @@ def judge_truth(
     truth: dict,
     dtype: torch.dtype | None = None,
 ) -> None:
-    """Every gradient in ``got`` within the data-parallel budget of the float64 truth, the
-    budget scaled by the naive same-dtype run's own error (both from ``splitgrad.reference``,
-    not the package under test, so a bug the package's delayed and non-delayed paths share is
-    still measured). ``dtype``: the dtype the gradients were computed in, for the budget's
-    floor, when it is not theirs (FSDP2 mixed precision computes in bf16, returns fp32)."""
+    """Every gradient in ``got`` within the data-parallel budget of the float64 ``truth``, scaled
+    by the ``naive`` same-dtype run's own error (:func:`~.model.reference_runs`). ``dtype``: the
+    compute dtype, for the budget's floor, where it is not the gradients' own (FSDP2 mixed
+    precision computes in bf16, returns fp32)."""
     for name, g in got.items():
         want, yard = truth.get(name), naive.get(name)
         if want is None or yard is None or g is None:
