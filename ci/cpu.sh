@@ -11,8 +11,8 @@ if ! "$PYTHON" -c 'import sys, torch; sys.exit(tuple(map(int, torch.__version__.
   "$PYTHON" -m pip install --quiet --retries 1 "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
 fi
 # [model]: transformers, for the real-model example's test (tests/test_real_model.py).
-# [dualpipe]: DeepSeek's DualPipe, for tests/test_distributed_dualpipe.py and its README example;
-# installed from the copy of PyPI's sdist kept in ci/wheels/, so it needs no index of its own.
+# [dualpipe]: DeepSeek's DualPipe, for tests/test_distributed_dualpipe.py and its example in
+# docs/distributed.md; installed from the copy of PyPI's sdist kept in ci/wheels/, so it needs no index of its own.
 "$PYTHON" -m pip install --quiet ci/wheels/dualpipe-1.0.0.tar.gz
 "$PYTHON" -m pip install --quiet -e ".[test,model,dualpipe]"
 

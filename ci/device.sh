@@ -17,13 +17,14 @@
 #   trace      the cuda_trace tier (tests/test_cuda_trace.py) on this torch
 #   bench      splitgrad bench --device cuda (GEMM paths printed per module)
 #   memory     the queued-entry memory table on the GPU at real scale, against the fake-tensor
-#              figures (python -m splitgrad.impl.entry_memory)
+#              figures (python -m splitgrad.bench.entry_memory)
 #   verify     splitgrad verify --device cuda (its GEMM paths printed), with what time is left
 # SPLITGRAD_REQUIRE_FAST_PATHS=1 turns a fast path the GPU refuses where its capability says
 # it runs into an error. Everything lands in $OUT (default ./device-out), few files, because
-# the device tool brings back at most 8: device.json (the one JSON the README's GPU table is
-# built from: python ci/device_report.py table device.json), gpu-table.md, summary.txt and
-# logs.tar.gz. Exit status: 0 all passed, 1 a step failed or a fast path was missed, 2 no CUDA.
+# the device tool brings back at most 8: device.json (the one JSON docs/gpu-without-gpu.md's
+# GPU table is built from: python ci/device_report.py table device.json), gpu-table.md,
+# summary.txt and logs.tar.gz. Exit status: 0 all passed, 1 a step failed or a fast path was
+# missed, 2 no CUDA.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -135,12 +136,12 @@ fi
 # end for them; memory-fake needs no GPU and runs everywhere (about 10 s; 90 s leaves room for a
 # loaded CPU).
 step bench 90 "${SG[@]}" bench --device cuda --no-compile --no-small --reps 5 --json "$WORK/bench.json"
-step memory 90 "$PYTHON" -m splitgrad.impl.entry_memory --device cuda --json "$WORK/memory.json"
-step memory-fake 90 "$PYTHON" -m splitgrad.impl.entry_memory --device fake --json "$WORK/memory-fake.json"
+step memory 90 "$PYTHON" -m splitgrad.bench.entry_memory --device cuda --json "$WORK/memory.json"
+step memory-fake 90 "$PYTHON" -m splitgrad.bench.entry_memory --device fake --json "$WORK/memory-fake.json"
 # Last: the longest, and it gets whatever the budget has left.
 step verify 200 "${SG[@]}" verify --device cuda --examples 3 --quiet --json "$WORK/verify.json"
 
-# ---- one JSON, the README table, the logs ------------------------------------------------
+# ---- one JSON, the GPU table of docs/gpu-without-gpu.md, the logs -------------------------
 dry_flag=()
 [ "$DRY" = 1 ] && dry_flag=(--dry-run)
 "$PYTHON" ci/device_report.py collect "$WORK" "$OUT/device.json" "${dry_flag[@]}"

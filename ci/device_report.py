@@ -1,4 +1,5 @@
-"""``ci/device.sh``'s report: one JSON from the run's files, and the README's GPU table from it.
+"""``ci/device.sh``'s report: one JSON from the run's files, and docs/gpu-without-gpu.md's GPU
+table from it.
 
     python ci/device_report.py collect WORKDIR device.json [--dry-run]   # exit 1 if not ok
     python ci/device_report.py table device.json                         # Markdown
@@ -219,7 +220,7 @@ def _mib(n: int) -> str:
 
 
 def table(report: dict) -> str:
-    """The README's GPU section tables (Markdown)."""
+    """The GPU tables of docs/gpu-without-gpu.md (Markdown)."""
     m = report.get("machine") or {}
     where = m.get("device_name") or "no GPU (dry run)"
     cap = m.get("capability")

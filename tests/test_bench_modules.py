@@ -67,7 +67,8 @@ def test_interleaved_medians_runs_every_contender_every_round():
 
 
 def test_small_shape_row_measures_every_ratio():
-    """One small case, few reps: the row carries the three ratios of the README table."""
+    """One small case, few reps: the row carries the three ratios of docs/figures.md's per-call
+    table."""
     row = bench.per_call("LayerNormLinear", 16, 32, 32, 1, torch.float32, reps=3)
     assert row["shape"] == "16x32->32"
     for key in ("fwd", "fwd_bwd", "fwd_bwd_dw"):

@@ -1,7 +1,7 @@
 """ci/device.sh, the one prepared run for a borrowed GPU, checked on the CPU: its dry run goes
 through every step up to the first CUDA call, its report turns a GPU run's files into one JSON
-and the README's table (and fails on what a GPU run can get wrong), and the GPU commands refuse
-a machine without CUDA with exit status 2 and one line."""
+and docs/gpu-without-gpu.md's table (and fails on what a GPU run can get wrong), and the GPU
+commands refuse a machine without CUDA with exit status 2 and one line."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has
 GPU_COMMANDS = {
     "verify": [sys.executable, "-m", "splitgrad.cli", "verify", "--device", "cuda"],
     "bench": [sys.executable, "-m", "splitgrad.cli", "bench", "--device", "cuda"],
-    "entry_memory": [sys.executable, "-m", "splitgrad.impl.entry_memory", "--device", "cuda"],
+    "entry_memory": [sys.executable, "-m", "splitgrad.bench.entry_memory", "--device", "cuda"],
 }
 
 
@@ -45,7 +45,7 @@ def test_dry_run_goes_up_to_the_first_cuda_call(tmp_path):
     """``bash ci/device.sh --dry-run``: the environment check, the offline editable install (pip
     --dry-run), pytest collecting the cuda-marked tests and the trace tier, verify / bench / the
     GPU memory table stopping at their CUDA check, the fake-tensor memory table, and the report:
-    one JSON (ok), the README table, a summary and the logs, within the device tool's 8 files."""
+    one JSON (ok), the GPU table, a summary and the logs, within the device tool's 8 files."""
     out = tmp_path / "out"
     env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, TMPDIR=str(tmp_path))
     done = subprocess.run(
@@ -141,7 +141,7 @@ def _gpu_run(work: Path, *, missed: bool = False, failing: bool = False, differ:
 
 
 def test_report_of_a_passing_gpu_run(tmp_path):
-    """A clean GPU run gives ok, and the README table names the machine, the counts, the memory
+    """A clean GPU run gives ok, and the GPU table names the machine, the counts, the memory
     check and each GEMM path with its call and reason."""
     _gpu_run(tmp_path)
     report = device_report.collect(tmp_path, dry_run=False)

@@ -1,5 +1,5 @@
 """The memory one queued wgrad entry holds at real scale (hidden 8192, ffn 28672, 4096 tokens,
-64 experts), computed exactly on fake tensors by ``splitgrad.impl.entry_memory``: what is alive
+64 experts), computed exactly on fake tensors by ``splitgrad.bench.entry_memory``: what is alive
 between B and W is the entry and nothing else, each entry is its floor plus exactly what impl
 adds, torch's generic split holds more, and the table in docs/figures.md is this table."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from splitgrad.impl import entry_memory as em
+from splitgrad.bench import entry_memory as em
 
 FIGURES = Path(__file__).resolve().parents[1] / "docs" / "figures.md"
 S = em.SCALE
@@ -80,7 +80,7 @@ def test_generic_split_holds_more(table):
 
 
 def test_figures_table_is_this_table(table):
-    """docs/figures.md's memory table is exactly what ``python -m splitgrad.impl.entry_memory
+    """docs/figures.md's memory table is exactly what ``python -m splitgrad.bench.entry_memory
     --markdown`` prints."""
     assert em.markdown(table) in FIGURES.read_text()
 

@@ -1,6 +1,6 @@
 """The trainer sequence of SPEC §2 and §8 (torchtitan's, FSDP2's documented recipe): build on the
 meta device, ``convert_linears``, ``fully_shard``, ``GradientReducer``, ``to_empty``, load. The
-README's ``trainer-sequence`` example runs it end to end on a Hugging Face Llama
+``trainer-sequence`` example of docs/distributed.md runs it end to end on a Hugging Face Llama
 (``tests/test_readme_examples.py``); these pin its pieces on a small model: the reducer built on
 meta still reduces after materialization, and what contradicts a meta model is refused by name.
 

@@ -1,11 +1,11 @@
 """The memory one queued wgrad entry holds at real scale, computed exactly on fake tensors.
 
-``python -m splitgrad.impl.entry_memory [--json PATH] [--markdown] [--device fake|cuda]``
+``python -m splitgrad.bench.entry_memory [--json PATH] [--markdown] [--device fake|cuda]``
 
 A queued entry is what a zero-bubble schedule keeps alive between a micro-batch's B step
 (``backward()``) and its W step (``backward_dw()``). Its size depends only on shapes, dtypes and
-recipes, so fake tensors (sizes, no storage: :mod:`.fake_cuda`) give it exactly at shapes no
-CPU could hold: hidden 8192, ffn 28672, 4096 tokens, for ``Linear`` (hidden -> ffn),
+recipes, so fake tensors (sizes, no storage: :mod:`splitgrad.impl.fake_cuda`) give it exactly
+at shapes no CPU could hold: hidden 8192, ffn 28672, 4096 tokens, for ``Linear`` (hidden -> ffn),
 ``LayerNormMLP`` and ``GroupedLinear`` with 64 experts, in bf16 and under each FP8 recipe.
 
 Each row is measured, not derived: the module is stepped on fake CUDA tensors at sm90 (sm100
@@ -36,9 +36,7 @@ import json
 import sys
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-
-from ._torch_compat import (
+from splitgrad.impl._torch_compat import (
     dispatch_mode_base,
     fake_tensor_mode,
     pipelining_split,
@@ -46,13 +44,15 @@ from ._torch_compat import (
     storage_key,
     tree_leaves,
 )
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["Scale", "SCALE", "measure", "rows", "main", "markdown"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Scale:
-    """The shapes of the table."""
+    """The shapes of the table: hidden and ffn sizes, tokens per micro-batch, and the experts of
+    ``GroupedLinear``."""
 
     hidden: int = 8192
     ffn: int = 28672
@@ -178,7 +178,7 @@ def _capability(precision: str) -> tuple[int, int]:
 
 def measure(kind: str, precision: str, s: Scale = SCALE, device: str = "fake") -> dict:
     """One row: bytes one entry holds, bytes alive between B and W, the floor."""
-    from .fake_cuda import fake_cuda, module_step
+    from splitgrad.impl.fake_cuda import fake_cuda, module_step
 
     recipe = _recipe(precision)
     m_splits = splits(kind, precision, s)
@@ -284,7 +284,7 @@ def _mib(n: int) -> str:
 
 
 def markdown(table: list[dict], s: Scale = SCALE) -> str:
-    """The table as Markdown (the README's)."""
+    """The table as Markdown (docs/figures.md's)."""
     lines = [
         f"hidden {s.hidden}, ffn {s.ffn}, {s.tokens} tokens, GroupedLinear {s.experts} experts; "
         "MiB; one delayed backward() of bf16 parameters",
@@ -308,7 +308,7 @@ def markdown(table: list[dict], s: Scale = SCALE) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Print the table (``--markdown``: as Markdown); ``--json PATH`` also writes the rows."""
     parser = argparse.ArgumentParser(
-        prog="python -m splitgrad.impl.entry_memory",
+        prog="python -m splitgrad.bench.entry_memory",
         description="Bytes one queued wgrad entry holds at real scale (fake tensors, or a GPU).",
     )
     parser.add_argument("--device", choices=("fake", "cuda"), default="fake")
