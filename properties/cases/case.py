@@ -48,10 +48,8 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 # What ``splitgrad verify --recipe`` and the tests select by.
 RECIPE_FAMILIES: dict[str, tuple[str, ...]] = {
-    "delayed": tuple(n for n in RECIPES if n.startswith("delayed")),
-    "current": tuple(n for n in RECIPES if n.startswith("current")),
-    "mxfp8": ("mxfp8", "mxfp8-hybrid"),
-    "block": ("block", "block-hybrid"),
+    family: tuple(n for n in RECIPES if n.startswith(family))
+    for family in ("delayed", "current", "mxfp8", "block")
 }
 _ALIGNMENT = {"MXFP8BlockScaling": 32, "Float8BlockScaling": 128}
 

@@ -87,12 +87,10 @@ def role_of(name: str) -> str:
     name ``name`` has in any module; raises ``ValueError`` for a name SPEC does not use."""
     if name in ("layer_norm_weight", "layer_norm_bias"):
         return NORM
-    if name in ("weight", "fc1_weight", "fc2_weight") or (
-        name.startswith("weight") and name[6:].isdigit()
-    ):
-        return GEMM_WEIGHT
-    if name in ("bias", "fc1_bias", "fc2_bias") or (name.startswith("bias") and name[4:].isdigit()):
-        return GEMM_BIAS
+    for role, base in ((GEMM_WEIGHT, "weight"), (GEMM_BIAS, "bias")):
+        numbered = name.startswith(base) and name[len(base) :].isdigit()  # GroupedLinear's
+        if numbered or name in (base, f"fc1_{base}", f"fc2_{base}"):
+            return role
     raise ValueError(f"{name!r} is not a parameter name of SPEC §2")
 
 
@@ -174,9 +172,7 @@ def make_micro_batch(config: ModuleConfig, mb: MicroBatch, seed: int, index: int
         dy = torch.ones_like(dy)  # loss.sum()
     elif mb.dy_layout == "expanded_mean":
         dy = torch.full_like(dy, 1.0 / max(1, dy.numel()))  # loss.mean()
-    elif mb.dy_layout == "expanded_rows":
-        flat = dy.reshape(-1, dy.shape[-1])  # (y * v).sum(): one row for every row
-        dy = flat[:1].expand_as(flat).reshape(dy.shape) if dy.numel() else dy
+    # "expanded_rows" ((y * v).sum()): with_layout repeats the first row.
     if config.recipe is not None:
         # FP8: each micro-batch at its own magnitude (x and dy scaled by 2**-2 .. 2**3), so that
         # delayed scaling meets values beyond the last step's amax (saturation) and below it.

@@ -1,19 +1,12 @@
 """Typed hypothesis strategies for the conformance campaign.
 
-Strategies draw *structure* only: module kind, sizes (1 and primes included), flags, dtype,
-device, ``m_splits`` with empty groups, micro-batch schedules and layouts, and a seed. Every
-tensor value is made from the seed (:mod:`.data`), so hypothesis shrinks shapes and flags, never
-float payloads, and a shrunk case prints as a short JSON line. One tunable limit,
-:data:`MAX_WORK` (env ``SPLITGRAD_MAX_WORK``), caps the multiply-adds of one example over all
-its GEMMs and micro-batches; rows are drawn under it by construction (no ``assume``).
-
-FP8 (SPEC §6): under a block recipe every feature size and token count (each group's included)
-is drawn as a multiple of :func:`recipe_alignment`. Such shapes are bigger, so under the same cap
-they get one aligned unit of tokens per micro-batch (two for a ``GroupedLinear``, so that two
-groups can be non-empty), at most three groups, and sizes of one or two alignment units.
-
-Layouts (SPEC §7): each micro-batch draws the layouts of its input and output gradient
-(:data:`X_LAYOUTS`, :data:`DY_LAYOUTS`); values depend on them only for the expanded ``dy``.
+Strategies draw *structure* only (kinds, sizes with 1 and primes, flags, dtypes, devices,
+``m_splits`` with empty groups, schedules, layouts, seeds); every tensor value comes from the
+seed (:mod:`.data`), so hypothesis shrinks shapes and flags, never float payloads. One tunable
+limit, :data:`MAX_WORK` (env ``SPLITGRAD_MAX_WORK``), caps the multiply-adds of one example.
+Rows are drawn under it by construction (no ``assume``), and so are the sizes block recipes
+align (:func:`recipe_alignment`); being bigger, those get one or two units per feature size,
+one unit of tokens per micro-batch (two for a ``GroupedLinear``) and at most three groups.
 :func:`boundary_cases` gives the explicit cases every campaign cell runs before its drawn ones.
 """
 

@@ -1,22 +1,20 @@
-"""P13 (SPEC §6, §7), FP8: a backend's FP8 quantizers equal the reference's bit for bit, and amax
-histories, scales and gradients of a delayed module equal the non-delayed one's over several
+"""P13 (SPEC §6, §7), FP8: a backend's FP8 quantizers equal the reference's bit for bit, and a
+delayed module's amax histories, scales and gradients equal a non-delayed one's over several
 steps.
 
-Quantizers. For every operand the case's GEMMs quantize — input ``(tokens, K)``, weight
-``(M, K)``, grad_output ``(tokens, M)`` per GEMM weight and micro-batch — and each GEMM direction
-it is quantized for (``axis=1``: along rows; ``axis=0``: along columns), the backend's
-``quantize(x, recipe, role, axis, state)`` must return the reference's FP8 bytes (compared as
-``uint8``, so the sign of zero and every saturated value count) and ``scale_inv``. Delayed
-scaling threads one state per role through the operands on both sides and compares the amax
-history and scale after each quantization and after each update. ``case.variant`` picks the
-values: ``randn`` (normal values over a wide exponent range), ``specials`` (+-0, +-inf, values
-past the format's maximum, subnormal-range values, an all-zero block), ``outliers`` (a few
-values 1000x the rest). NaN is left out: SPEC says only that NaN stays NaN, not which NaN.
+Quantizers: every operand the case's GEMMs quantize (input ``(tokens, K)``, weight ``(M, K)``,
+grad_output ``(tokens, M)`` per GEMM weight and micro-batch), along rows (``axis=1``) and
+columns (``axis=0``), must come back from the backend's ``quantize(x, recipe, role, axis,
+state)`` as the reference's FP8 bytes (compared as ``uint8``: the sign of zero and saturated
+values count) and ``scale_inv``. Delayed scaling threads one state per role through both sides,
+compared after each quantization and each update. ``case.variant`` picks the values: ``randn``
+(a wide exponent range), ``specials`` (+-0, +-inf, past the format's maximum, subnormal range,
+an all-zero block) or ``outliers`` (a few 1000x the rest); no NaN: SPEC says only that NaN
+stays NaN, not which NaN.
 
-Modules. A delayed and a non-delayed module run the case's micro-batches (at least two) under
-the recipe; the delayed one runs each entry's ``backward_dw()`` only after the *next*
-micro-batch's forward and backward moved the scales. Outputs, input gradients, amax histories
-and scales compare bitwise after every step, all gradients at the end.
+Modules: over at least two micro-batches, the delayed module runs each entry's
+``backward_dw()`` only after the *next* micro-batch moved the scales. Outputs, input gradients,
+histories and scales compare bitwise after every step, all gradients at the end.
 """
 
 from __future__ import annotations
@@ -46,8 +44,6 @@ __all__ = [
 # Value patterns P13's quantizer operands are drawn with (see the module docstring).
 P13_VALUES = ("randn", "specials", "outliers")
 
-_REFERENCE_QUANTIZER = "splitgrad.reference.fp8_quant"
-
 
 def quantizer_operands(case: Case) -> list[tuple[str, str, torch.Tensor, tuple[int, ...]]]:
     """``(label, role, tensor, axes)`` for every operand the case's GEMMs quantize (values from
@@ -64,10 +60,8 @@ def quantizer_operands(case: Case) -> list[tuple[str, str, torch.Tensor, tuple[i
         for ti, n in enumerate(token_counts):
             if n == 0:
                 continue
-            out.append((f"gemm{gi}.input[{ti}]", "input", _values(case, (n, k), g), (1, 0)))
-            out.append(
-                (f"gemm{gi}.grad_output[{ti}]", "grad_output", _values(case, (n, m), g), (1, 0))
-            )
+            for role, shape in (("input", (n, k)), ("grad_output", (n, m))):
+                out.append((f"gemm{gi}.{role}[{ti}]", role, _values(case, shape, g), (1, 0)))
     return out
 
 
@@ -99,17 +93,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _compare_quantized(t: Tracker, label: str, got: Any, want: Any) -> None:
     t.equal(f"{label}: fp8 dtype", got.data.dtype, want.data.dtype)
     t.bitwise(f"{label}: fp8 bytes", _bits(got.data), _bits(want.data))
-    t.bitwise(f"{label}: scale_inv", _scale_inv(got), want.scale_inv)
-
-
-def _scale_inv(q: Any) -> torch.Tensor:
-    """``scale_inv`` as fp32 (an E8M0 scale is converted exactly: it is a power of two)."""
-    s = q.scale_inv
-    return s if s.dtype == torch.float32 else s.to(torch.float32)
-
-
-def _state_class(quantizer: Any, reference: Any) -> Any:
-    return getattr(quantizer, "DelayedScalingState", reference.DelayedScalingState)
+    # As fp32: an E8M0 scale converts exactly (it is a power of two).
+    t.bitwise(f"{label}: scale_inv", got.scale_inv.to(torch.float32), want.scale_inv)
 
 
 def _compare_state(t: Tracker, label: str, got: Any, want: Any) -> None:
@@ -119,19 +104,18 @@ def _compare_state(t: Tracker, label: str, got: Any, want: Any) -> None:
 
 def check_quantizers(backend: Backend, case: Case, t: Tracker) -> None:
     """The quantizer half of P13 (see the module docstring)."""
-    import importlib
+    from splitgrad.reference import fp8_quant as ref
 
-    ref = importlib.import_module(_REFERENCE_QUANTIZER)
     test = backend.fp8_quantizer()
     recipe = make_recipe(case.config.recipe)
     delayed = type(recipe).__name__ == "DelayedScaling"
     states: dict[str, tuple[Any, Any]] = {}
     for label, role, x, axes in quantizer_operands(case):
         if delayed and role not in states:
-            device = x.device
+            state_class = getattr(test, "DelayedScalingState", ref.DelayedScalingState)
             states[role] = (
-                _state_class(test, ref)(recipe.amax_history_len, device),
-                ref.DelayedScalingState(recipe.amax_history_len, device),
+                state_class(recipe.amax_history_len, x.device),
+                ref.DelayedScalingState(recipe.amax_history_len, x.device),
             )
         for axis in axes:
             got_state, want_state = states.get(role, (None, None))
@@ -168,12 +152,11 @@ def check_histories(backend: Backend, case: Case, t: Tracker) -> None:
     t.bitwise_all("after draining: ", late.fp8_snapshot(), eager.fp8_snapshot())
     if case.config.recipe.startswith("delayed"):
         # Harness self-check: the forwards really ran under the recipe and histories moved.
-        moved = [k for k, v in eager.fp8_snapshot().items() if k.endswith(".amax_history")]
+        state = eager.fp8_snapshot()
+        moved = [k for k in state if k.endswith(".amax_history")]
         t.expect(bool(moved), f"no amax history after {len(data)} FP8 steps")
-        t.expect(
-            any(int(eager.fp8_snapshot()[k].count_nonzero()) > 1 for k in moved),
-            "no amax history holds more than one step",
-        )
+        busy = any(int(state[k].count_nonzero()) > 1 for k in moved)
+        t.expect(busy, "no amax history holds more than one step")
 
 
 def check_p13(backend: Backend, case: Case) -> CheckResult:

@@ -1,8 +1,5 @@
 """P12 (SPEC §7): ``GroupedLinear`` == a list of ``Linear``\\ s on ``torch.split(x, m_splits)``,
-empty groups included; the grouped module's final gradients are also judged against the float64
-truth (:mod:`.truth`), so a bug both sides share (the grouped module reusing Linear's code) is
-caught too.
-"""
+empty groups included, and its own gradients within budget of the float64 truth."""
 
 from __future__ import annotations
 
@@ -22,14 +19,9 @@ from ..cases.data import (
 )
 from ..oracle.truth import judge_steps, truth_runs
 from .results import CheckResult, Tracker
-from .runner import AccuracyRun, ModuleRun, Snapshot, fb_steps
+from .runner import AccuracyRun, ModuleRun, Snapshot, clone_of, fb_steps
 
 __all__ = ["check_p12"]
-
-
-# =============================================================================================
-# P12: GroupedLinear == Linears
-# =============================================================================================
 
 
 def check_p12(backend: Backend, case: Case) -> CheckResult:
@@ -49,7 +41,7 @@ def check_p12(backend: Backend, case: Case) -> CheckResult:
     pairs: list[_Pair] = []
     for k, d in enumerate(data):
         xg, yg = grouped.fb(d)
-        xgrads.append(None if xg.grad is None else xg.grad.detach().clone())
+        xgrads.append(clone_of(xg.grad))
         y_lin, dx_lin = _linears_fb(linears, d, yg)
         if bitwise:
             t.bitwise(f"output[micro-batch {k}] grouped vs linears", yg, y_lin)
@@ -60,7 +52,15 @@ def check_p12(backend: Backend, case: Case) -> CheckResult:
     for lin in linears:
         lin.drain()
     got = grouped.gemm_snapshot()
-    _compare_gradients(t, got, linears, bitwise)
+    lin_grads: Snapshot = {}  # Linear i's gradients by the grouped module's names
+    for i, lin in enumerate(linears):
+        for key, value in lin.gemm_snapshot().items():
+            gkey = key.replace(".", f"{i}.", 1)  # weight.grad -> weight{i}.grad
+            lin_grads[gkey] = value
+            if bitwise:
+                t.bitwise(f"{gkey} grouped vs linear {i}", got.get(gkey), value)
+            else:
+                t.expect(gkey in got, f"{gkey} missing from the grouped module's gradients")
     # FP8: group i quantizes with its own scales and history, exactly as Linear i does.
     got_fp8 = grouped.fp8_snapshot()
     for i, lin in enumerate(linears):
@@ -69,7 +69,7 @@ def check_p12(backend: Backend, case: Case) -> CheckResult:
             t.bitwise(f"{gkey} grouped vs linear {i}", got_fp8.get(gkey), value)
     if not bitwise:
         # Within budget: the float64 truth is the reference GroupedLinear in float64.
-        _p12_budget(t, case, got, linears, pairs)
+        _p12_budget(t, case, got, lin_grads, pairs)
     # Both sides may share a bug (the grouped module reusing Linear's code): judge the grouped
     # module's own gradients against the float64 truth as well.
     judged = AccuracyRun([], xgrads, norm, got)
@@ -91,16 +91,10 @@ def _linears(backend: Backend, case: Case) -> list[ModuleRun]:
     pre = make_grad_prefill(config, case.seed)
     linears = []
     for i in range(config.num_gemms):
-        s = {"weight": state[f"weight{i}"]}
-        if config.bias:
-            s["bias"] = state[f"bias{i}"]
+        s = {name: state[f"{name}{i}"] for name in ("weight", "bias") if f"{name}{i}" in state}
+        main_grads = {"weight": mg[f"weight{i}"]}
         lin = ModuleRun(
-            backend,
-            case,
-            delay=case.delay,
-            config=lin_config,
-            state=s,
-            main_grads={"weight": mg[f"weight{i}"]},
+            backend, case, delay=case.delay, config=lin_config, state=s, main_grads=main_grads
         )
         for name, p in lin.params.items():
             if not lin.uses_main_grad(name):
@@ -127,21 +121,7 @@ def _linears_fb(
     return y_lin, x_all.grad if x_all.grad is not None else torch.zeros_like(x_all)
 
 
-def _compare_gradients(t: Tracker, got: Snapshot, linears: list[ModuleRun], bitwise: bool) -> None:
-    """Each Linear's gradients against its group's: bitwise, or at least present."""
-    for i, lin in enumerate(linears):
-        for key, value in lin.gemm_snapshot().items():
-            name, slot = key.split(".", 1)
-            gkey = f"{name}{i}.{slot}"
-            if bitwise:
-                t.bitwise(f"{gkey} grouped vs linear {i}", got.get(gkey), value)
-            else:
-                t.expect(gkey in got, f"{gkey} missing from the grouped module's gradients")
-
-
-def _p12_budget(
-    t: Tracker, case: Case, got: Snapshot, linears: list[ModuleRun], pairs: list[_Pair]
-) -> None:
+def _p12_budget(t: Tracker, case: Case, got: Snapshot, lin_grads: Snapshot, pairs: list[_Pair]):
     """Grouped within :data:`~.budgets.GROUPED_GEMM` of the float64 truth, relative to the
     Linears' own error: outputs, input gradients, and every weight/bias gradient."""
     runs = truth_runs(case, fb_steps(len(case.micro_batches)))
@@ -151,16 +131,6 @@ def _p12_budget(
     for k, (yg, y_lin, dxg, dx_lin) in enumerate(pairs):
         t.budget(f"output[micro-batch {k}]", yg, truth.outputs[k], y_lin, B.GROUPED_GEMM, dt, dt)
         t.budget(f"inp.grad[micro-batch {k}]", dxg, truth.xgrads[k], dx_lin, B.GROUPED_GEMM, dt, dt)
-    for i, lin in enumerate(linears):
-        for key, value in lin.gemm_snapshot().items():
-            name, slot = key.split(".", 1)
-            gkey = f"{name}{i}.{slot}"
-            t.budget(
-                gkey,
-                got.get(gkey),
-                truth.gemm.get(gkey),
-                value,
-                B.GROUPED_GEMM,
-                torch.float32 if slot == "main_grad" else dt,
-                dt,
-            )
+    for gkey, value in lin_grads.items():
+        wdt = torch.float32 if gkey.endswith(".main_grad") else dt
+        t.budget(gkey, got.get(gkey), truth.gemm.get(gkey), value, B.GROUPED_GEMM, wdt, dt)
