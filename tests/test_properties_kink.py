@@ -68,18 +68,10 @@ def _truth_of(backend, case: Case):
     harness's truth is made: an upcast copy of a reference module in the case's dtype."""
     from splitgrad.properties.cases.data import make_micro_batches
     from splitgrad.properties.checks.runner import ModuleRun, fb_steps, play
-    from splitgrad.reference import upcast
+    from splitgrad.properties.oracle.truth import float64_twin
 
     low = ModuleRun(get_backend("reference"), case, delay=False, hooks=0)
-    run = ModuleRun(
-        backend,
-        case,
-        delay=False,
-        hooks=0,
-        module=upcast(low.module),
-        config=dataclasses.replace(case.config, dtype="float64"),
-        main_grads=False,
-    )
+    run = float64_twin(backend, case, low)
     return play(run, make_micro_batches(case), fb_steps(len(case.micro_batches)), torch.float64)
 
 

@@ -1,12 +1,7 @@
-"""P18's module-protocol kinds (SPEC §2, "Every module is a well-behaved ``torch.nn.Module``"):
-where parameters are created, ``reset_parameters()``, ``repr``, outputs that are not views, and
-copies. The autograd half of that list is :mod:`.fidelity`'s, which dispatches both: one
-property, so a cell reports the module as ``torch.nn`` code sees it. Every check goes through the
-:class:`~.backends.Backend` API; a backend whose modules are the adapter's own (``torch-split``'s
-``torch.nn`` twins) says so in :meth:`~.backends.Backend.module_protocol_reason`, and these kinds
-are n/a there.
-
-Each case names one kind (``case.variant``, :data:`PROTOCOL_VARIANTS`):
+"""P18's module-protocol kinds (SPEC §2, "Every module is a well-behaved ``torch.nn.Module``";
+the autograd half of that list is :mod:`.fidelity`'s, which dispatches both), through the
+:class:`~.backends.Backend` API. They are n/a on a backend whose modules are the adapter's own
+(:meth:`~.backends.Backend.module_protocol_reason`). Each case names one kind (``case.variant``):
 
 * ``module.placement``: built inside ``with torch.device("meta"):`` without ``device=``, every
   parameter is on meta (in the case's dtype); after ``torch.set_default_device("meta")`` and
@@ -69,9 +64,22 @@ def _what(case: Case) -> str:
     return f"P18 {parts[0]} ({', '.join(parts[1:])}): "
 
 
-def _start(
-    backend: Backend, case: Case, **kw: Any
-) -> tuple[Tracker, str, list[MicroBatchData], ModuleRun]:
+def _kind(table: dict[str, Callable[[Backend, Case], CheckResult]], *variants: str) -> Callable:
+    """Enter the decorated check in ``table`` as the check of the kinds ``variants``."""
+
+    def enter(check: Callable[[Backend, Case], CheckResult]) -> Callable:
+        table.update(dict.fromkeys(variants, check))
+        return check
+
+    return enter
+
+
+#: The module-protocol kinds of P18 (``case.variant``) and their checks, in the order a cell
+#: enumerates them (the order of the checks below).
+PROTOCOL_CHECKS: dict[str, Callable[[Backend, Case], CheckResult]] = {}
+
+
+def _start(backend: Backend, case: Case, **kw: Any) -> tuple:
     """A check's tracker, message prefix, micro-batches and module run (``kw``: its options)."""
     data = make_micro_batches(case)
     return Tracker(), _what(case), data, ModuleRun(backend, case, delay=case.delay, hooks=0, **kw)
@@ -113,14 +121,7 @@ def _values(backend: Backend, module: Any) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in backend.parameters(module).items()}
 
 
-def _same_parameters(
-    t: Tracker,
-    what: str,
-    backend: Backend,
-    module: Any,
-    want: dict[str, torch.Tensor],
-    want_fp8: Snapshot | None = None,
-) -> None:
+def _same_parameters(t: Tracker, what: str, backend: Backend, module, want, want_fp8=None) -> None:
     """Names, shapes, dtypes, devices and values (bitwise) of ``module``'s parameters against
     ``want``, and its FP8 scaling state against ``want_fp8`` when given."""
     got = _values(backend, module)
@@ -178,6 +179,7 @@ def _same_trace(t: Tracker, what: str, got: _Trace, want: _Trace) -> None:
 # ---- the checks ----------------------------------------------------------------------------
 
 
+@_kind(PROTOCOL_CHECKS, "module.placement")
 def _check_placement(backend: Backend, case: Case) -> CheckResult:
     t, what = Tracker(), _what(case)
     config, delay = case.config, case.delay
@@ -197,9 +199,8 @@ def _check_placement(backend: Backend, case: Case) -> CheckResult:
 
     with torch.device("meta"):
         m = backend.build_with_torch_defaults(config, delay=delay, omit=("device",))
-    placed(
-        'built inside `with torch.device("meta")` without device=', m, "meta", config.torch_dtype
-    )
+    how = 'built inside `with torch.device("meta")` without device='
+    placed(how, m, "meta", config.torch_dtype)
     with _torch_defaults(device="meta", dtype=other):
         m = backend.build_with_torch_defaults(config, delay=delay, omit=("device", "params_dtype"))
     how = f'built after torch.set_default_device("meta") and set_default_dtype({other}) without'
@@ -228,6 +229,7 @@ def _reset(backend: Backend, module: Any, what: str) -> None:
     backend.reset_parameters(module)
 
 
+@_kind(PROTOCOL_CHECKS, "module.reset_parameters")
 def _check_reset(backend: Backend, case: Case) -> CheckResult:
     t, what = Tracker(), _what(case)
     config, delay = case.config, case.delay
@@ -264,6 +266,7 @@ def _check_reset(backend: Backend, case: Case) -> CheckResult:
     return t.result
 
 
+@_kind(PROTOCOL_CHECKS, "module.reset_queued")
 def _check_reset_queued(backend: Backend, case: Case) -> CheckResult:
     t, what, data, run = _start(backend, case, prefill_grads=True)
     twin = ModuleRun(backend, case, delay=case.delay, prefill_grads=True, hooks=0)
@@ -273,12 +276,8 @@ def _check_reset_queued(backend: Backend, case: Case) -> CheckResult:
     refused = f"{what}changed by the refused reset_parameters(): "
     while run.pending():
         before, pending = _state_snapshot(run), run.pending()
-        _expect_raises(
-            t,
-            f"{what}reset_parameters() with {pending} weight-gradient entries queued",
-            lambda: _reset(backend, run.module, what),
-            (RuntimeError,),
-        )
+        label = f"{what}reset_parameters() with {pending} weight-gradient entries queued"
+        _expect_raises(t, label, lambda: _reset(backend, run.module, what), (RuntimeError,))
         t.bitwise_all(refused, _state_snapshot(run), before)
         label = f"{what}pending_wgrad_count after the refused reset_parameters()"
         t.equal(label, run.pending(), pending)
@@ -306,37 +305,28 @@ def _unquoted(value: str) -> str:
     return value[1:-1] if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"" else value
 
 
-def _expected_repr(case: Case) -> tuple[dict[str, str], dict[str, str]]:
-    """(sizes, options that differ from their defaults) as ``name: value`` text."""
+def _expected_repr(case: Case) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:
+    """The sizes (``name: value``) and options (``name: (value, default)``) as text."""
     c = case.config
     sizes = {"in_features": c.in_features, "out_features": c.out_features}
     if c.kind == "LayerNormMLP":
         sizes = {"hidden_size": c.in_features, "ffn_hidden_size": c.out_features}
     elif c.kind == "GroupedLinear":
         sizes = {"num_gemms": c.num_gemms, **sizes}
-    options: dict[str, str] = {
-        "bias": str(c.bias),
-        "delay_wgrad_compute": str(case.delay),
-        "fuse_wgrad_accumulation": str(c.fuse_wgrad_accumulation),
+    options = {
+        "bias": (str(c.bias), "True"),
+        "delay_wgrad_compute": (str(case.delay), "False"),
+        "fuse_wgrad_accumulation": (str(c.fuse_wgrad_accumulation), "False"),
     }
     if c.has_norm:
-        options["normalization"] = c.normalization
-        options["zero_centered_gamma"] = str(c.zero_centered_gamma)
+        options["normalization"] = (c.normalization, "LayerNorm")
+        options["zero_centered_gamma"] = (str(c.zero_centered_gamma), "False")
     if c.kind == "LayerNormMLP":
-        options["activation"] = c.activation
+        options["activation"] = (c.activation, "gelu")
     return {k: str(v) for k, v in sizes.items()}, options
 
 
-_DEFAULTS = {
-    "bias": "True",
-    "delay_wgrad_compute": "False",
-    "fuse_wgrad_accumulation": "False",
-    "normalization": "LayerNorm",
-    "zero_centered_gamma": "False",
-    "activation": "gelu",
-}
-
-
+@_kind(PROTOCOL_CHECKS, "module.repr")
 def _check_repr(backend: Backend, case: Case) -> CheckResult:
     t, what = Tracker(), _what(case)
     c = case.config
@@ -346,9 +336,9 @@ def _check_repr(backend: Backend, case: Case) -> CheckResult:
     sizes, options = _expected_repr(case)
     for name, value in sizes.items():
         t.equal(f"{shown}: the values shown for {name}", _shown(text, name), [value])
-    for name, value in options.items():
+    for name, (value, default) in options.items():
         seen = [_unquoted(v) for v in _shown(text, name)]
-        if value != _DEFAULTS[name]:
+        if value != default:
             t.expect(seen, f"{shown} does not show {name}={value} (it differs from the default)")
         t.expect(
             all(v == value for v in seen),
@@ -369,6 +359,7 @@ _MODES: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
 }
 
 
+@_kind(PROTOCOL_CHECKS, "module.output_not_view")
 def _check_output_not_view(backend: Backend, case: Case) -> CheckResult:
     t, what = Tracker(), _what(case)
     k = case.config.in_features
@@ -406,6 +397,7 @@ _COPIES: dict[str, Callable[[Any], Any]] = {
 }
 
 
+@_kind(PROTOCOL_CHECKS, *_COPIES, "module.to_empty")
 def _check_copy(backend: Backend, case: Case) -> CheckResult:
     t, what, data, original = _start(backend, case)
     warm, rest = (data[:1], data[1:]) if len(data) > 1 else ([], data)
@@ -441,17 +433,7 @@ def _check_copy(backend: Backend, case: Case) -> CheckResult:
     return t.result
 
 
-#: The module-protocol kinds of P18 (``case.variant``), in the order a cell enumerates them,
-#: and their checks.
-PROTOCOL_CHECKS: dict[str, Callable[[Backend, Case], CheckResult]] = {
-    "module.placement": _check_placement,
-    "module.reset_parameters": _check_reset,
-    "module.reset_queued": _check_reset_queued,
-    "module.repr": _check_repr,
-    "module.output_not_view": _check_output_not_view,
-    **dict.fromkeys(("module.pickle", "module.torch_save", "module.deepcopy"), _check_copy),
-    "module.to_empty": _check_copy,
-}
+#: The module-protocol kinds of P18 (``case.variant``), enumerated by every cell in this order.
 PROTOCOL_VARIANTS = tuple(PROTOCOL_CHECKS)
 
 
@@ -462,15 +444,7 @@ def protocol_explicit(base: list[Case], seed: int = 100) -> list[Case]:
     out = []
     for variant in PROTOCOL_VARIANTS:
         for j, c in enumerate(base):
+            c = dataclasses.replace(c, micro_batches=c.micro_batches[:2], variant=variant, asked=())
             delay = variant == "module.reset_queued" or j % 2 == 0
-            out.append(
-                dataclasses.replace(
-                    c,
-                    micro_batches=c.micro_batches[:2],
-                    delay=delay,
-                    variant=variant,
-                    asked=(),
-                    seed=seed + len(out),
-                )
-            )
+            out.append(dataclasses.replace(c, delay=delay, seed=seed + len(out)))
     return out
