@@ -76,18 +76,21 @@ def _fails(backend: Backend, case: Case, *fragments: str) -> str:
     return message
 
 
-def _mutated(tmp_path: Path, name: str, bug: str, edits) -> Backend:
-    mutants = ci_mutants()
-    mutant = mutants.Mutant(name, bug, tuple(edits))
-    dest = tmp_path / name.replace("-", "_")
-    why = mutants.apply(mutant, dest)
+def _mutated(tmp_path: Path, mutant) -> Backend:
+    dest = tmp_path / mutant.name.replace("-", "_")
+    why = ci_mutants().apply(mutant, dest)
     assert why is None, why
     return get_backend(f"path:{dest}")
 
 
 def _ci_mutant(tmp_path: Path, name: str) -> Backend:
-    mutant = next(m for m in ci_mutants().P18_MUTANTS if m.name == name)
-    return _mutated(tmp_path, mutant.name, mutant.bug, mutant.edits)
+    return _mutated(tmp_path, next(m for m in ci_mutants().P18_MUTANTS if m.name == name))
+
+
+def _planted(tmp_path: Path, bug: str, *edits: tuple[str, str, str]) -> Backend:
+    """A copy of impl with ``bug`` planted by ``edits`` (file, text, replacement), imported
+    under a name of its own (the test's)."""
+    return _mutated(tmp_path, ci_mutants().Mutant(tmp_path.name, bug, edits))
 
 
 # ---- reference and impl pass every kind ----------------------------------------------------
@@ -215,45 +218,24 @@ def test_early_post_accumulate_hooks_are_caught(tmp_path: Path) -> None:
 
 # ---- planted edits for the remaining sub-checks --------------------------------------------
 
+_APPLY_HOOKS = 'acc.apply_tensor_hooks(leaf, value, f"{kind}.{names[id(leaf)]}")'
+
 
 def test_a_dropped_hook_replacement_is_caught(tmp_path: Path) -> None:
     """The hook sees the gradient (so the truth check passes) but its return is dropped."""
-    backend = _mutated(
-        tmp_path,
-        "hook-return-dropped",
-        "a tensor hook's replacement is ignored",
-        [
-            (
-                "base.py",
-                'acc.apply_tensor_hooks(leaf, value, f"{kind}.{names[id(leaf)]}")',
-                '(acc.apply_tensor_hooks(leaf, value, f"{kind}.{names[id(leaf)]}"), value)[1]',
-            )
-        ],
-    )
+    edit = ("base.py", _APPLY_HOOKS, f"({_APPLY_HOOKS}, value)[1]")
+    backend = _planted(tmp_path, "a tensor hook's replacement is ignored", edit)
     case = _case("tensor_hook", "Linear", asked=("weight",))
-    _fails(
-        backend,
-        case,
-        "weight.grad vs its prefill plus what its hook returned",
-        "not bitwise identical",
-    )
+    message = "weight.grad vs its prefill plus what its hook returned"
+    _fails(backend, case, message, "not bitwise identical")
 
 
 def test_a_hook_seeing_a_wrong_gradient_is_caught(tmp_path: Path) -> None:
     """The hook is handed twice the gradient; what it returns lands in .grad as it should, so
     only the judgment of what it saw against the float64 truth catches it."""
-    backend = _mutated(
-        tmp_path,
-        "hook-sees-twice",
-        "a tensor hook is handed twice the gradient",
-        [
-            (
-                "base.py",
-                'acc.apply_tensor_hooks(leaf, value, f"{kind}.{names[id(leaf)]}")',
-                "acc.apply_tensor_hooks(leaf, value * (2 if acc.has_hooks(leaf) else 1), "
-                'f"{kind}.{names[id(leaf)]}")',
-            )
-        ],
+    twice = _APPLY_HOOKS.replace("value,", "value * (2 if acc.has_hooks(leaf) else 1),")
+    backend = _planted(
+        tmp_path, "a tensor hook is handed twice the gradient", ("base.py", _APPLY_HOOKS, twice)
     )
     for delay in (True, False):
         case = _case("tensor_hook", "Linear", delay=delay, asked=("weight",))
@@ -262,49 +244,33 @@ def test_a_hook_seeing_a_wrong_gradient_is_caught(tmp_path: Path) -> None:
 
 def test_a_post_accumulate_hook_before_the_write_is_caught(tmp_path: Path) -> None:
     """Fired in the right backward_dw(), but before the gradient is written."""
-    backend = _mutated(
+    loop = "            for leaf, value, later in hooked:\n"
+    early = (
+        "            if self.delay_wgrad_compute:\n"
+        "                for leaf, _, _ in hooked:\n"
+        "                    acc.run_post_accumulate_hooks(leaf)\n"
+    )
+    after_write = (
+        "        if self.delay_wgrad_compute:\n"
+        "            for leaf in {id(leaf): leaf for leaf, _, _ in hooked}.values():\n"
+        "                acc.run_post_accumulate_hooks(leaf)\n"
+    )
+    backend = _planted(
         tmp_path,
-        "post-hook-before-write",
         "post-accumulate hooks run before the deferred write",
-        [
-            (
-                "base.py",
-                "            for leaf, value, later in hooked:\n",
-                "            if self.delay_wgrad_compute:\n"
-                "                for leaf, _, _ in hooked:\n"
-                "                    acc.run_post_accumulate_hooks(leaf)\n"
-                "            for leaf, value, later in hooked:\n",
-            ),
-            (
-                "base.py",
-                "        if self.delay_wgrad_compute:\n"
-                "            for leaf in {id(leaf): leaf for leaf, _, _ in hooked}.values():\n"
-                "                acc.run_post_accumulate_hooks(leaf)\n",
-                "",
-            ),
-        ],
+        ("base.py", loop, early + loop),
+        ("base.py", after_write, ""),
     )
     case = _case("post_accumulate_hook", "Linear", asked=("weight",))
-    _fails(
-        backend,
-        case,
-        "weight.grad read by its post-accumulate hook in backward_dw 0 vs after it",
-        "not bitwise identical",
-    )
+    message = "weight.grad read by its post-accumulate hook in backward_dw 0 vs after it"
+    _fails(backend, case, message, "not bitwise identical")
 
 
 def test_a_bypassed_parametrization_is_caught(tmp_path: Path) -> None:
-    backend = _mutated(
-        tmp_path,
-        "parametrization-bypassed",
-        "the forward reads a parametrized weight's original",
-        [
-            (
-                "base.py",
-                "params[n] if n in params else getattr(self, n)",
-                "params[n] if n in params else self.parametrizations[n].original",
-            )
-        ],
+    read = "params[n] if n in params else getattr(self, n)"
+    original = read.replace("getattr(self, n)", "self.parametrizations[n].original")
+    backend = _planted(
+        tmp_path, "the forward reads a parametrized weight's original", ("base.py", read, original)
     )
     # The forward computes with half the weight (the input gradient shows it first); the
     # original is a leaf, so under delay its gradient is deferred besides.
@@ -317,45 +283,27 @@ def test_a_bypassed_parametrization_is_caught(tmp_path: Path) -> None:
 def test_a_delayed_write_that_is_only_close_is_caught_bitwise(tmp_path: Path) -> None:
     """Deferred weight gradients summed in another row order: within the float64 truth's
     budget, but not the non-delayed run's bits."""
-    backend = _mutated(
+    write = "            gemm.wgrad_accumulate_(param.grad, dy, x)\n"
+    flip = (
+        "            if self.delay_wgrad_compute:\n                dy, x = dy.flip(0), x.flip(0)\n"
+    )
+    backend = _planted(
         tmp_path,
-        "delayed-rows-reversed",
         "a deferred weight gradient sums its rows in reverse",
-        [
-            (
-                "base.py",
-                "            gemm.wgrad_accumulate_(param.grad, dy, x)\n",
-                "            if self.delay_wgrad_compute:\n"
-                "                dy, x = dy.flip(0), x.flip(0)\n"
-                "            gemm.wgrad_accumulate_(param.grad, dy, x)\n",
-            )
-        ],
+        ("base.py", write, flip + write),
     )
     case = _case("functional_call", "Linear", asked=("weight",))
-    case = Case(
-        case.config,
-        (MicroBatch((64,)), MicroBatch((48,))),
-        5,
-        variant=case.variant,
-        delay=True,
-        asked=case.asked,
-    )
+    mbs = (MicroBatch((64,)), MicroBatch((48,)))
+    case = Case(case.config, mbs, 5, variant=case.variant, delay=True, asked=case.asked)
     _fails(backend, case, "delayed vs not: weight.grad", "not bitwise identical")
 
 
 def test_a_wrong_second_order_value_is_caught(tmp_path: Path) -> None:
     """First-order gradients right, second-order ones 5 % off through the input gradient."""
-    backend = _mutated(
-        tmp_path,
-        "second-order-scaled",
-        "the input gradient's own derivative scaled by 1.05",
-        [
-            (
-                "twin.py",
-                "    dx, *grads = vjp(dy)\n",
-                "    dx, *grads = vjp(dy)\n    dx = dx + (dx - dx.detach()) * 0.05\n",
-            )
-        ],
+    vjp = "    dx, *grads = vjp(dy)\n"
+    scaled = vjp + "    dx = dx + (dx - dx.detach()) * 0.05\n"
+    backend = _planted(
+        tmp_path, "the input gradient's own derivative scaled by 1.05", ("twin.py", vjp, scaled)
     )
     for variant in ("grad_of_grad", "backward_create_graph"):
         case = _case(variant, "LayerNormLinear", delay=False)
@@ -366,18 +314,9 @@ def test_a_wrong_second_order_value_is_caught(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("variant", ["func.grad", "func.vjp", "func.jacrev", "func.vmap"])
 def test_a_wrong_value_under_torch_func_is_caught(tmp_path: Path, variant: str) -> None:
-    backend = _mutated(
-        tmp_path,
-        "twin-linear-scaled",
-        "impl's Linear under torch.func computes 1.01 * y",
-        [
-            (
-                "twin.py",
-                "        return _linear(x, *params, autocast)\n",
-                "        return _linear(x, *params, autocast) * 1.01\n",
-            )
-        ],
-    )
+    linear = "        return _linear(x, *params, autocast)"
+    edit = ("twin.py", linear + "\n", linear + " * 1.01\n")
+    backend = _planted(tmp_path, "impl's Linear under torch.func computes 1.01 * y", edit)
     _fails(backend, _case(variant, "Linear", delay=False), f"P18 {variant}", "budget")
 
 

@@ -145,7 +145,7 @@ def test_every_kind_runs_on_every_boundary_case_with_both_delays(kind: str) -> N
         assert 0 in rows and 1 in rows
 
 
-# ---- (a) where parameters are created -----------------------------------------------------------
+# ---- the mutants of ci/mutants.py ---------------------------------------------------------------
 
 
 def test_the_meta_device_ignored_is_caught(tmp_path: Path) -> None:
@@ -157,27 +157,6 @@ def test_the_meta_device_ignored_is_caught(tmp_path: Path) -> None:
         "'weight': 'cpu, torch.float32'",
     )
     _fails(backend, _case("module.reset_parameters"), "parameters are not on meta")
-
-
-def test_the_default_dtype_ignored_is_caught() -> None:
-    _fails(
-        outside_protocol.backend("dtype_ignored"),
-        _case("module.placement", dtype="bfloat16"),
-        "set_default_dtype(torch.bfloat16)",
-        "not on meta in torch.bfloat16",
-    )
-
-
-def test_an_explicit_device_that_loses_is_caught() -> None:
-    _fails(
-        outside_protocol.backend("explicit_device_loses"),
-        _case("module.placement"),
-        "(the explicit ones must win)",
-        "'weight': 'meta, torch.float32'",
-    )
-
-
-# ---- (b) reset_parameters -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", ["LayerNormMLP", "GroupedLinear"])
@@ -192,19 +171,121 @@ def test_a_reset_drawing_in_another_order_is_caught(tmp_path: Path, kind: str) -
     )
 
 
-def test_a_reset_that_keeps_a_parameter_is_caught() -> None:
+def test_a_view_for_a_two_dimensional_input_is_caught(tmp_path: Path) -> None:
+    backend = _ci_mutant(tmp_path, "output-view")
     _fails(
-        outside_protocol.backend("reset_keeps_bias"),
-        _case("module.reset_parameters"),
-        "given the case's values, run, then reset_parameters() vs built eagerly: bias",
+        backend,
+        _case("module.output_not_view"),
+        "micro-batch 0: the output for a 2-D input of shape (3, 6) (contiguous) with grad is a "
+        "view of a tensor of shape (3, 5)",
     )
+    run_case(backend, "P18", _case("module.output_not_view", "LayerNormLinear"))
 
 
-def test_a_reset_that_keeps_fp8_state_is_caught() -> None:
-    backend = outside_protocol.backend("reset_keeps_fp8_state")
-    case = _case("module.reset_parameters", dtype="bfloat16", recipe="delayed-max-hybrid")
-    _fails(backend, case, "then reset_parameters() vs built eagerly: fp8_states[")
-    run_case(backend, "P18", _case("module.reset_parameters"))  # without FP8 nothing to keep
+# ---- the toy packages of tests/outside_protocol.py ----------------------------------------------
+
+_COPIES = ("module.pickle", "module.torch_save", "module.deepcopy")
+_FP8 = {"dtype": "bfloat16", "recipe": "delayed-max-hybrid"}
+_COPY_PENDING = "pending_wgrad_count after each backward"
+
+#: Each toy package's bug (its name in outside_protocol.py): a case that meets it, what the
+#: failure message says, and a case the package passes (where there is one: the bug is the cause).
+_OUTSIDE_BUGS = [
+    # (a) where parameters are created
+    (
+        "dtype_ignored",
+        _case("module.placement", dtype="bfloat16"),
+        ("set_default_dtype(torch.bfloat16)", "not on meta in torch.bfloat16"),
+        None,
+    ),
+    (
+        "explicit_device_loses",
+        _case("module.placement"),
+        ("(the explicit ones must win)", "'weight': 'meta, torch.float32'"),
+        None,
+    ),
+    # (b) reset_parameters; (c) with entries queued
+    (
+        "reset_keeps_bias",
+        _case("module.reset_parameters"),
+        ("given the case's values, run, then reset_parameters() vs built eagerly: bias",),
+        None,
+    ),
+    (
+        "reset_keeps_fp8_state",
+        _case("module.reset_parameters", **_FP8),
+        ("then reset_parameters() vs built eagerly: fp8_states[",),
+        _case("module.reset_parameters"),  # without FP8 nothing to keep
+    ),
+    (
+        "reset_ignores_queue",
+        _case("module.reset_queued"),
+        ("reset_parameters() with 2 weight-gradient entries queued: no error raised",),
+        None,
+    ),
+    (
+        "reset_then_refuses",
+        _case("module.reset_queued"),
+        ("changed by the refused reset_parameters(): weight (value)",),
+        None,
+    ),
+    # (d) repr
+    (
+        "repr_hides_delay",
+        _case("module.repr"),
+        ("does not show delay_wgrad_compute=True",),
+        _case("module.repr", delay=False),
+    ),
+    (
+        "repr_claims_fused",
+        _case("module.repr"),
+        ("shows fuse_wgrad_accumulation=True, but the module has fuse_wgrad_accumulation=False",),
+        None,
+    ),
+    # (f) copies
+    *[
+        (
+            "copy_loses_delay",
+            _case(v),
+            (f"the copy vs the original: {_COPY_PENDING}: got [0], expected [1]",),
+            None,
+        )
+        for v in _COPIES
+    ],
+    (
+        "deepcopy_shares",
+        _case("module.deepcopy"),
+        ("weight shares its tensor or storage with the original's",),
+        None,
+    ),
+    *[
+        ("copy_loses_fp8_state", _case(v, **_FP8), ("the copy vs the original: fp8_states[",), None)
+        for v in _COPIES
+    ],
+    (
+        "to_empty_drops_delay",
+        _case("module.to_empty"),
+        (f"to_empty() and given its state_dict, vs it: {_COPY_PENDING}",),
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("package", "case", "fragments", "passing"),
+    _OUTSIDE_BUGS,
+    ids=[f"{package}-{case.variant}" for package, case, *_ in _OUTSIDE_BUGS],
+)
+def test_each_bug_of_an_outside_package_is_caught(
+    package: str, case: Case, fragments: tuple[str, ...], passing: Case | None
+) -> None:
+    backend = outside_protocol.backend(package)
+    _fails(backend, case, *fragments)
+    if passing is not None:
+        run_case(backend, "P18", passing)
+
+
+# ---- the pieces ---------------------------------------------------------------------------------
 
 
 def test_a_module_without_reset_parameters_is_caught() -> None:
@@ -220,48 +301,9 @@ def test_a_module_without_reset_parameters_is_caught() -> None:
     )
 
 
-# ---- (c) reset_parameters with entries queued ---------------------------------------------------
-
-
-def test_a_reset_that_ignores_the_queue_is_caught() -> None:
-    _fails(
-        outside_protocol.backend("reset_ignores_queue"),
-        _case("module.reset_queued"),
-        "reset_parameters() with 2 weight-gradient entries queued: no error raised",
-    )
-
-
-def test_a_refusal_that_changes_the_weight_is_caught() -> None:
-    _fails(
-        outside_protocol.backend("reset_then_refuses"),
-        _case("module.reset_queued"),
-        "changed by the refused reset_parameters(): weight (value)",
-    )
-
-
 def test_without_delay_the_reset_goes_through() -> None:
     result = run_case(get_backend("impl"), "P18", _case("module.reset_queued", delay=False))
     assert result.comparisons > 0
-
-
-# ---- (d) repr -----------------------------------------------------------------------------------
-
-
-def test_a_repr_without_the_delay_option_is_caught() -> None:
-    _fails(
-        outside_protocol.backend("repr_hides_delay"),
-        _case("module.repr"),
-        "does not show delay_wgrad_compute=True",
-    )
-    run_case(outside_protocol.backend("repr_hides_delay"), "P18", _case("module.repr", delay=False))
-
-
-def test_a_repr_showing_a_wrong_option_is_caught() -> None:
-    _fails(
-        outside_protocol.backend("repr_claims_fused"),
-        _case("module.repr"),
-        "shows fuse_wgrad_accumulation=True, but the module has fuse_wgrad_accumulation=False",
-    )
 
 
 def test_repr_values_may_be_quoted_or_not() -> None:
@@ -271,58 +313,6 @@ def test_repr_values_may_be_quoted_or_not() -> None:
     assert _shown(text, "hidden_size") == ["8"]  # not ffn_hidden_size
     assert [_unquoted(v) for v in _shown(text.replace("RMSNorm", "'RMSNorm'"), "normalization")]
     assert _unquoted("'RMSNorm'") == _unquoted('"RMSNorm"') == _unquoted("RMSNorm") == "RMSNorm"
-
-
-# ---- (e) outputs that are views -----------------------------------------------------------------
-
-
-def test_a_view_for_a_two_dimensional_input_is_caught(tmp_path: Path) -> None:
-    backend = _ci_mutant(tmp_path, "output-view")
-    _fails(
-        backend,
-        _case("module.output_not_view"),
-        "micro-batch 0: the output for a 2-D input of shape (3, 6) (contiguous) with grad is a "
-        "view of a tensor of shape (3, 5)",
-    )
-    run_case(backend, "P18", _case("module.output_not_view", "LayerNormLinear"))
-
-
-# ---- (f) copies ---------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("variant", ["module.pickle", "module.torch_save", "module.deepcopy"])
-def test_a_copy_without_delay_is_caught(variant: str) -> None:
-    _fails(
-        outside_protocol.backend("copy_loses_delay"),
-        _case(variant),
-        "the copy vs the original: pending_wgrad_count after each backward: got [0], expected [1]",
-    )
-
-
-def test_a_deepcopy_sharing_parameters_is_caught() -> None:
-    _fails(
-        outside_protocol.backend("deepcopy_shares"),
-        _case("module.deepcopy"),
-        "weight shares its tensor or storage with the original's",
-    )
-
-
-@pytest.mark.parametrize("variant", ["module.pickle", "module.torch_save", "module.deepcopy"])
-def test_a_copy_without_fp8_state_is_caught(variant: str) -> None:
-    case = _case(variant, dtype="bfloat16", recipe="delayed-max-hybrid")
-    _fails(
-        outside_protocol.backend("copy_loses_fp8_state"),
-        case,
-        "the copy vs the original: fp8_states[",
-    )
-
-
-def test_to_empty_without_delay_is_caught() -> None:
-    _fails(
-        outside_protocol.backend("to_empty_drops_delay"),
-        _case("module.to_empty"),
-        "to_empty() and given its state_dict, vs it: pending_wgrad_count after each backward",
-    )
 
 
 # ---- n/a on torch-split, declared on TransformerEngine ------------------------------------------
