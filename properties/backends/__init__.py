@@ -16,6 +16,7 @@ turned into a pass), and one that never shows is reported too, so the list canno
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +56,16 @@ __all__ = [
     "to_transformer_engine_recipe",
 ]
 
-BACKEND_NAMES = ("impl", "reference", "torch-split", "transformer_engine")
+_NAMED: dict[str, Callable[[], Backend]] = {
+    "impl": ImplBackend,
+    "reference": lambda: LibraryBackend("reference", "splitgrad.reference"),
+    "torch-split": TorchSplitBackend,
+    "transformer_engine": TransformerEngineBackend,
+}
+BACKEND_NAMES = tuple(_NAMED)
 
 
-def _load(what: str, load: Any) -> Any:
+def _load(what: str, load: Callable[[], Any]) -> Any:
     """``load()``, any error but :class:`BackendUnavailable` raised as one: ``cannot {what}``."""
     try:
         return load()
@@ -74,14 +81,8 @@ def get_backend(name: str) -> Backend:
     package with that API) or ``class:MODULE:ATTR`` (a :class:`Backend` subclass, built without
     arguments, for an API that differs from SPEC's). Raises ``ValueError`` naming unknown
     backends and :class:`BackendUnavailable` when the package cannot be imported."""
-    if name == "impl":
-        return ImplBackend()
-    if name == "reference":
-        return LibraryBackend("reference", "splitgrad.reference")
-    if name == "torch-split":
-        return TorchSplitBackend()
-    if name == "transformer_engine":
-        return TransformerEngineBackend()
+    if name in _NAMED:
+        return _NAMED[name]()
     if name.startswith("path:"):
         path = Path(name[5:])
         pkg = "splitgrad_under_test_" + "".join(c if c.isalnum() else "_" for c in path.name)

@@ -95,14 +95,12 @@ def probe_library(lib: Any, name: str) -> dict[str, str]:
     for kind in [k for k in KINDS if hasattr(lib, k)]:
         cls = getattr(lib, kind)
         accepted = keywords(cls)
-        for part, option in (
-            ("delay", "delay_wgrad_compute"),
-            ("fused", "fuse_wgrad_accumulation"),
-        ):
-            if accepted is not None and option not in accepted and part not in missing:
-                missing[part] = f"{name}.{kind}() takes no {option}"
-        if kind != "GroupedLinear" and accepted is not None and "ub_bulk_wgrad" not in accepted:
-            missing.setdefault("ub_bulk_wgrad", f"{name}.{kind}() takes no ub_bulk_wgrad")
+        options = {"delay": "delay_wgrad_compute", "fused": "fuse_wgrad_accumulation"}
+        if kind != "GroupedLinear":
+            options["ub_bulk_wgrad"] = "ub_bulk_wgrad"
+        for part, option in options.items():
+            if accepted is not None and option not in accepted:
+                missing.setdefault(part, f"{name}.{kind}() takes no {option}")
         fwd = keywords(getattr(cls, "forward", cls.__call__))
         if fwd is not None and "is_first_microbatch" not in fwd:
             missing.setdefault(
@@ -116,8 +114,8 @@ def probe_library(lib: Any, name: str) -> dict[str, str]:
             missing.setdefault("delay", f"{name}.{kind}(*{args}, **{kw}) raised {exc!r}")
             continue
         for attr in ("backward_dw", "pending_wgrad_count"):
-            if not hasattr(module, attr) and "delay" not in missing:
-                missing["delay"] = f"{name}.{kind} has no {attr}"
+            if not hasattr(module, attr):
+                missing.setdefault("delay", f"{name}.{kind} has no {attr}")
         if not callable(getattr(module, "register_wgrad_accumulation_and_reduce_hooks", None)):
             missing.setdefault(
                 "hooks", f"{name}.{kind} has no register_wgrad_accumulation_and_reduce_hooks"

@@ -64,6 +64,13 @@ def delayed_p18(variant: str, summary: str, reference: str, strict: bool = False
     )
 
 
+def _role(name: str) -> str | None:
+    try:
+        return role_of(name)
+    except ValueError:
+        return None
+
+
 class Backend(abc.ABC):
     """How the harness drives one split-backward implementation; ``module`` below is whatever
     :meth:`build` returns (a module, or an adapter's handle)."""
@@ -105,24 +112,14 @@ class Backend(abc.ABC):
     def parameters(self, module: Any) -> dict[str, torch.nn.Parameter]:
         """Every parameter by TransformerEngine name (frozen ones included)."""
 
-    def _names_with_role(self, module: Any, role: str) -> list[str]:
-        names = []
-        for name in self.parameters(module):
-            try:
-                if role_of(name) == role:
-                    names.append(name)
-            except ValueError:
-                pass
-        return names
-
     def gemm_weight_names(self, module: Any) -> list[str]:
         """Names of the GEMM weights (those that use ``main_grad`` when fused), from SPEC §2's
         parameter names (never from an implementation's private API)."""
-        return self._names_with_role(module, GEMM_WEIGHT)
+        return [n for n in self.parameters(module) if _role(n) == GEMM_WEIGHT]
 
     def gemm_bias_names(self, module: Any) -> list[str]:
         """Names of the GEMM biases, from SPEC §2's parameter names."""
-        return self._names_with_role(module, GEMM_BIAS)
+        return [n for n in self.parameters(module) if _role(n) == GEMM_BIAS]
 
     def load_state(self, module: Any, state: dict[str, torch.Tensor]) -> None:
         """Copy parameter values (names as :meth:`parameters`); raise ``KeyError`` on a gap."""
@@ -279,9 +276,6 @@ class Backend(abc.ABC):
     def constructor(self, kind: str) -> Callable[..., Any]:
         """The raw constructor of ``kind`` (P9/P10 call it with bad arguments)."""
         raise NotImplementedError(f"{self.name} exposes no constructors")
-
-    def supports_ub_bulk_wgrad(self, kind: str) -> bool:
-        return kind != "GroupedLinear"
 
 
 class _ForwardCall(torch.nn.Module):

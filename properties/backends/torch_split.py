@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import importlib
 from collections.abc import Callable, Sequence
 
 import torch
 
-from ..cases.case import GATED, ModuleConfig
+from ..cases.case import GATED, Case, ModuleConfig
 from ..cases.data import param_specs
 from ..cases.variants import PartialBackward
 from .protocol import Backend, BackendUnavailable, Deviation, delayed_p18
@@ -177,57 +178,58 @@ _P18 = (
 )
 
 
-def _norm_deviations() -> list[Deviation]:
-    """The norm parameters under torch's split: deferred with the GEMMs, and torch's CPU
-    LayerNorm backward in low precision."""
-    out = [
-        Deviation(
+def _delayed_norm(case: Case) -> bool:
+    return case.config.has_norm and case.delay
+
+
+#: A deviation of torch's split shown by the kinds with a norm in front.
+_on_norms = functools.partial(Deviation, reference=_PIPELINING, kinds=_NORM_KINDS)
+
+_NORMS = (
+    *(
+        _on_norms(
             pid,
             "norm-parameter gradients are deferred too: stage_backward_input computes input "
             "gradients only, every parameter (norm gamma/beta included) waits for "
             "stage_backward_weight",
-            _PIPELINING,
-            applies=lambda case: case.config.has_norm and case.delay,
+            applies=_delayed_norm,
             matches="layer_norm_",
-            kinds=_NORM_KINDS,
             strict=pid != "P17",
         )
         for pid in ("P2", "P5", "P6", "P17")
-    ]
-    for pid in ("P2", "P4", "P5", "P6", "P7", "P8", "P17", "P18"):
-        tags = ("[dgrad budget]", "[norm_grad budget]")
-        for tag in tags + (("[second_order budget]",) if pid == "P18" else ()):
-            out.append(
-                Deviation(
-                    pid,
-                    "torch's CPU LayerNorm backward in bf16/fp16 (gamma and beta in the same low "
-                    "precision, zero-centred gamma + 1 rounded to it) has several times the "
-                    "reference's error on dx and dgamma (e.g. dx -0.115 vs truth -0.036 at "
-                    "in_features=3)",
-                    "torch.nn.functional.layer_norm",
-                    applies=lambda case: (
-                        case.config.has_norm and case.config.dtype in ("bfloat16", "float16")
-                    ),
-                    matches=tag,
-                    kinds=_NORM_KINDS,
-                    dtypes=("bfloat16", "float16"),
-                    strict=pid == "P2" and tag == "[dgrad budget]",
-                )
-            )
-    return out + [
+    ),
+    *(
         Deviation(
+            pid,
+            "torch's CPU LayerNorm backward in bf16/fp16 (gamma and beta in the same low "
+            "precision, zero-centred gamma + 1 rounded to it) has several times the "
+            "reference's error on dx and dgamma (e.g. dx -0.115 vs truth -0.036 at "
+            "in_features=3)",
+            "torch.nn.functional.layer_norm",
+            applies=lambda case: (
+                case.config.has_norm and case.config.dtype in ("bfloat16", "float16")
+            ),
+            matches=tag,
+            kinds=_NORM_KINDS,
+            dtypes=("bfloat16", "float16"),
+            strict=pid == "P2" and tag == "[dgrad budget]",
+        )
+        for pid in ("P2", "P4", "P5", "P6", "P7", "P8", "P17", "P18")
+        for tag in ("[dgrad budget]", "[norm_grad budget]")
+        + (("[second_order budget]",) if pid == "P18" else ())
+    ),
+    *(
+        _on_norms(
             pid,
             "with every GEMM parameter frozen, the norm parameters' gradients still wait for "
             "stage_backward_weight: one entry is queued per backward (SPEC §4: none)",
-            _PIPELINING,
             applies=lambda case: case.config.has_norm and bool(case.frozen),
             matches="pending_wgrad_count after ",
-            kinds=_NORM_KINDS,
             strict=False,
         )
         for pid in ("P4", "P7")
-    ]
-
+    ),
+)
 
 _OTHERS = (
     Deviation(
@@ -238,25 +240,21 @@ _OTHERS = (
         _PIPELINING,
         matches="pending_wgrad_count after one backward through two uses",
     ),
-    Deviation(
+    _on_norms(
         "P7",
         "a module chained on itself (y = m(m(x))) with a norm in front cannot be split: "
         "stage_backward_weight fails with 'Trying to backward through the graph a second "
         "time'",
-        _PIPELINING,
         applies=lambda case: case.variant == "tied-chain",
         matches="backward through the graph a second time",
-        kinds=_NORM_KINDS,
         strict=False,
     ),
-    Deviation(
+    _on_norms(
         "P11",
         "with a norm in front (torch.nn.functional.layer_norm / rms_norm), the input and "
         "saved activations of a micro-batch are still alive after stage_backward_weight",
-        _PIPELINING,
-        applies=lambda case: case.config.has_norm and case.delay,
+        applies=_delayed_norm,
         matches="still alive",
-        kinds=_NORM_KINDS,
         strict=False,
     ),
     Deviation(
@@ -307,7 +305,7 @@ class TorchSplitBackend(Backend):
         "fused configs and P8 are reported n/a",
         "P18's module-protocol kinds are n/a: " + _PROTOCOL,
     )
-    deviations = (*_P18, *_norm_deviations(), *_OTHERS)
+    deviations = (*_P18, *_NORMS, *_OTHERS)
 
     def module_protocol_reason(self) -> str | None:
         return _PROTOCOL
@@ -421,6 +419,3 @@ class TorchSplitBackend(Backend):
 
     def register_hook(self, module: TorchSplitHandle, fn: Callable[[], None]) -> None:
         module.hooks.append(fn)
-
-    def supports_ub_bulk_wgrad(self, kind: str) -> bool:
-        return False

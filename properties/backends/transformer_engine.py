@@ -256,17 +256,13 @@ class TransformerEngineBackend(LibraryBackend):
                 return why
         return Backend.unsupported_reason(self, property_id, config)
 
-    @property
-    def recipe_module(self) -> Any:
-        """``transformer_engine.common.recipe``."""
-        return importlib.import_module("transformer_engine.common.recipe")
-
     def fp8_autocast(self, config: ModuleConfig) -> contextlib.AbstractContextManager:
         """TE's ``fp8_autocast`` with TE's own recipe, mapped by name from splitgrad's
         (:func:`to_transformer_engine_recipe`)."""
         if config.recipe is None:
             return contextlib.nullcontext()
-        recipe = to_transformer_engine_recipe(make_recipe(config.recipe), self.recipe_module)
+        te_recipe = importlib.import_module("transformer_engine.common.recipe")
+        recipe = to_transformer_engine_recipe(make_recipe(config.recipe), te_recipe)
         return self.lib.fp8_autocast(enabled=True, fp8_recipe=recipe)
 
     def _fp8_support(self, recipe_name: str) -> str | None:
