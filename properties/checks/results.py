@@ -1,11 +1,6 @@
-"""What one example of a property returns, and the helper that collects it.
-
-Each ``check_pN`` (one file per property group: :mod:`.accuracy` P1-P3, :mod:`.split` P4-P8,
-:mod:`.misuse` P9-P10, :mod:`.memory` P11, :mod:`.grouped` P12, :mod:`.fp8` P13,
-:mod:`.input_only` P17, :mod:`.fidelity` P18; :mod:`.registry` lists them) runs one example and
-returns a :class:`CheckResult`, or raises :class:`PropertyViolation` /
-:class:`~.budgets.BudgetViolation` (both ``AssertionError``\\ s, so hypothesis shrinks on them).
-A :class:`Tracker` collects the worst error/budget ratio of the comparisons an example makes.
+"""What one example of a property returns (:class:`CheckResult`; or it raises
+:class:`PropertyViolation` / :class:`~.budgets.BudgetViolation`, both ``AssertionError``\\ s, so
+hypothesis shrinks on them), and the :class:`Tracker` that collects it.
 """
 
 from __future__ import annotations
@@ -16,7 +11,7 @@ from typing import Any
 import torch
 
 from .. import budgets as B
-from .runner import Snapshot
+from .runner import ModuleRun, Snapshot
 
 __all__ = ["PropertyViolation", "CheckResult", "Tracker"]
 
@@ -28,13 +23,17 @@ class PropertyViolation(AssertionError):
 @dataclasses.dataclass
 class CheckResult:
     """``ratio``: worst error/budget over the example (0.0 when every comparison was bitwise
-    and exact; ``None`` when nothing numeric was compared); ``comparisons``: tensors compared."""
+    and exact; ``None`` when nothing numeric was compared); ``comparisons``: tensors compared,
+    ``bitwise`` of them bitwise; ``budget_ratio``: the worst ratio of the error-budget ones."""
 
     ratio: float | None = None
     comparisons: int = 0
-    #: Bitwise comparisons among them, and the worst ratio of the error-budget ones alone.
     bitwise: int = 0
     budget_ratio: float | None = None
+
+
+def _worst(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
 
 
 class Tracker:
@@ -46,23 +45,20 @@ class Tracker:
     def _note(self, ratio: float, bitwise: bool = False) -> None:
         r = self.result
         r.comparisons += 1
-        r.ratio = ratio if r.ratio is None else max(r.ratio, ratio)
+        r.ratio = _worst(r.ratio, ratio)
         if bitwise:
             r.bitwise += 1
         else:
-            r.budget_ratio = ratio if r.budget_ratio is None else max(r.budget_ratio, ratio)
+            r.budget_ratio = _worst(r.budget_ratio, ratio)
 
     def merge(self, result: CheckResult) -> None:
         """Fold in the result of comparisons made by another tracker (the best of several
-        candidate truths, :func:`~.accuracy.best_of`)."""
+        candidate truths, :func:`~.judge.best_of`)."""
         r = self.result
         r.comparisons += result.comparisons
         r.bitwise += result.bitwise
-        if result.ratio is not None:
-            r.ratio = result.ratio if r.ratio is None else max(r.ratio, result.ratio)
-        if result.budget_ratio is not None:
-            b = r.budget_ratio
-            r.budget_ratio = result.budget_ratio if b is None else max(b, result.budget_ratio)
+        r.ratio = _worst(r.ratio, result.ratio)
+        r.budget_ratio = _worst(r.budget_ratio, result.budget_ratio)
 
     def bitwise(
         self, name: str, actual: torch.Tensor | None, expected: torch.Tensor | None
@@ -70,71 +66,21 @@ class Tracker:
         self._note(B.check_bitwise(name, actual, expected), bitwise=True)
 
     def bitwise_all(self, prefix: str, actual: Snapshot, expected: Snapshot) -> None:
-        keys = sorted(set(actual) | set(expected))
-        for k in keys:
+        for k in sorted(set(actual) | set(expected)):
             self.bitwise(f"{prefix}{k}", actual.get(k), expected.get(k))
 
-    def budget(
-        self,
-        name,
-        actual,
-        truth,
-        naive,
-        budget: B.ErrorBudget,
-        dtype=None,
-        module_dtype=None,
-        naive_error: float | None = None,
-        note: str = "",
-        element_floor: torch.Tensor | None = None,
-        floor_magnitude: float | None = None,
-    ) -> None:
-        self._note(
-            B.check_error_budget(
-                name,
-                actual,
-                truth,
-                naive,
-                budget,
-                dtype,
-                module_dtype,
-                naive_error,
-                note,
-                element_floor,
-                floor_magnitude,
-            )
-        )
+    def same_run(self, prefix: str, actual: ModuleRun, expected: ModuleRun) -> None:
+        """Every gradient of ``actual``, then its FP8 state, bitwise equal to ``expected``'s."""
+        self.bitwise_all(prefix, actual.all_snapshot(), expected.all_snapshot())
+        self.bitwise_all(prefix, actual.fp8_snapshot(), expected.fp8_snapshot())
 
-    def fp8_budget(
-        self,
-        name,
-        actual,
-        truth,
-        naive,
-        budget: B.Fp8Budget,
-        dtype=None,
-        module_dtype=None,
-        recipe="",
-        fp8_eps: float = 2.0**-3,
-        samples: int | None = None,
-        bound=None,
-        naive_truth=None,
-    ) -> None:
-        self._note(
-            B.check_fp8_budget(
-                name,
-                actual,
-                truth,
-                naive,
-                budget,
-                dtype,
-                module_dtype,
-                recipe,
-                fp8_eps,
-                samples,
-                bound,
-                naive_truth,
-            )
-        )
+    def budget(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """:func:`~.budgets.check_error_budget` on tensor ``name``; its ratio is noted."""
+        self._note(B.check_error_budget(name, *args, **kwargs))
+
+    def fp8_budget(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """:func:`~.budgets.check_fp8_budget` on tensor ``name``; its ratio is noted."""
+        self._note(B.check_fp8_budget(name, *args, **kwargs))
 
     def expect(self, condition: bool, message: str) -> None:
         if not condition:

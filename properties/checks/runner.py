@@ -1,10 +1,6 @@
-"""One live module under test with everything the checks observe about it.
-
-:class:`ModuleRun` wraps a backend module: it loads the case's weights, attaches ``main_grad``
-prefills, optionally prefills ``.grad``, registers two recording hooks (which snapshot the GEMM
-gradients at the moment they fire), and runs micro-batches. Checks compare two or three runs.
-A check describes what it did to a module as :class:`Step`\\ s; :func:`play` runs them and
-returns what they produced (an :class:`AccuracyRun`), so the truth can replay the same steps.
+"""One live module under test (:class:`ModuleRun`: the case's weights, ``main_grad`` and
+``.grad`` prefills, recording hooks) and what the checks observe about it. A check describes what
+it did as :class:`Step`\\ s; :func:`play` runs them, so the truth can replay the same steps.
 """
 
 from __future__ import annotations
@@ -35,6 +31,7 @@ __all__ = [
     "fb_steps",
     "tied_fb",
     "play",
+    "clone_of",
 ]
 
 
@@ -96,12 +93,11 @@ class ModuleRun:
         for name in frozen:
             self.params[name].requires_grad_(False)
         if self.config.fuse_wgrad_accumulation and main_grads is not False:
-            prefill = (
-                main_grads if main_grads is not None else make_main_grads(self.config, case.seed)
-            )
+            if main_grads is None:
+                main_grads = make_main_grads(self.config, case.seed)
             for name in self.weight_names:
                 p = self.params[name]
-                p.main_grad = prefill[name].clone()
+                p.main_grad = main_grads[name].clone()
                 p.grad_added_to_main_grad = False
         if prefill_grads:
             values = make_grad_prefill(self.config, case.seed)
@@ -119,8 +115,6 @@ class ModuleRun:
             self.hook_calls.append(HookCall(index, self.gemm_snapshot()))
 
         return hook
-
-    # ---- running ---------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, m_splits, is_first_microbatch) -> torch.Tensor:
         """One forward, inside ``fp8_autocast(enabled=True, fp8_recipe=...)`` under FP8 and
@@ -178,8 +172,6 @@ class ModuleRun:
             for name in self.weight_names:
                 self.params[name].main_grad.zero_()
 
-    # ---- observing -------------------------------------------------------------------------
-
     def uses_main_grad(self, name: str) -> bool:
         return self.config.fuse_wgrad_accumulation and name in self.weight_names
 
@@ -188,21 +180,15 @@ class ModuleRun:
         p = self.params[name]
         return p.main_grad if self.uses_main_grad(name) else p.grad
 
-    @staticmethod
-    def _label(name: str, fused: bool) -> str:
-        return f"{name}.main_grad" if fused else f"{name}.grad"
-
     def snapshot(self, names: Sequence[str]) -> Snapshot:
         """Clones of the gradients of ``names``, keyed ``"fc1_weight.main_grad"`` etc. Fused
         weights also report ``.grad`` (which must stay ``None``)."""
         out: Snapshot = {}
         for name in names:
             fused = self.uses_main_grad(name)
-            g = self.grad_of(name)
-            out[self._label(name, fused)] = None if g is None else g.detach().clone()
+            out[f"{name}.main_grad" if fused else f"{name}.grad"] = clone_of(self.grad_of(name))
             if fused:
-                pg = self.params[name].grad
-                out[f"{name}.grad"] = None if pg is None else pg.detach().clone()
+                out[f"{name}.grad"] = clone_of(self.params[name].grad)
         return out
 
     def gemm_snapshot(self) -> Snapshot:
@@ -225,16 +211,12 @@ class ModuleRun:
         }
 
 
-# ---- what a run produced, and the steps that produced it ------------------------------------
-
-
 @dataclasses.dataclass
 class AccuracyRun:
-    """What one run produced (or, for a candidate truth, what it should have): the output and
-    input gradient of each micro-batch (its last forward; ``None`` where it did not run), the
-    norm-parameter and GEMM gradient snapshots. ``switched`` (candidate truths under FP8 only):
-    per tensor name, the summed magnitude of the ``relu'`` switches the candidate made
-    (:func:`~.judge.kink_candidates`)."""
+    """What one run produced (for a candidate truth, what it should have): each micro-batch's
+    output and input gradient (its last forward; ``None`` where it did not run), the norm and
+    GEMM gradient snapshots; ``switched`` (candidate truths under FP8): per tensor, the summed
+    magnitude of the ``relu'`` switches the candidate made (:func:`~.judge.kink_candidates`)."""
 
     outputs: list[torch.Tensor | None]
     xgrads: list[torch.Tensor | None]
@@ -245,11 +227,9 @@ class AccuracyRun:
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """One step a differential check took: ``"fb"`` (forward + backward of micro-batch
-    ``index`` with its ``is_first_microbatch`` flag), ``"zero"`` (every gradient to ``None``,
-    ``main_grad`` to zeros), ``"tied"`` (micro-batches ``index`` and ``index + 1`` through the
-    module in one backward, the first with its flag), ``"chain"`` (micro-batch ``index`` through
-    the module twice, ``y = m(m(x))``, one backward)."""
+    """One step of a differential check: ``"fb"`` (micro-batch ``index`` forward + backward),
+    ``"zero"`` (:meth:`ModuleRun.zero_grads`), ``"tied"`` / ``"chain"`` (:func:`tied_fb` from
+    micro-batch ``index``: two side by side, or one through the module twice)."""
 
     op: str
     index: int = 0
@@ -265,7 +245,9 @@ def fb_steps(n: int) -> tuple[Step, ...]:
 
 
 def tied_fb(run: ModuleRun, data: Sequence[MicroBatchData], chain: bool, index: int = 0):
-    """One backward through two uses of the same module; returns the leaf inputs."""
+    """One backward through two uses of the module, only the first with its
+    ``is_first_microbatch`` flag: micro-batches ``index`` and ``index + 1``, or micro-batch
+    ``index`` chained (``y = m(m(x))``); returns the leaf inputs."""
     d0 = data[index]
     x0 = d0.fresh_input()
     y0 = run.forward(x0, d0.spec.m_splits, d0.spec.is_first_microbatch)
@@ -280,8 +262,9 @@ def tied_fb(run: ModuleRun, data: Sequence[MicroBatchData], chain: bool, index: 
     return [x0, x1]
 
 
-def _grad(x: torch.Tensor) -> torch.Tensor | None:
-    return None if x.grad is None else x.grad.detach().clone()
+def clone_of(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A detached clone of ``t`` (``None`` stays ``None``)."""
+    return None if t is None else t.detach().clone()
 
 
 def play(
@@ -291,9 +274,7 @@ def play(
     dtype: torch.dtype | None = None,
 ) -> AccuracyRun:
     """Run ``steps`` on ``run`` (its inputs cast to ``dtype`` when given), drain the queue, and
-    return what they produced: ``outputs[i]`` / ``xgrads[i]`` are micro-batch ``i``'s output of
-    a ``"fb"`` step and its input gradient (its last ones; ``None`` where it did not run),
-    ``norm`` / ``gemm`` the final gradient snapshots."""
+    return what they produced (norm gradients taken before draining)."""
     if dtype is not None:
         data = [dataclasses.replace(d, x=d.x.to(dtype), dy=d.dy.to(dtype)) for d in data]
     outputs: list[torch.Tensor | None] = [None] * len(data)
@@ -301,13 +282,13 @@ def play(
     for step in steps:
         if step.op == "fb":
             x, outputs[step.index] = run.fb(data[step.index])
-            xgrads[step.index] = _grad(x)
+            xgrads[step.index] = clone_of(x.grad)
         elif step.op == "zero":
             run.zero_grads()
         else:
             xs = tied_fb(run, data, step.op == "chain", step.index)
             for k, x in enumerate(xs):
-                xgrads[step.index + k] = _grad(x)
+                xgrads[step.index + k] = clone_of(x.grad)
     norm = run.norm_snapshot()
     run.drain()
     return AccuracyRun(outputs, xgrads, norm, run.gemm_snapshot())
