@@ -1,11 +1,7 @@
-"""P1-P3 (SPEC §7): outputs, input/norm gradients and weight/bias gradients within an error
-budget of the float64 truth.
-
-The run under test is one forward and backward per micro-batch (delayed when the case says so).
-Its truth and naive yardstick are :func:`~.truth.truth_runs` of the same steps: the reference in
-the case's dtype, its float64 twin, and under FP8 the twin under the same recipe. Each tensor is
-judged by :func:`~.judge.judge` with the budgets of :mod:`.budgets`; at a relu kink against
-every legal truth (:mod:`.kink`).
+"""P1-P3 (SPEC §7): outputs, input/norm gradients and weight/bias gradients of one forward and
+backward per micro-batch within an error budget (:mod:`.budgets`) of the float64 truth and the
+naive reference of the same steps (:func:`~.truth.truth_runs`); at a relu kink, of some legal
+truth (:mod:`.kink`).
 """
 
 from __future__ import annotations
@@ -46,11 +42,9 @@ def accuracy(backend: Backend, case: Case) -> tuple[AccuracyRun, AccuracyRun, Ac
 
 
 def _truth_candidates(case: Case, truth: AccuracyRun) -> tuple[list[AccuracyRun], str]:
-    """The truths ``case`` may legally be judged against: ``[truth]``, or, for a relu MLP with
-    fc1 pre-activations within rounding distance of the kink, one truth per ``relu'`` choice
-    :func:`~.kink.kink_choices` allows there (all of them in high precision, where it raises
-    :class:`~.kink.CaseRejected` when there are too many to try; one or two switched under FP8;
-    see :mod:`.kink`). Also returns the note a failure message gets."""
+    """The truths ``case`` may be judged against (``[truth]``, or one per ``relu'`` choice that
+    :func:`~.kink.kink_choices` allows at fc1 pre-activations near the kink; it raises
+    :class:`~.kink.CaseRejected` when there are too many), and the note a failure gets."""
     sites = kink_sites(case)
     picks = kink_choices(case, sites)
     if len(picks) == 1:
@@ -75,21 +69,7 @@ def check_p2(backend: Backend, case: Case) -> CheckResult:
     (:data:`~.budgets.NORM_GRAD`) within budget (of some legal truth at a relu kink; plus the
     per-element :data:`~.budgets.DGRAD_OPERAND_STEPS` allowance behind a smooth activation)."""
     test, runs = accuracy_runs(backend, case)
-    candidates, note = _truth_candidates(case, runs.truth)
-    judging = Judging(
-        case,
-        runs.naive,
-        candidates,
-        runs.truth8,
-        floors=dgrad_operand_floors(case),
-        bounds=memo(rounding_bounds, case),
-        note=note,
-    )
-
-    def compare(t: Tracker, cand: AccuracyRun) -> None:
-        compare_dgrads(t, test, cand, judging)
-
-    return best_of(candidates, compare, first_wins=case.config.recipe is not None)
+    return _best_of_truths(case, test, runs, compare_dgrads, dgrad_operand_floors)
 
 
 def check_p3(backend: Backend, case: Case) -> CheckResult:
@@ -100,21 +80,27 @@ def check_p3(backend: Backend, case: Case) -> CheckResult:
     test, runs = accuracy_runs(backend, case)
     if set(test.gemm) != set(runs.truth.gemm):
         raise PropertyViolation(f"gradient slots {sorted(test.gemm)} != {sorted(runs.truth.gemm)}")
-    candidates, note = _truth_candidates(case, runs.truth)
     fused = case.config.fuse_wgrad_accumulation
     main_grads = make_main_grads(case.config, case.seed) if fused else {}
+    prefills = {f"{k}.main_grad": v for k, v in main_grads.items()}
+    return _best_of_truths(case, test, runs, compare_wgrads, wgrad_operand_floors, prefills)
+
+
+def _best_of_truths(case, test, runs, compare, floors_of, prefills=None) -> CheckResult:
+    """``compare(t, test, truth, judging)`` against every legal truth (:func:`_truth_candidates`),
+    the operand allowances ``floors_of(case)``; the best one counts (:func:`~.judge.best_of`)."""
+    candidates, note = _truth_candidates(case, runs.truth)
     judging = Judging(
         case,
         runs.naive,
         candidates,
         runs.truth8,
-        floors=wgrad_operand_floors(case),
-        prefills={f"{k}.main_grad": v for k, v in main_grads.items()},
+        floors=floors_of(case),
+        prefills=prefills or {},
         bounds=memo(rounding_bounds, case),
         note=note,
     )
-
-    def compare(t: Tracker, cand: AccuracyRun) -> None:
-        compare_wgrads(t, test, cand, judging)
-
-    return best_of(candidates, compare, first_wins=case.config.recipe is not None)
+    first_wins = case.config.recipe is not None
+    return best_of(
+        candidates, lambda t, cand: compare(t, test, cand, judging), first_wins=first_wins
+    )

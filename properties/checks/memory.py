@@ -14,11 +14,6 @@ from .runner import ModuleRun
 __all__ = ["check_p11"]
 
 
-# =============================================================================================
-# P11: freed after backward_dw()
-# =============================================================================================
-
-
 def check_p11(backend: Backend, case: Case) -> CheckResult:
     """P11: after the ``backward_dw()`` of micro-batch *i* (or its non-delayed backward), the
     storages of its input, its output gradient and every activation autograd saved for it

@@ -1,17 +1,12 @@
-"""P4-P8 (SPEC §4, §7): the split's semantics — delayed == non-delayed, the state between
-``backward()`` and ``backward_dw()``, interleavings, tied and frozen weights,
-``is_first_microbatch``.
-
-Each of these compares an implementation with itself (tier 1, bitwise). A bug on the path both
-modes share passes that, so every case drawn here also has its final gradients judged against
-the float64 truth with the P2/P3 budgets (:func:`.truth.judge_case`, tier 2). The case
-strategies of P5-P7 live next to their checks.
+"""P4-P8 (SPEC §4, §7): the split's semantics, and the cases P4-P7 draw. Each compares an
+implementation with itself (tier 1, bitwise); a bug on the path both modes share passes that, so
+every case also has its final gradients judged against the float64 truth with the P2/P3 budgets
+(:func:`~.truth.judge_steps`, tier 2).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 from hypothesis import strategies as st
@@ -31,7 +26,7 @@ from ..cases.strategies import (
 )
 from ..oracle.truth import judge_steps
 from .results import CheckResult, Tracker
-from .runner import AccuracyRun, ModuleRun, Step, fb_steps, tied_fb
+from .runner import AccuracyRun, ModuleRun, Step, clone_of, fb_steps, tied_fb
 
 __all__ = [
     "check_p4",
@@ -45,22 +40,17 @@ __all__ = [
     "p6_cases",
     "p7_cases",
     "frozen_subsets",
+    "chain_splits",
 ]
-
-
-# =============================================================================================
-# P4: delayed == non-delayed
-# =============================================================================================
 
 
 def check_p4(backend: Backend, case: Case) -> CheckResult:
     """P4: the same micro-batches through a delayed and a non-delayed module (random ``.grad``
-    and ``main_grad`` prefills; the parameters in ``case.frozen`` frozen), all ``backward_dw()``
-    at the end: outputs, input grads, every parameter gradient and ``main_grad`` bitwise equal;
-    hooks fire once per entry, after the gradients are written; ``grad_added_to_main_grad`` set
-    in both for every trained weight. Under FP8 the queued entries run after later scale
-    updates, and the amax histories and scales are compared after every micro-batch and after
-    draining. Then the final gradients are judged against the float64 truth (:mod:`.truth`)."""
+    and ``main_grad`` prefills, ``case.frozen`` frozen), all ``backward_dw()`` at the end:
+    outputs, input grads, every gradient and ``main_grad`` bitwise equal; hooks fire once per
+    entry, after the writes; ``grad_added_to_main_grad`` set for every trained weight. Under FP8
+    queued entries run after later scale updates; amax histories and scales compare after every
+    micro-batch and after draining."""
     t = Tracker()
     data = make_micro_batches(case)
     eager = ModuleRun(backend, case, delay=False, prefill_grads=True, frozen=case.frozen)
@@ -70,37 +60,32 @@ def check_p4(backend: Backend, case: Case) -> CheckResult:
     for i, d in enumerate(data):
         xe, ye = eager.fb(d)
         xl, yl = late.fb(d)
-        xgrads.append(_grad(xl))
+        xgrads.append(clone_of(xl.grad))
         t.bitwise(f"output[micro-batch {i}]", yl, ye)
         t.bitwise(f"inp.grad[micro-batch {i}]", xl.grad, xe.grad)
         t.bitwise_all(f"after micro-batch {i}: ", late.fp8_snapshot(), eager.fp8_snapshot())
-    t.equal(
-        "pending_wgrad_count after the backwards" + _frozen_note(case),
-        late.pending(),
-        len(data) if trains else 0,
-    )
+    what = "pending_wgrad_count after the backwards" + _frozen_note(case)
+    t.equal(what, late.pending(), len(data) if trains else 0)
     late.drain()
     norm = late.norm_snapshot()
     t.equal("pending_wgrad_count after draining", late.pending(), 0)
     t.bitwise_all("", late.all_snapshot(), eager.all_snapshot())
     t.bitwise_all("after draining: ", late.fp8_snapshot(), eager.fp8_snapshot())
-    t.equal(
-        "hook calls (delayed vs non-delayed)",
-        [c.hook for c in late.hook_calls],
-        [c.hook for c in eager.hook_calls],
-    )
+    late_hooks, eager_hooks = ([c.hook for c in r.hook_calls] for r in (late, eager))
+    t.equal("hook calls (delayed vs non-delayed)", late_hooks, eager_hooks)
     if case.config.fuse_wgrad_accumulation:
         t.equal("grad_added_to_main_grad (delayed)", late.added_flags(), eager.added_flags())
         trained = {n: v for n, v in late.added_flags().items() if n not in case.frozen}
         t.expect(all(trained.values()), f"grad_added_to_main_grad not set: {trained}")
     _check_hooks_saw_final(t, late)
-    got = AccuracyRun([], xgrads, norm, late.gemm_snapshot())
-    judge_steps(t, case, fb_steps(len(data)), got, prefill_grads=True, frozen=case.frozen)
+    _judge(t, case, fb_steps(len(data)), late, xgrads, norm, prefill_grads=True, frozen=case.frozen)
     return t.result
 
 
-def _grad(x: torch.Tensor) -> torch.Tensor | None:
-    return None if x.grad is None else x.grad.detach().clone()
+def _judge(t: Tracker, case: Case, steps, run: ModuleRun, xgrads, norm, **options) -> None:
+    """``run``'s final gradients (input gradients ``xgrads``, norm gradients ``norm``, its GEMM
+    gradients now) against the float64 truth of ``steps`` (:func:`~.truth.judge_steps`)."""
+    judge_steps(t, case, steps, AccuracyRun([], xgrads, norm, run.gemm_snapshot()), **options)
 
 
 def _trains_gemm(run: ModuleRun) -> bool:
@@ -118,11 +103,6 @@ def _check_hooks_saw_final(t: Tracker, run: ModuleRun) -> None:
         t.bitwise_all("at the last hook call: ", run.hook_calls[-1].seen, run.gemm_snapshot())
 
 
-# =============================================================================================
-# P5: between backward() and backward_dw()
-# =============================================================================================
-
-
 def check_p5(backend: Backend, case: Case) -> CheckResult:
     """P5: after each ``backward()`` of a delayed module, input and norm gradients already equal
     the non-delayed run's (bitwise), GEMM gradients and ``main_grad`` are exactly as before
@@ -134,28 +114,23 @@ def check_p5(backend: Backend, case: Case) -> CheckResult:
     prefill = case.variant == "prefill"
     eager = ModuleRun(backend, case, delay=False, prefill_grads=prefill)
     late = ModuleRun(backend, case, delay=True, prefill_grads=prefill)
-    before = late.gemm_snapshot()
-    flags_before = late.added_flags()
+    before, flags_before = late.gemm_snapshot(), late.added_flags()
     xs = []
     for i, d in enumerate(data):
         xe, _ = eager.fb(d)
         xl, _ = late.fb(d)
-        xs.append((xl, xl.grad.detach().clone() if xl.grad is not None else None))
+        xs.append((xl, clone_of(xl.grad)))
         t.bitwise(f"inp.grad[micro-batch {i}] right after backward()", xl.grad, xe.grad)
-        t.bitwise_all(
-            f"after backward() of micro-batch {i}: ", late.norm_snapshot(), eager.norm_snapshot()
-        )
-        t.bitwise_all(
-            f"after backward() of micro-batch {i}: ", late.fp8_snapshot(), eager.fp8_snapshot()
-        )
+        where = f"after backward() of micro-batch {i}: "
+        t.bitwise_all(where, late.norm_snapshot(), eager.norm_snapshot())
+        t.bitwise_all(where, late.fp8_snapshot(), eager.fp8_snapshot())
         t.bitwise_all(
             f"untouched until backward_dw(), after backward() {i}: ", late.gemm_snapshot(), before
         )
         t.equal(f"grad_added_to_main_grad after backward() {i}", late.added_flags(), flags_before)
         t.equal(f"hook calls after backward() {i}", len(late.hook_calls), 0)
         t.equal(f"pending_wgrad_count after backward() {i}", late.pending(), i + 1)
-    norm_before_dw = late.norm_snapshot()
-    fp8_before_dw = late.fp8_snapshot()
+    norm_before_dw, fp8_before_dw = late.norm_snapshot(), late.fp8_snapshot()
     for j in range(len(data)):
         late.dw()
         t.bitwise_all(f"untouched by backward_dw() {j}: ", late.fp8_snapshot(), fp8_before_dw)
@@ -169,27 +144,16 @@ def check_p5(backend: Backend, case: Case) -> CheckResult:
         t.bitwise(f"inp.grad[micro-batch {i}] after backward_dw()", x.grad, g)
     t.bitwise_all("norm grads across backward_dw(): ", late.norm_snapshot(), norm_before_dw)
     t.bitwise_all("after draining: ", late.all_snapshot(), eager.all_snapshot())
-    got = AccuracyRun([], [g for _, g in xs], late.norm_snapshot(), late.gemm_snapshot())
-    judge_steps(t, case, fb_steps(len(data)), got, prefill_grads=prefill)
+    xgrads = [g for _, g in xs]
+    _judge(t, case, fb_steps(len(data)), late, xgrads, late.norm_snapshot(), prefill_grads=prefill)
     return t.result
 
 
-# =============================================================================================
-# P6: interleavings
-# =============================================================================================
-
-
 class InterleavingModel:
-    """Drives a delayed module through a schedule next to two non-delayed twins.
-
-    ``eager`` runs every step as it comes (so input/norm gradients compare right after each
-    backward). ``lagged`` replays micro-batch *i*'s forward+backward at the moment the delayed
-    module runs its *i*-th ``backward_dw()`` (FIFO), so after **every** step the delayed module's
-    GEMM gradients and ``main_grad`` must equal the lagged twin's, bitwise. Zeroing hits all three.
-    :meth:`judge_truth` then judges the delayed module's final gradients against the float64
-    truth of the same steps (input and norm gradients: the eager order; GEMM gradients: the
-    lagged order). Used by :func:`check_p6` and by the stateful machine in :mod:`.state_machine`.
-    """
+    """Drives a delayed module through a schedule (:func:`check_p6`, :mod:`.state_machine`)
+    next to two non-delayed twins: ``eager`` runs every step as it comes; ``lagged`` replays
+    micro-batch *i* when the delayed module runs its *i*-th ``backward_dw()`` (FIFO), so its GEMM
+    gradients and ``main_grad`` must equal the delayed module's after every step, bitwise."""
 
     def __init__(self, backend: Backend, case: Case) -> None:
         self.case = case
@@ -197,39 +161,35 @@ class InterleavingModel:
         self.late = ModuleRun(backend, case, delay=True)
         self.eager = ModuleRun(backend, case, delay=False)
         self.lagged = ModuleRun(backend, case, delay=False)
-        self.queue: list[Any] = []  # micro-batch data of the pending entries, oldest first
+        #: (index, data) of the micro-batches whose entries are pending, oldest first.
+        self.queue: list[tuple[int, MicroBatchData]] = []
         self.steps: list[str] = []
-        self.dws = 0
         # What the truth replays: the micro-batches run so far, and both orders of the steps.
         self.specs: list[MicroBatch] = []
         self.xgrads: list[torch.Tensor | None] = []
         self.eager_steps: list[Step] = []
         self.lagged_steps: list[Step] = []
-        self._queued_index: list[int] = []
 
     def fb(self, data: MicroBatchData) -> None:
         self.steps.append("fb")
         index = len(self.specs)
         self.specs.append(data.spec)
         self.eager_steps.append(Step("fb", index))
-        self._queued_index.append(index)
         xl, _ = self.late.fb(data)
         xe, _ = self.eager.fb(data)
-        self.xgrads.append(_grad(xl))
-        self.queue.append(data)
-        n = len(self.steps)
-        self.t.bitwise(f"step {n} (fb): inp.grad", xl.grad, xe.grad)
-        self.t.bitwise_all(
-            f"step {n} (fb): ", self.late.norm_snapshot(), self.eager.norm_snapshot()
-        )
+        self.xgrads.append(clone_of(xl.grad))
+        self.queue.append((index, data))
+        where = f"step {len(self.steps)} (fb): "
+        self.t.bitwise(f"{where}inp.grad", xl.grad, xe.grad)
+        self.t.bitwise_all(where, self.late.norm_snapshot(), self.eager.norm_snapshot())
         self.check()
 
     def dw(self) -> None:
         self.steps.append("dw")
         self.late.dw()
-        self.lagged.fb(self.queue.pop(0))
-        self.lagged_steps.append(Step("fb", self._queued_index.pop(0)))
-        self.dws += 1
+        index, data = self.queue.pop(0)
+        self.lagged.fb(data)
+        self.lagged_steps.append(Step("fb", index))
         self.check()
 
     def zero(self) -> None:
@@ -241,17 +201,15 @@ class InterleavingModel:
         self.check()
 
     def check(self) -> None:
-        n, op = len(self.steps), self.steps[-1] if self.steps else "start"
-        self.t.equal(f"step {n} ({op}): pending_wgrad_count", self.late.pending(), len(self.queue))
+        op = self.steps[-1] if self.steps else "start"
+        where = f"step {len(self.steps)} ({op}): "
+        self.t.equal(f"{where}pending_wgrad_count", self.late.pending(), len(self.queue))
         # FP8: the delayed module's amax histories move exactly as the eager twin's.
-        self.t.bitwise_all(
-            f"step {n} ({op}): ", self.late.fp8_snapshot(), self.eager.fp8_snapshot()
-        )
-        self.t.bitwise_all(
-            f"step {n} ({op}): ", self.late.gemm_snapshot(), self.lagged.gemm_snapshot()
-        )
-        self.t.equal(f"step {n} ({op}): hook calls", len(self.late.hook_calls), 2 * self.dws)
-        _check_hooks_saw_final(self.t, self.late) if op == "dw" else None
+        self.t.bitwise_all(where, self.late.fp8_snapshot(), self.eager.fp8_snapshot())
+        self.t.bitwise_all(where, self.late.gemm_snapshot(), self.lagged.gemm_snapshot())
+        self.t.equal(f"{where}hook calls", len(self.late.hook_calls), 2 * self.steps.count("dw"))
+        if op == "dw":
+            _check_hooks_saw_final(self.t, self.late)
 
     def judge_truth(self) -> None:
         """The delayed module's final gradients against the float64 truth (call with nothing
@@ -274,34 +232,22 @@ def check_p6(backend: Backend, case: Case) -> CheckResult:
     gradients then against the float64 truth."""
     data = make_micro_batches(case)
     model = InterleavingModel(backend, case)
-    nxt = 0
+    batches = iter(data)
+    run = {"fb": lambda: model.fb(next(batches)), "dw": model.dw, "zero": model.zero}
     for op in case.schedule:
-        if op == "fb":
-            model.fb(data[nxt])
-            nxt += 1
-        elif op == "dw":
-            model.dw()
-        elif op == "zero":
-            model.zero()
-        else:
+        if op not in run:
             raise ValueError(f"unknown schedule step {op!r} in {case.schedule}")
+        run[op]()
     model.judge_truth()
     return model.t.result
 
 
-# =============================================================================================
-# P7: tied and frozen weights
-# =============================================================================================
-
-
 def check_p7(backend: Backend, case: Case) -> CheckResult:
-    """P7. ``variant="tied"``/``"tied-chain"``: one backward through two applications of the
-    module queues two entries; after both ``backward_dw()`` everything equals the non-delayed
-    run bitwise (prefilled ``.grad``/``main_grad``). ``variant="frozen"``: parameters in
-    ``case.frozen`` have ``requires_grad=False``: they get no gradient (and their ``main_grad``
-    stays as prefilled), nothing is queued when no GEMM parameter trains, the rest (prefilled)
-    equals the non-delayed run bitwise. Either way the final gradients are then judged against
-    the float64 truth."""
+    """P7. ``"tied"``/``"tied-chain"``: one backward through two applications of the module
+    queues two entries; after both ``backward_dw()`` everything equals the non-delayed run
+    bitwise. ``"frozen"``: the parameters in ``case.frozen`` get no gradient (their
+    ``main_grad`` stays as prefilled), nothing is queued when no GEMM parameter trains, the rest
+    equals the non-delayed run bitwise. Gradients are prefilled."""
     t = Tracker()
     data = make_micro_batches(case)
     if case.variant.startswith("tied"):
@@ -310,21 +256,18 @@ def check_p7(backend: Backend, case: Case) -> CheckResult:
         late = ModuleRun(backend, case, delay=True, prefill_grads=True)
         xe = tied_fb(eager, data, chain)
         xl = tied_fb(late, data, chain)
-        entries = 2
-        queued = late.pending()
+        queued, entries = late.pending(), 2
         for i, (a, b) in enumerate(zip(xl, xe)):
             t.bitwise(f"inp.grad[use {i}]", a.grad, b.grad)
         late.drain()
         norm = late.norm_snapshot()
         # Gradients first: a wrong gradient matters more than a wrong entry count.
-        t.bitwise_all("tied, after draining: ", late.all_snapshot(), eager.all_snapshot())
-        t.bitwise_all("tied, after draining: ", late.fp8_snapshot(), eager.fp8_snapshot())
+        t.same_run("tied, after draining: ", late, eager)
         t.equal("pending_wgrad_count after one backward through two uses", queued, entries)
         t.equal("hook calls", len(late.hook_calls), 2 * entries)
-        xgrads = [_grad(x) for x in xl] + [None] * (len(data) - len(xl))
-        got = AccuracyRun([], xgrads, norm, late.gemm_snapshot())
-        step = Step("chain" if chain else "tied", 0)
-        judge_steps(t, case, (step,), got, prefill_grads=True, label=f"{case.variant}, ")
+        xgrads = [clone_of(x.grad) for x in xl] + [None] * (len(data) - len(xl))
+        steps = (Step("chain" if chain else "tied", 0),)
+        _judge(t, case, steps, late, xgrads, norm, prefill_grads=True, label=f"{case.variant}, ")
         return t.result
     if case.variant != "frozen":
         raise ValueError(
@@ -333,52 +276,34 @@ def check_p7(backend: Backend, case: Case) -> CheckResult:
     eager = ModuleRun(backend, case, delay=False, frozen=case.frozen, prefill_grads=True)
     late = ModuleRun(backend, case, delay=True, frozen=case.frozen, prefill_grads=True)
     trains = _trains_gemm(late)
-    before = late.all_snapshot()
+    before, note = late.all_snapshot(), _frozen_note(case)
     xgrads = []
     for i, d in enumerate(data):
         xe, _ = eager.fb(d)
         xl, _ = late.fb(d)
-        xgrads.append(_grad(xl))
+        xgrads.append(clone_of(xl.grad))
         t.bitwise(f"inp.grad[micro-batch {i}]", xl.grad, xe.grad)
-        t.equal(
-            f"pending_wgrad_count after backward() {i}{_frozen_note(case)}",
-            late.pending(),
-            (i + 1) if trains else 0,
-        )
+        expected = (i + 1) if trains else 0
+        t.equal(f"pending_wgrad_count after backward() {i}{note}", late.pending(), expected)
     late.drain()
     norm = late.norm_snapshot()
     after = late.all_snapshot()
     for name in case.frozen:
         for key in (k for k in after if k.split(".")[0] == name):
             t.bitwise(f"frozen {key}", after[key], before[key])
-    t.bitwise_all("frozen case, after draining: ", after, eager.all_snapshot())
-    t.bitwise_all("frozen case, after draining: ", late.fp8_snapshot(), eager.fp8_snapshot())
-    got = AccuracyRun([], xgrads, norm, late.gemm_snapshot())
-    judge_steps(
-        t,
-        case,
-        fb_steps(len(data)),
-        got,
-        prefill_grads=True,
-        frozen=case.frozen,
-        label=f"frozen={list(case.frozen)}, ",
-    )
+    t.same_run("frozen case, after draining: ", late, eager)
+    label = f"frozen={list(case.frozen)}, "
+    steps = fb_steps(len(data))
+    _judge(t, case, steps, late, xgrads, norm, prefill_grads=True, frozen=case.frozen, label=label)
     return t.result
-
-
-# =============================================================================================
-# P8: is_first_microbatch
-# =============================================================================================
 
 
 def check_p8(backend: Backend, case: Case) -> CheckResult:
     """P8. Fused: a micro-batch whose forward got ``is_first_microbatch=True`` *overwrites*
-    ``main_grad`` (delayed entries keep their own flag until ``backward_dw()``), others add; the
-    expected run is a non-delayed twin without flags whose ``main_grad`` is zeroed right before
-    each flagged micro-batch. Values compare exactly (``rtol=0, atol=0``; overwrite and
-    add-to-zero may differ only in the sign of an exact zero). Biases still accumulate in
-    ``.grad``. Plain mode: the flag changes nothing, bitwise. The final gradients are then
-    judged against the float64 truth (whose reference honours the flags itself)."""
+    ``main_grad`` (delayed entries keep their flag until ``backward_dw()``), others add: as a
+    non-delayed twin without flags whose ``main_grad`` is zeroed before each flagged micro-batch,
+    exactly (``rtol=0, atol=0``: overwrite and add-to-zero may differ in the sign of an exact
+    zero). Biases still accumulate in ``.grad``. Plain mode: the flag changes nothing, bitwise."""
     t = Tracker()
     data = make_micro_batches(case)
     fused = case.config.fuse_wgrad_accumulation
@@ -387,7 +312,7 @@ def check_p8(backend: Backend, case: Case) -> CheckResult:
     xgrads = []
     for d in data:
         x, _ = run.fb(d)
-        xgrads.append(_grad(x))
+        xgrads.append(clone_of(x.grad))
         if fused and d.spec.is_first_microbatch:
             for name in twin.weight_names:
                 twin.params[name].main_grad.zero_()
@@ -398,40 +323,33 @@ def check_p8(backend: Backend, case: Case) -> CheckResult:
     t.bitwise_all("is_first_microbatch vs none: ", run.fp8_snapshot(), twin.fp8_snapshot())
     flags = [d.spec.is_first_microbatch for d in data]
     for key in sorted(set(got) | set(want)):
-        if key.endswith(".main_grad"):
-            if B.check_same_presence(key, got.get(key), want.get(key)):
-                a, e = got[key], want[key]
-                bad = a != e
-                if bool(bad.any()):
-                    idx = tuple(int(i) for i in bad.nonzero()[0])
-                    raise B.BudgetViolation(
-                        key,
-                        f"{key}: {int(bad.sum())} elements differ from the overwrite expectation "
-                        f"(is_first_microbatch flags {flags}); "
-                        f"worst at {idx}: got {float(a[idx])!r}, expected {float(e[idx])!r} "
-                        "(budget: rtol=0, atol=0)",
-                    )
-                t._note(0.0, bitwise=True)
-        else:
+        if not key.endswith(".main_grad"):
             t.bitwise(key, got.get(key), want.get(key))
-    judged = AccuracyRun([], xgrads, norm, run.gemm_snapshot())
-    judge_steps(t, case, fb_steps(len(data)), judged, prefill_grads=True)
+        elif B.check_same_presence(key, got.get(key), want.get(key)):
+            a, e = got[key], want[key]
+            bad = a != e
+            if bool(bad.any()):
+                idx = tuple(int(i) for i in bad.nonzero()[0])
+                raise B.BudgetViolation(
+                    key,
+                    f"{key}: {int(bad.sum())} elements differ from the overwrite expectation "
+                    f"(is_first_microbatch flags {flags}); "
+                    f"worst at {idx}: got {float(a[idx])!r}, expected {float(e[idx])!r} "
+                    "(budget: rtol=0, atol=0)",
+                )
+            t._note(0.0, bitwise=True)
+    _judge(t, case, fb_steps(len(data)), run, xgrads, norm, prefill_grads=True)
     return t.result
-
-
-# ---- the cases P4-P7 draw -------------------------------------------------------------------
 
 
 @st.composite
 def frozen_subsets(draw, config: ModuleConfig) -> tuple[str, ...]:
-    """A set of frozen parameters of ``config`` (each GEMM weight, bias and norm parameter,
-    alone and together): a prefix of a drawn permutation, so that every parameter is as likely
-    as any other to be frozen alone or with others (plain booleans per parameter would start
-    from the first names), or all of them."""
+    """A non-empty set of frozen parameters of ``config``: a prefix of a drawn permutation, so
+    every parameter is as likely as any other to be frozen alone or with others (booleans per
+    parameter would start from the first names)."""
     names = [s.name for s in param_specs(config)]
     order = draw(st.permutations(names))
-    count = draw(st.integers(1, len(names)))
-    chosen = set(order[:count])
+    chosen = set(order[: draw(st.integers(1, len(names)))])
     return tuple(n for n in names if n in chosen)
 
 
@@ -463,17 +381,18 @@ def p7_cases(draw, kinds, dtypes, devices, recipes):
     # Biases first: every parameter role is then present to be tied or frozen (a plain
     # st.booleans() starts from bias=False and leaves most early examples without one).
     bias = draw(st.sampled_from([True, False]))
-    config = draw(
-        module_configs(
-            kinds, dtypes, devices, square=variant == "tied-chain", recipes=recipes, bias=bias
-        )
-    )
+    square = variant == "tied-chain"
+    config = draw(module_configs(kinds, dtypes, devices, square=square, recipes=recipes, bias=bias))
     count = 2 if variant.startswith("tied") else draw(st.integers(1, 2))
-    mbs = draw(micro_batches(config, count))
-    if variant == "tied-chain" and config.kind == "GroupedLinear":
-        mbs = (
-            mbs[0],
-            dataclasses.replace(mbs[1], lead_shape=mbs[0].lead_shape, m_splits=mbs[0].m_splits),
-        )
+    mbs = chain_splits(draw(micro_batches(config, count)), variant, config.kind)
     frozen = draw(frozen_subsets(config)) if variant == "frozen" else ()
     return Case(config, mbs, draw(seeds()), variant=variant, frozen=frozen, delay=True)
+
+
+def chain_splits(mbs: tuple[MicroBatch, ...], variant: str, kind: str) -> tuple[MicroBatch, ...]:
+    """P7's micro-batches: under ``"tied-chain"`` a ``GroupedLinear``'s second application takes
+    the first's output, so the second micro-batch gets the first's shape and ``m_splits``."""
+    if variant != "tied-chain" or kind != "GroupedLinear":
+        return mbs
+    second = dataclasses.replace(mbs[1], lead_shape=mbs[0].lead_shape, m_splits=mbs[0].m_splits)
+    return (mbs[0], second)

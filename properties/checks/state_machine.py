@@ -1,17 +1,7 @@
-"""P6 as a hypothesis ``RuleBasedStateMachine``: any legal interleaving of micro-batch
-forward+backward (with or without ``is_first_microbatch``), ``backward_dw()`` and zeroing.
-
-The machine drives :class:`~.split.InterleavingModel` — a delayed module next to an eager and a
-lagged non-delayed twin — and after every step checks the pending count, input and norm
-gradients against the eager twin, and every GEMM gradient and ``main_grad`` against the lagged
-twin, bitwise; at teardown the delayed module's final gradients against the float64 truth of
-the same steps (tier 2). Micro-batch shapes are drawn per step, so shrinking finds the shortest
-schedule.
-
-Under FP8 (``recipes``) every forward runs inside ``fp8_autocast(enabled=True,
-fp8_recipe=...)``; the machine then also compares the delayed module's amax histories and scales
-with the eager twin's after every step, so a dozen steps move them through several updates (and,
-with the harness's 4-step histories, past their length).
+"""P6 as a hypothesis ``RuleBasedStateMachine``: any legal interleaving of forward+backward,
+``backward_dw()`` and zeroing, checked by :class:`~.split.InterleavingModel` after every step;
+micro-batch shapes are drawn per step, so shrinking finds the shortest schedule. Under FP8 a dozen
+steps move the amax histories through several updates (past the harness's 4-step length).
 """
 
 from __future__ import annotations
@@ -60,11 +50,10 @@ def make_p6_machine(
             mb = dataclasses.replace(mb, is_first_microbatch=first)
             self.model.fb(make_micro_batch(self.case.config, mb, self.case.seed, self.count))
             self.count += 1
+            cls = type(self)
             for key, value in self.model.eager.fp8_snapshot().items():
                 if key.endswith(".amax_history"):
-                    steps = int(value.count_nonzero())
-                    cls = type(self)
-                    cls.history_steps_seen = max(cls.history_steps_seen, steps)
+                    cls.history_steps_seen = max(cls.history_steps_seen, int(value.count_nonzero()))
 
         @precondition(lambda self: self.model is not None and bool(self.model.queue))
         @rule()
