@@ -4,24 +4,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 from hypothesis import strategies as st
 
 from ..backends import Backend
-from ..cases.data import GEMM_WEIGHT, MicroBatchData, make_micro_batches, param_specs
+from ..cases.data import MicroBatchData, gemm_weight_names, make_micro_batches
 from ..cases.strategies import KINDS, Case, ModuleConfig, boundary_cases, cases, make_recipe
 from ..cases.variants import MISUSES, Misuse
 from .results import CheckResult, PropertyViolation, Tracker
-from .runner import ModuleRun
+from .runner import ModuleRun, clone_of
 
 __all__ = [
     "UB_MESSAGE",
@@ -34,10 +36,6 @@ __all__ = [
     "p10_explicit",
 ]
 
-
-# =============================================================================================
-# P9: ub_bulk_wgrad
-# =============================================================================================
 
 UB_MESSAGE = "ub_bulk_wgrad is not supported when enabling delay_wgrad_compute"
 _OPTIMIZED_CACHE: dict[str, dict[str, str]] = {}
@@ -58,8 +56,6 @@ for kind in sys.argv[2:]:
         out[kind] = type(exc).__name__ + ": " + str(exc)
 print(json.dumps({"optimize": sys.flags.optimize, "results": out}))
 """
-
-
 _OPTIMIZED_RUNNING: dict[str, subprocess.Popen] = {}
 #: The kinds P9 asks the ``python -O`` subprocess about.
 P9_KINDS = tuple(k for k in KINDS if k != "GroupedLinear")
@@ -73,17 +69,14 @@ def start_optimized_constructor_results(
     importing torch and the backend while other cells run)."""
     if backend_name in _OPTIMIZED_CACHE or backend_name in _OPTIMIZED_RUNNING:
         return
+    # The backend may live on a path this process added (a test, a conftest).
+    path = os.pathsep.join(p for p in sys.path if p)
     _OPTIMIZED_RUNNING[backend_name] = subprocess.Popen(
         [sys.executable, "-O", "-c", _OPTIMIZED_SCRIPT, backend_name, *kinds],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        # The backend may live on a path this process added (a test, a conftest).
-        env={
-            **os.environ,
-            "PYTHONOPTIMIZE": "1",
-            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-        },
+        env={**os.environ, "PYTHONOPTIMIZE": "1", "PYTHONPATH": path},
     )
 
 
@@ -119,24 +112,19 @@ def check_p9(backend: Backend, case: Case) -> CheckResult:
     ``ub_bulk_wgrad=True`` changes no result (bitwise)."""
     t = Tracker()
     kind = case.config.kind
+    call = f"{kind}(ub_bulk_wgrad=True, delay_wgrad_compute=True)"
     ctor = backend.constructor(kind)
     args = (2, 4, 3) if kind == "GroupedLinear" else (4, 3)
     try:
         ctor(*args, ub_bulk_wgrad=True, delay_wgrad_compute=True)
     except ValueError as exc:
-        t.expect(
-            UB_MESSAGE in str(exc), f"{kind}: ValueError message {str(exc)!r} lacks {UB_MESSAGE!r}"
-        )
+        msg = str(exc)
+        t.expect(UB_MESSAGE in msg, f"{kind}: ValueError message {msg!r} lacks {UB_MESSAGE!r}")
     else:
-        raise PropertyViolation(
-            f"{kind}(ub_bulk_wgrad=True, delay_wgrad_compute=True) did not raise ValueError"
-        )
-    result = optimized_constructor_results(backend.name, P9_KINDS)
-    t.expect(
-        result.get(kind, "").startswith("ValueError") and UB_MESSAGE in result[kind],
-        f"under python -O, {kind}(ub_bulk_wgrad=True, delay_wgrad_compute=True) gave "
-        f"{result.get(kind)!r}",
-    )
+        raise PropertyViolation(f"{call} did not raise ValueError")
+    got = optimized_constructor_results(backend.name, P9_KINDS).get(kind)
+    raised = (got or "").startswith("ValueError") and UB_MESSAGE in got
+    t.expect(raised, f"under python -O, {call} gave {got!r}")
     data = make_micro_batches(case)
     plain = ModuleRun(backend, case, delay=False, prefill_grads=True)
     bulk = ModuleRun(backend, case, delay=False, prefill_grads=True, ub_bulk_wgrad=True)
@@ -145,22 +133,14 @@ def check_p9(backend: Backend, case: Case) -> CheckResult:
         xb, yb = bulk.fb(d)
         t.bitwise(f"ub_bulk_wgrad output[{i}]", yb, yp)
         t.bitwise(f"ub_bulk_wgrad inp.grad[{i}]", xb.grad, xp.grad)
-    t.bitwise_all("ub_bulk_wgrad: ", bulk.all_snapshot(), plain.all_snapshot())
-    t.bitwise_all("ub_bulk_wgrad: ", bulk.fp8_snapshot(), plain.fp8_snapshot())
+    t.same_run("ub_bulk_wgrad: ", bulk, plain)
     return t.result
-
-
-# P10: bad input and misuse
-# =============================================================================================
-
-
-def _dtype_name(dt: torch.dtype) -> str:
-    return str(dt).replace("torch.", "")
 
 
 def _expect_raises(
     t: Tracker, what: str, fn: Callable[[], Any], types: tuple[type, ...], *needles: str
 ) -> BaseException:
+    expected = "/".join(x.__name__ for x in types)
     try:
         fn()
     except types as exc:
@@ -173,20 +153,14 @@ def _expect_raises(
         return exc
     except Exception as exc:
         raise PropertyViolation(
-            f"{what}: raised {type(exc).__name__}({exc}) instead of "
-            f"{'/'.join(x.__name__ for x in types)}"
+            f"{what}: raised {type(exc).__name__}({exc}) instead of {expected}"
         ) from exc
-    raise PropertyViolation(
-        f"{what}: no error raised (expected {'/'.join(x.__name__ for x in types)})"
-    )
+    raise PropertyViolation(f"{what}: no error raised (expected {expected})")
 
 
 def _state_snapshot(run: ModuleRun) -> dict[str, Any]:
-    snap: dict[str, Any] = dict(run.all_snapshot())
-    snap.update(run.fp8_snapshot())
-    for name, p in run.params.items():
-        snap[f"{name} (value)"] = p.detach().clone()
-    return snap
+    values = {f"{name} (value)": clone_of(p) for name, p in run.params.items()}
+    return {**run.all_snapshot(), **run.fp8_snapshot(), **values}
 
 
 def _unchanged(t: Tracker, what: str, run: ModuleRun, before: dict[str, Any], pending: int) -> None:
@@ -234,11 +208,13 @@ class _HookError(Exception):
 
 @dataclasses.dataclass
 class _Misused:
-    """One P10 example under way: the module the misuse is tried on (``run``), the state it
-    must keep (``before``, ``pending``), the micro-batch ``d`` and the input ``inp`` tried."""
+    """One P10 example under way: the misuse ``name``, the module it is tried on (``run``), the
+    state it must keep (``before``, ``pending``), the micro-batch ``d`` and the input ``inp``."""
 
     backend: Backend
     case: Case
+    config: ModuleConfig
+    name: str
     t: Tracker
     run: ModuleRun
     d: MicroBatchData
@@ -251,15 +227,10 @@ class _Misused:
         d = make_micro_batches(case)[0]
         run = ModuleRun(backend, case, delay=case.delay, prefill_grads=True)
         before, pending = _state_snapshot(run), run.pending()
-        return cls(backend, case, Tracker(), run, d, d.fresh_input(), before, pending)
-
-    @property
-    def config(self) -> ModuleConfig:
-        return self.case.config
-
-    @property
-    def name(self) -> str:
-        return self.case.variant.name
+        name = case.variant.name
+        return cls(
+            backend, case, case.config, name, Tracker(), run, d, d.fresh_input(), before, pending
+        )
 
     def call(self, x: torch.Tensor, m_splits: Any = None) -> Any:
         """A forward of ``x`` with the micro-batch's flag (and its ``m_splits`` unless given)."""
@@ -270,39 +241,50 @@ class _Misused:
         """The module's state now is what the misuse must leave as it is."""
         self.before, self.pending = _state_snapshot(self.run), self.run.pending()
 
+    def fb_with_twin(self) -> ModuleRun:
+        """A forward and backward of the micro-batch, and of it on a non-delayed twin (returned)."""
+        eager = ModuleRun(self.backend, self.case, delay=False, prefill_grads=True)
+        self.run.fb(self.d)
+        eager.fb(self.d)
+        return eager
 
-# ---- each misuse: provoke it and check the error ----------------------------------------------
+    @contextlib.contextmanager
+    def broken_main_grad(self) -> Iterator[str]:
+        """The misused weight's ``main_grad`` broken as :data:`_BROKEN_MAIN_GRAD` says, restored
+        afterwards; yields the weight's name."""
+        name = self.case.variant.weight or self.run.weight_names[0]
+        p = self.run.params[name]
+        good, broken = p.main_grad, _BROKEN_MAIN_GRAD[self.name](p)
+        if broken is None:
+            del p.main_grad
+        else:
+            p.main_grad = broken
+        yield name
+        p.main_grad = good
+
+
+# Each misuse: provoke it and check the error.
 
 
 def _bad_last_dim(m: _Misused) -> None:
     k = m.config.in_features
     bad = torch.zeros(*m.d.spec.lead_shape, k + 1, dtype=m.config.torch_dtype, requires_grad=True)
-    _expect_raises(
-        m.t, "wrong last dimension", lambda: m.call(bad), (ValueError,), str(k), str(k + 1)
-    )
+    sizes = (str(k), str(k + 1))
+    _expect_raises(m.t, "wrong last dimension", lambda: m.call(bad), (ValueError,), *sizes)
 
 
 def _bad_dtype(m: _Misused) -> None:
     dt = m.config.torch_dtype
     other = torch.float64 if dt != torch.float64 else torch.float32
-    _expect_raises(
-        m.t,
-        "wrong input dtype",
-        lambda: m.call(m.inp.detach().to(other)),
-        (TypeError, ValueError),
-        _dtype_name(dt),
-        _dtype_name(other),
-    )
+    bad = m.inp.detach().to(other)
+    names = tuple(str(d).replace("torch.", "") for d in (dt, other))
+    _expect_raises(m.t, "wrong input dtype", lambda: m.call(bad), (TypeError, ValueError), *names)
 
 
 def _bad_device(m: _Misused) -> None:
+    bad, device = m.inp.detach().to("meta"), m.config.device
     _expect_raises(
-        m.t,
-        "wrong input device",
-        lambda: m.call(m.inp.detach().to("meta")),
-        (ValueError, TypeError),
-        "meta",
-        m.config.device,
+        m.t, "wrong input device", lambda: m.call(bad), (ValueError, TypeError), "meta", device
     )
 
 
@@ -322,15 +304,14 @@ def _bad_m_splits(m: _Misused) -> None:
 def _fp8_tokens(m: _Misused) -> None:
     # One more half-block of rows (in the first group for GroupedLinear).
     config, spec = m.config, m.d.spec
-    extra, dt = config.alignment // 2, config.torch_dtype
+    extra = config.alignment // 2
     if config.kind == "GroupedLinear":
         ms = [spec.m_splits[0] + extra, *spec.m_splits[1:]]
-        bad = torch.zeros(sum(ms), config.in_features, dtype=dt, requires_grad=True)
-        size = ms[0]
+        rows, size = sum(ms), ms[0]
     else:
-        bad = torch.zeros(spec.rows + extra, config.in_features, dtype=dt)
-        bad.requires_grad_(True)
-        ms, size = None, spec.rows + extra
+        ms, rows = None, spec.rows + extra
+        size = rows
+    bad = torch.zeros(rows, config.in_features, dtype=config.torch_dtype, requires_grad=True)
     what = f"{size} tokens under {config.recipe}"
     _expect_fp8_shape_error(m.t, what, lambda: m.call(bad, ms), config, size, _TOKEN_WORDS)
 
@@ -339,19 +320,13 @@ def _fp8_features(m: _Misused) -> None:
     # A module whose in_features is half a block off; its forward must refuse, untouched.
     config = m.config
     size = config.in_features + config.alignment // 2
-    odd = ModuleRun(
-        m.backend, m.case, delay=m.run.delay, config=dataclasses.replace(config, in_features=size)
-    )
+    odd_config = dataclasses.replace(config, in_features=size)
+    odd = ModuleRun(m.backend, m.case, delay=m.run.delay, config=odd_config)
     x = torch.zeros(*m.d.spec.lead_shape, size, dtype=config.torch_dtype, requires_grad=True)
     odd_before = _state_snapshot(odd)
-    _expect_fp8_shape_error(
-        m.t,
-        f"in_features={size} under {config.recipe}",
-        lambda: odd.forward(x, m.d.spec.m_splits, None),
-        config,
-        size,
-        _FEATURE_WORDS,
-    )
+    what = f"in_features={size} under {config.recipe}"
+    refused = functools.partial(odd.forward, x, m.d.spec.m_splits, None)
+    _expect_fp8_shape_error(m.t, what, refused, config, size, _FEATURE_WORDS)
     _unchanged(m.t, "the module that refused", odd, odd_before, 0)
 
 
@@ -379,19 +354,17 @@ def _dw_no_delay(m: _Misused) -> None:
 def _bad_ctor(m: _Misused) -> None:
     config = m.config
     ctor = m.backend.constructor(config.kind)
-    bad_calls: list[tuple[str, Callable[[], Any]]] = [
+    calls: list[tuple[str, Callable[[], Any]]] = [
         ("in_features=0", lambda: ctor(*_ctor_args(config, in_features=0))),
         ("negative out size", lambda: ctor(*_ctor_args(config, out_features=-3))),
     ]
     if config.kind == "GroupedLinear":
-        bad_calls.append(("num_gemms=0", lambda: ctor(0, 4, 3)))
+        calls.append(("num_gemms=0", lambda: ctor(0, 4, 3)))
     if config.has_norm:
-        bad_calls.append(
-            ("normalization='BatchNorm'", lambda: ctor(4, 3, normalization="BatchNorm"))
-        )
+        calls.append(("normalization='BatchNorm'", lambda: ctor(4, 3, normalization="BatchNorm")))
     if config.kind == "LayerNormMLP":
-        bad_calls.append(("activation='tanh'", lambda: ctor(4, 3, activation="tanh")))
-    for what, fn in bad_calls:
+        calls.append(("activation='tanh'", lambda: ctor(4, 3, activation="tanh")))
+    for what, fn in calls:
         _expect_raises(m.t, f"{config.kind}({what})", fn, (ValueError,))
 
 
@@ -402,10 +375,8 @@ def _hook_raises(m: _Misused) -> None:
     def bad_hook() -> None:
         raise _HookError("hook failed on purpose")
 
-    eager = ModuleRun(m.backend, m.case, delay=False, prefill_grads=True)
     m.backend.register_hook(run.module, bad_hook)
-    run.fb(m.d)
-    eager.fb(m.d)
+    eager = m.fb_with_twin()
     _expect_raises(t, "backward_dw() with a raising hook", run.dw, (_HookError,))
     t.equal("pending_wgrad_count after a hook raised (entry consumed)", run.pending(), 0)
     t.bitwise_all("written before the hook raised: ", run.all_snapshot(), eager.all_snapshot())
@@ -422,48 +393,29 @@ _BROKEN_MAIN_GRAD: dict[str, Callable[[torch.Tensor], torch.Tensor | None]] = {
 
 
 def _main_grad(m: _Misused) -> None:
-    name = m.case.variant.weight or m.run.weight_names[0]
-    p = m.run.params[name]
-    good = p.main_grad
-    _set_main_grad(p, _BROKEN_MAIN_GRAD[m.name](p))
-    y = m.call(m.inp)
-    # The forward itself succeeded: under delayed scaling it moved the input and weight
-    # histories; the failing backward must move nothing more (not even grad_output's).
-    m.before.update(m.run.fp8_snapshot())
-    _expect_raises(
-        m.t,
-        f"backward with {m.name} on {name}",
-        lambda: m.run.backward_outputs([y], [m.d.dy]),
-        (RuntimeError,),
-        name,
-    )
-    _set_main_grad(p, good)
+    with m.broken_main_grad() as name:
+        y = m.call(m.inp)
+        # The forward itself succeeded: under delayed scaling it moved the input and weight
+        # histories; the failing backward must move nothing more (not even grad_output's).
+        m.before.update(m.run.fp8_snapshot())
+        backward = functools.partial(m.run.backward_outputs, [y], [m.d.dy])
+        _expect_raises(m.t, f"backward with {m.name} on {name}", backward, (RuntimeError,), name)
 
 
 def _wgrad_fails(m: _Misused) -> None:
     run, t = m.run, m.t
-    name = m.case.variant.weight or run.weight_names[0]
-    p = run.params[name]
-    good = p.main_grad
     t.expect(run.delay, "P10 wgrad_fails needs a delayed case")
-    eager = ModuleRun(m.backend, m.case, delay=False, prefill_grads=True)
-    run.fb(m.d)
-    eager.fb(m.d)
+    eager = m.fb_with_twin()
     m.settle()
-    _set_main_grad(p, _BROKEN_MAIN_GRAD["wgrad_fails"](p))
-    what = f"backward_dw() with a broken {name}.main_grad"
-    _expect_raises(t, what, run.dw, (RuntimeError,), name)
-    _set_main_grad(p, good)
+    with m.broken_main_grad() as name:
+        what = f"backward_dw() with a broken {name}.main_grad"
+        _expect_raises(t, what, run.dw, (RuntimeError,), name)
     _unchanged(t, "failed backward_dw()", run, m.before, m.pending)
     run.dw()
     t.bitwise_all("retried entry: ", run.all_snapshot(), eager.all_snapshot())
 
 
-# ---- then: the module still works, as one that never saw the misuse ---------------------------
-
-
-def _catch_up_nothing(m: _Misused, fresh: ModuleRun) -> None:
-    pass
+# Then: the module still works, as one that never saw the misuse.
 
 
 def _catch_up_drained_queue(m: _Misused, fresh: ModuleRun) -> None:
@@ -472,23 +424,20 @@ def _catch_up_drained_queue(m: _Misused, fresh: ModuleRun) -> None:
         fresh.dw()
 
 
-def _catch_up_backward(m: _Misused, fresh: ModuleRun) -> None:
-    fresh.fb(m.d)
-
-
 def _catch_up_forward(m: _Misused, fresh: ModuleRun) -> None:
     # The misused module's forward moved its FP8 histories; the fresh one runs the same.
     fresh.forward(m.d.fresh_input(), m.d.spec.m_splits, m.d.spec.is_first_microbatch)
 
 
-def _still_works(m: _Misused, catch_up: Callable[[_Misused, ModuleRun], None]) -> None:
+def _still_works(m: _Misused, catch_up: Callable[[_Misused, ModuleRun], None] | None) -> None:
     """The misuse changed nothing, gave the input no gradient, and a valid micro-batch
     afterwards matches a module that never saw it (after ``catch_up``)."""
     t, name = m.t, m.name
     _unchanged(t, f"after {name}", m.run, m.before, m.pending)
     t.expect(m.inp.grad is None, f"after {name}: the input got a gradient")
     fresh = ModuleRun(m.backend, m.case, delay=m.run.delay, prefill_grads=True)
-    catch_up(m, fresh)
+    if catch_up is not None:
+        catch_up(m, fresh)
     m.run.fb(m.d)
     fresh.fb(m.d)
     m.run.drain()
@@ -503,7 +452,7 @@ class _Handling(NamedTuple):
     (it checked the aftermath itself), :func:`_still_works` after ``catch_up``."""
 
     provoke: Callable[[_Misused], None]
-    catch_up: Callable[[_Misused, ModuleRun], None] = _catch_up_nothing
+    catch_up: Callable[[_Misused, ModuleRun], None] | None = None
     judged: bool = False
 
 
@@ -512,19 +461,17 @@ _HANDLING: dict[str, _Handling] = {
     "bad_dtype": _Handling(_bad_dtype),
     "bad_device": _Handling(_bad_device),
     "dw_empty": _Handling(_dw_empty, _catch_up_drained_queue),
-    "dw_no_delay": _Handling(_dw_no_delay, _catch_up_backward),
+    "dw_no_delay": _Handling(_dw_no_delay, lambda m, fresh: fresh.fb(m.d)),
     "bad_ctor": _Handling(_bad_ctor),
     "hook_raises": _Handling(_hook_raises, judged=True),
-    "m_splits_len": _Handling(_bad_m_splits),
-    "m_splits_negative": _Handling(_bad_m_splits),
-    "m_splits_sum": _Handling(_bad_m_splits),
+    "wgrad_fails": _Handling(_wgrad_fails, judged=True),
+    "fp8_tokens": _Handling(_fp8_tokens),
+    "fp8_features": _Handling(_fp8_features),
+    **{n: _Handling(_bad_m_splits) for n in _BAD_SPLITS},
     "main_grad_missing": _Handling(_main_grad, _catch_up_forward),
     "main_grad_shape": _Handling(_main_grad, _catch_up_forward),
     "main_grad_dtype": _Handling(_main_grad, _catch_up_forward),
     "main_grad_device": _Handling(_main_grad, _catch_up_forward),
-    "wgrad_fails": _Handling(_wgrad_fails, judged=True),
-    "fp8_tokens": _Handling(_fp8_tokens),
-    "fp8_features": _Handling(_fp8_features),
 }
 
 
@@ -543,33 +490,20 @@ def check_p10(backend: Backend, case: Case) -> CheckResult:
     return m.t.result
 
 
-def _set_main_grad(p: torch.nn.Parameter, value: torch.Tensor | None) -> None:
-    if value is None:
-        if hasattr(p, "main_grad"):
-            del p.main_grad
-    else:
-        p.main_grad = value
-
-
 def _ctor_args(config: ModuleConfig, **override: int) -> list[int]:
     k = override.get("in_features", config.in_features)
     m = override.get("out_features", config.out_features)
     return [config.num_gemms, k, m] if config.kind == "GroupedLinear" else [k, m]
 
 
-def _weights(config: ModuleConfig) -> list[str]:
-    return [s.name for s in param_specs(config) if s.role == GEMM_WEIGHT]
-
-
 @st.composite
 def p10_cases(draw, kinds, dtypes, devices, recipes):
-    """One micro-batch (its ``is_first_microbatch`` flag passed to every forward) and a misuse
-    from :func:`misuses` as ``variant`` (``main_grad_*`` and ``wgrad_fails`` on a drawn GEMM
-    weight, ``Misuse("main_grad_shape", "fc2_weight")``)."""
+    """One micro-batch and a misuse from :func:`misuses` as ``variant`` (``main_grad_*`` and
+    ``wgrad_fails`` on a drawn GEMM weight: ``Misuse("main_grad_shape", "fc2_weight")``)."""
     case = draw(cases(kinds, dtypes, devices, n_micro_batches=(1, 1), recipes=recipes))
     misuse = Misuse(draw(st.sampled_from(misuses(case.config, case.delay))))
     if misuse.breaks_main_grad:
-        misuse = Misuse(misuse.name, draw(st.sampled_from(_weights(case.config))))
+        misuse = Misuse(misuse.name, draw(st.sampled_from(gemm_weight_names(case.config))))
     return dataclasses.replace(case, variant=misuse)
 
 
@@ -579,10 +513,8 @@ _FLAGGED = ("main_grad", "wgrad_fails", "dw_empty", "dw_no_delay", "hook_raises"
 
 
 def p10_explicit(kinds, dtypes, devices, recipes) -> list[Case]:
-    """P10's enumeration (SPEC §7): every misuse of :func:`misuses` for every module kind,
-    fused and plain accumulation, delay on and off; under fused accumulation each misuse that
-    runs a backward for each ``is_first_microbatch`` flag (``None``, ``True``, ``False``), and
-    each ``main_grad`` misuse on every GEMM weight. Recipes, boundary shapes and layouts cycle
+    """P10's enumeration (SPEC §7): every misuse of :func:`misuses` for every module kind, fused
+    and plain, delay on and off (:func:`_enumerated`); recipes, boundary shapes and layouts cycle
     through :func:`~.strategies.boundary_cases` (a misuse of block recipes only on those)."""
     base = boundary_cases(kinds, dtypes, devices, n_micro_batches=(1, 1), recipes=recipes)
     out: list[Case] = []
@@ -608,31 +540,24 @@ def p10_explicit(kinds, dtypes, devices, recipes) -> list[Case]:
 
 def _enumerated(name, bases, configs, fused, delay, turn, seed) -> list[Case]:
     """The cases of misuse ``name`` for one (kind, fused, delay): each ``is_first_microbatch``
-    flag where it runs a backward under fused accumulation, each GEMM weight where it breaks a
-    ``main_grad``, each on the next of the boundary cases that fit it (seeds from ``seed``)."""
+    flag (``None``, ``True``, ``False``) where it runs a backward under fused accumulation, each
+    GEMM weight where it breaks a ``main_grad``, each on the next boundary case that fits it."""
     fits = [i for i, cfg in enumerate(configs) if name in misuses(cfg, delay)]
     on_weights = Misuse(name).breaks_main_grad
     if on_weights:
         # The configs with the most GEMM weights: every weight gets a case.
-        most = max(len(_weights(configs[i])) for i in fits)
-        fits = [i for i in fits if len(_weights(configs[i])) == most]
+        most = max(len(gemm_weight_names(configs[i])) for i in fits)
+        fits = [i for i in fits if len(gemm_weight_names(configs[i])) == most]
     flags = (None, True, False) if fused and name.startswith(_FLAGGED) else (None,)
-    count = max(len(flags), len(_weights(configs[fits[0]])) if on_weights else 1)
+    count = max(len(flags), len(gemm_weight_names(configs[fits[0]])) if on_weights else 1)
     out = []
     for j in range(count):
         i = fits[next(turn) % len(fits)]
-        weights = _weights(configs[i])
+        weights = gemm_weight_names(configs[i])
         misuse = Misuse(name, weights[j % len(weights)]) if on_weights else Misuse(name)
         (mb,) = bases[i].micro_batches
         flag = flags[j % len(flags)] if len(flags) > 1 else mb.is_first_microbatch
-        out.append(
-            dataclasses.replace(
-                bases[i],
-                config=configs[i],
-                micro_batches=(dataclasses.replace(mb, is_first_microbatch=flag),),
-                delay=delay,
-                variant=misuse,
-                seed=seed + j,
-            )
-        )
+        mbs = (dataclasses.replace(mb, is_first_microbatch=flag),)
+        case = dataclasses.replace(bases[i], config=configs[i], micro_batches=mbs, delay=delay)
+        out.append(dataclasses.replace(case, variant=misuse, seed=seed + j))
     return out
