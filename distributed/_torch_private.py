@@ -1,6 +1,6 @@
-"""Every private module, function and name of torch that ``splitgrad.distributed`` uses, in one
-place (:mod:`.fsdp` reads the attributes of FSDP2's private objects, and calls the functions
-below for its private modules). Each function names what it reads; when that is missing, or the
+"""Every private module, function, name and attribute of torch that ``splitgrad.distributed``
+uses, in one place (:mod:`.fsdp` reaches FSDP2's private objects through the functions below).
+Each function names what it reads; when that is missing, or the
 call stack does not look as it did, calling it raises :class:`TorchMoved` naming the running
 torch version and the versions this module was checked on. Nothing answers quietly.
 
@@ -27,8 +27,11 @@ Autograd, to tell backward passes apart from the modules' side (GradientReducer)
 FSDP2's private modules ``torch.distributed.fsdp._fully_shard._fsdp_collectives`` and
 ``_fsdp_common`` (:mod:`.fsdp`, reducing delayed gradients as FSDP2 does):
 :func:`gradient_divide_factors`, :func:`dim0_padded_size`, :func:`reduce_scatter_copy_in`,
-:func:`is_1d_fsdp_mesh`, :func:`is_default_reduce_scatter`; :func:`check_fsdp_available`, all
-of them up front.
+:func:`is_1d_fsdp_mesh`, :func:`custom_reduce_scatter`; :func:`check_fsdp_available`, all
+of them up front. The private attributes of FSDP2's objects (``FSDPState``, ``FSDPParamGroup``,
+``FSDPParam``) and of its sharded gradients: :func:`fsdp_param_groups`,
+:func:`is_last_backward`, :func:`unsharded_param`, :func:`group_dtypes`,
+:func:`group_name`, :func:`add_to_local_shard`, :func:`post_accumulate_grad_hooks`.
 """
 
 from __future__ import annotations
@@ -53,11 +56,19 @@ __all__ = [
     "calling_stage",
     "FSDP_CHECKED_ON",
     "check_fsdp_available",
+    "fsdp_moved",
     "is_1d_fsdp_mesh",
-    "is_default_reduce_scatter",
+    "custom_reduce_scatter",
     "gradient_divide_factors",
     "dim0_padded_size",
     "reduce_scatter_copy_in",
+    "fsdp_param_groups",
+    "is_last_backward",
+    "unsharded_param",
+    "group_dtypes",
+    "group_name",
+    "add_to_local_shard",
+    "post_accumulate_grad_hooks",
 ]
 
 CHECKED_ON = "2.8, 2.13, 2.14"
@@ -256,10 +267,11 @@ def is_1d_fsdp_mesh(mesh_info: object) -> bool:
     return isinstance(mesh_info, fsdp_mesh) and not isinstance(mesh_info, ddp_mesh)
 
 
-def is_default_reduce_scatter(comm: object) -> bool:
-    """Whether ``comm`` (an ``FSDPParamGroup``'s reduce-scatter) is FSDP2's own
-    ``_fsdp_collectives.DefaultReduceScatter``, not a custom one."""
-    return type(comm) is _fsdp_name("_fsdp_collectives", "DefaultReduceScatter")
+def custom_reduce_scatter(group) -> object | None:
+    """``group._reduce_scatter_comm`` (an ``FSDPParamGroup``'s reduce-scatter) when it is a custom
+    one, ``None`` when it is FSDP2's own ``_fsdp_collectives.DefaultReduceScatter``."""
+    comm = group._reduce_scatter_comm
+    return None if type(comm) is _fsdp_name("_fsdp_collectives", "DefaultReduceScatter") else comm
 
 
 def gradient_divide_factors(
@@ -287,3 +299,79 @@ def reduce_scatter_copy_in(grads: list[torch.Tensor], flat_in: torch.Tensor, wor
     """``_fsdp_collectives.foreach_reduce_scatter_copy_in``: ``grads`` copied into the flat
     reduce-scatter input in FSDP2's layout."""
     _fsdp_name("_fsdp_collectives", "foreach_reduce_scatter_copy_in")(grads, flat_in, world)
+
+
+# ---- the private attributes of FSDP2's objects ---------------------------------------------------
+
+_PARAM_ATTRS = (
+    "sharded_param",
+    "_module_info",
+    "sharded_size",
+    "contiguous_sharded_stride",
+    "reset_sharded_param",
+)
+_GROUP_ATTRS = ("fsdp_params", "post_backward", "reduce_grads", "mesh_info")
+
+
+def fsdp_moved(what: str) -> TorchMoved:
+    """The error for a part of FSDP2's objects this torch does not have."""
+    return TorchMoved(
+        f"splitgrad.distributed: torch {torch.__version__}'s fully_shard (FSDP2) has no {what} "
+        f"(checked on torch {FSDP_CHECKED_ON}); GradientReducer cannot route delayed gradients "
+        "into FSDP2's sharded gradients on this version"
+    )
+
+
+def fsdp_param_groups(module) -> tuple[object, list]:
+    """``(state, groups)``: a ``fully_shard`` module's ``FSDPState``
+    (``module._get_fsdp_state()``) and its ``FSDPParamGroup``s (``state._fsdp_param_groups``),
+    each group and each of its ``FSDPParam``s checked for the attributes :mod:`.fsdp` uses."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        raise fsdp_moved("FSDPState._fsdp_param_groups")
+    for group in groups:
+        for attr in _GROUP_ATTRS:
+            if not hasattr(group, attr):
+                raise fsdp_moved(f"FSDPParamGroup.{attr}")
+        for fp in group.fsdp_params:
+            for attr in _PARAM_ATTRS:
+                if not hasattr(fp, attr):
+                    raise fsdp_moved(f"FSDPParam.{attr}")
+    return state, groups
+
+
+def is_last_backward(state) -> bool:
+    """``state._state_ctx.is_last_backward``: FSDP2's ``set_is_last_backward`` flag."""
+    ctx = getattr(state, "_state_ctx", None)
+    if ctx is None or not hasattr(ctx, "is_last_backward"):
+        raise fsdp_moved("FSDPState._state_ctx.is_last_backward")
+    return bool(ctx.is_last_backward)
+
+
+def unsharded_param(fsdp_param) -> torch.nn.Parameter | None:
+    """``fsdp_param._unsharded_param``: the unsharded ``Parameter`` FSDP2 reuses every step
+    (``None`` before the first unshard)."""
+    return getattr(fsdp_param, "_unsharded_param", None)
+
+
+def group_dtypes(group) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """``(group._reduce_dtype, group._orig_dtype)`` of an ``FSDPParamGroup`` (``None``: no mixed
+    precision)."""
+    return group._reduce_dtype, group._orig_dtype
+
+
+def group_name(group) -> str | None:
+    """``group._module_fqn``: the name of the module an ``FSDPParamGroup`` belongs to."""
+    return getattr(group, "_module_fqn", None)
+
+
+def add_to_local_shard(dtensor, shard: torch.Tensor) -> None:
+    """``dtensor._local_tensor += shard``: accumulate into a sharded gradient in place."""
+    dtensor._local_tensor += shard
+
+
+def post_accumulate_grad_hooks(tensor: torch.Tensor) -> list:
+    """The hooks registered with ``tensor.register_post_accumulate_grad_hook``
+    (``tensor._post_accumulate_grad_hooks``), in registration order."""
+    return list((getattr(tensor, "_post_accumulate_grad_hooks", None) or {}).values())

@@ -52,20 +52,30 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        dx, work = _AllToAll.start_reverse(ctx, grad)
+        if ctx.during_backward is not None:
+            ctx.during_backward()  # overlaps the all-to-all in flight
+        _wait(work, ctx.timeout, "all_to_all (backward)")
+        _AllToAll.note(ctx, "wait done")
+        return dx, None, None, None, None, None, None
+
+    @staticmethod
+    def start_reverse(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Launch the backward's reverse all-to-all of ``grad``: ``(dx, work)``."""
         output_splits, input_splits = ctx.splits
         dx = grad.new_empty(sum(input_splits), *grad.shape[1:])
         work = dist.all_to_all_single(
             dx, grad.contiguous(), input_splits, output_splits, group=ctx.group, async_op=True
         )
-        label = ctx.timeline[0] if ctx.timeline else None
+        _AllToAll.note(ctx, "start")
+        return dx, work
+
+    @staticmethod
+    def note(ctx, event: str) -> None:
+        """Append ``"<label> all-to-all backward <event>"`` to the timeline, if there is one."""
+        label, events = ctx.timeline or (None, None)
         if label:
-            ctx.timeline[1].append(f"{label} all-to-all backward start")
-        if ctx.during_backward is not None:
-            ctx.during_backward()  # overlaps the all-to-all in flight
-        _wait(work, ctx.timeout, "all_to_all (backward)")
-        if label:
-            ctx.timeline[1].append(f"{label} all-to-all backward wait done")
-        return dx, None, None, None, None, None, None
+            events.append(f"{label} all-to-all backward {event}")
 
 
 def all_to_all(

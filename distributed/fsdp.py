@@ -7,8 +7,8 @@ the module group's backward. A delayed split-backward module writes its GEMM gra
 a ``Parameter`` FSDP2 reuses every step), after FSDP2 has resharded: left alone, every sharded
 gradient stays ``None`` and the unsharded one is reduced a step late, if ever. fully_shard has no
 public hook for either side, so this module reaches into its private objects (``FSDPState``,
-``FSDPParamGroup``, ``FSDPParam``); the functions of FSDP2's private modules it calls are
-reached through :mod:`._torch_private`:
+``FSDPParamGroup``, ``FSDPParam``); their private attributes and the functions of FSDP2's
+private modules are reached through :mod:`._torch_private`:
 
 * :func:`describe` maps each sharded parameter of a model to its ``FSDPParam`` and group, and
   refuses what the reducer does not handle (HSDP/replicate meshes, CPU offload, parameters that
@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 
 from . import _torch_private
-from ._torch_private import TorchMoved
 
 __all__ = [
     "check_available",
@@ -61,23 +60,6 @@ CHECKED_ON = _torch_private.FSDP_CHECKED_ON
 #: Set on a sharded parameter whose gradient GradientReducer reduces from the module hooks;
 #: splitgrad's modules refuse to run delayed under fully_shard without it.
 REDUCED_FROM_MODULE_HOOKS = "wgrad_reduce_from_module_hooks"
-
-_PARAM_ATTRS = (
-    "sharded_param",
-    "_module_info",
-    "sharded_size",
-    "contiguous_sharded_stride",
-    "reset_sharded_param",
-)
-_GROUP_ATTRS = ("fsdp_params", "post_backward", "reduce_grads", "mesh_info")
-
-
-def _moved(what: str) -> TorchMoved:
-    return TorchMoved(
-        f"splitgrad.distributed: torch {torch.__version__}'s fully_shard (FSDP2) has no {what} "
-        f"(checked on torch {CHECKED_ON}); GradientReducer cannot route delayed gradients into "
-        "FSDP2's sharded gradients on this version"
-    )
 
 
 def _fsdp_module_type() -> type:
@@ -120,10 +102,7 @@ class FsdpLayout:
 
     def is_last_backward(self, group) -> bool:
         """FSDP2's ``set_is_last_backward`` flag for ``group``'s root."""
-        ctx = getattr(self.state_of[id(group)], "_state_ctx", None)
-        if ctx is None or not hasattr(ctx, "is_last_backward"):
-            raise _moved("FSDPState._state_ctx.is_last_backward")
-        return bool(ctx.is_last_backward)
+        return _torch_private.is_last_backward(self.state_of[id(group)])
 
 
 def describe(model: torch.nn.Module) -> FsdpLayout:
@@ -135,14 +114,8 @@ def describe(model: torch.nn.Module) -> FsdpLayout:
         if not isinstance(m, FSDPModule):
             continue
         states.append(m)
-        state = m._get_fsdp_state()
-        groups_of_state = getattr(state, "_fsdp_param_groups", None)
-        if groups_of_state is None:
-            raise _moved("FSDPState._fsdp_param_groups")
+        state, groups_of_state = _torch_private.fsdp_param_groups(m)
         for group in groups_of_state:
-            for attr in _GROUP_ATTRS:
-                if not hasattr(group, attr):
-                    raise _moved(f"FSDPParamGroup.{attr}")
             where = name or type(m).__name__
             mesh = group.mesh_info
             if not _torch_private.is_1d_fsdp_mesh(mesh):
@@ -150,10 +123,11 @@ def describe(model: torch.nn.Module) -> FsdpLayout:
                     f"GradientReducer supports a 1-D fully_shard mesh only; {where} has "
                     f"{type(mesh).__name__} (HSDP or replicate)"
                 )
-            if not _torch_private.is_default_reduce_scatter(group._reduce_scatter_comm):
+            comm = _torch_private.custom_reduce_scatter(group)
+            if comm is not None:
                 raise ValueError(
-                    f"{where}: a custom reduce-scatter ({type(group._reduce_scatter_comm)}) is "
-                    "not supported by GradientReducer"
+                    f"{where}: a custom reduce-scatter ({type(comm)}) is not supported by "
+                    "GradientReducer"
                 )
             pg = mesh.shard_process_group
             if process_group is not None and pg is not process_group:
@@ -162,9 +136,6 @@ def describe(model: torch.nn.Module) -> FsdpLayout:
             groups.append(group)
             state_of[id(group)] = state
             for fp in group.fsdp_params:
-                for attr in _PARAM_ATTRS:
-                    if not hasattr(fp, attr):
-                        raise _moved(f"FSDPParam.{attr}")
                 if getattr(fp, "offload_to_cpu", False):
                     raise ValueError(f"{where}: CPU offload is not supported by GradientReducer")
                 if getattr(fp, "is_dtensor", False):
@@ -174,7 +145,7 @@ def describe(model: torch.nn.Module) -> FsdpLayout:
                     )
                 params[id(fp.sharded_param)] = fp
                 group_of[id(fp.sharded_param)] = group
-                unsharded = getattr(fp, "_unsharded_param", None)
+                unsharded = _torch_private.unsharded_param(fp)
                 if unsharded is not None:  # built between a forward and its reshard
                     params[id(unsharded)] = fp
                     group_of[id(unsharded)] = group
@@ -207,26 +178,26 @@ def mark_reduced_from_module_hooks(fsdp_param) -> None:
 
 def unsharded_grad(fsdp_param) -> torch.Tensor | None:
     """The gradient written to the unsharded parameter (``None`` before the first unshard)."""
-    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    unsharded = _torch_private.unsharded_param(fsdp_param)
     return None if unsharded is None else unsharded.grad
 
 
 def put_back_unsharded_grad(fsdp_param, grad: torch.Tensor) -> None:
     """Give the unsharded parameter back the gradient :func:`take_unsharded_grad` took."""
-    fsdp_param._unsharded_param.grad = grad
+    _torch_private.unsharded_param(fsdp_param).grad = grad
 
 
 def take_unsharded_grad(fsdp_param) -> torch.Tensor | None:
     """:func:`unsharded_grad`, taken off the unsharded parameter (FSDP2 then never sees it)."""
     g = unsharded_grad(fsdp_param)
     if g is not None:
-        fsdp_param._unsharded_param.grad = None
+        _torch_private.unsharded_param(fsdp_param).grad = None
     return g
 
 
 def _reduce_dtype(fsdp_param) -> torch.dtype | None:
     if not hasattr(fsdp_param, "reduce_dtype"):
-        raise _moved("FSDPParam.reduce_dtype")
+        raise _torch_private.fsdp_moved("FSDPParam.reduce_dtype")
     return fsdp_param.reduce_dtype
 
 
@@ -244,12 +215,12 @@ def accumulate_between_passes(fsdp_param, accumulated: torch.Tensor | None) -> t
         return accumulated
     if accumulated is not None:
         accumulated += grad
-        fsdp_param._unsharded_param.grad = None
+        _torch_private.unsharded_param(fsdp_param).grad = None
         return accumulated
     reduce_dtype = _reduce_dtype(fsdp_param)
     if reduce_dtype is None or grad.dtype == reduce_dtype:
         return None
-    fsdp_param._unsharded_param.grad = None
+    _torch_private.unsharded_param(fsdp_param).grad = None
     return grad.to(reduce_dtype)
 
 
@@ -286,7 +257,7 @@ def unshard_during_backward_dw(module: torch.nn.Module, params: list[tuple[str, 
     def backward_dw(*args, **kwargs):
         swapped = []
         for name, fp in params:
-            unsharded = getattr(fp, "_unsharded_param", None)
+            unsharded = _torch_private.unsharded_param(fp)
             current = module._parameters.get(name)
             if unsharded is not None and current is not unsharded:
                 swapped.append((name, current))
@@ -328,8 +299,8 @@ class ReduceScatter:
         grad_dtypes = {g.dtype for g in grads}
         if len(grad_dtypes) != 1:
             raise RuntimeError(f"one reduce-scatter needs one gradient dtype, got {grad_dtypes}")
-        reduce_dtype = group._reduce_dtype or grads[0].dtype
-        self.orig_dtype = group._orig_dtype
+        reduce_dtype, self.orig_dtype = _torch_private.group_dtypes(group)
+        reduce_dtype = reduce_dtype or grads[0].dtype
         pre, self.post, op, _ = _torch_private.gradient_divide_factors(
             pg,
             reduce_dtype,
@@ -382,10 +353,10 @@ class ReduceScatter:
             )
             sharded = fp.sharded_param
             if sharded.grad is not None:
-                sharded.grad._local_tensor += shard
+                _torch_private.add_to_local_shard(sharded.grad, shard)
             else:
                 sharded.grad = fp.to_sharded_dtensor(shard)
-            for hook in (getattr(sharded, "_post_accumulate_grad_hooks", None) or {}).values():
+            for hook in _torch_private.post_accumulate_grad_hooks(sharded):
                 hook(sharded)
             offset += padded.numel() // self.world
         self.output = None

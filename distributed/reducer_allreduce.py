@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import datetime
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,29 @@ class Bucket:
 
     def reset(self) -> None:
         self.work, self.flat, self.grads, self.versions = None, None, [], []
+
+    def log_launch(self, step: Step, **extra) -> None:
+        """Record in ``step.launch_log`` that this bucket's collective starts now."""
+        step.launch_log.append(
+            {
+                "bucket": self.index,
+                "params": [st.name for st in self.params],
+                "time": time.perf_counter(),
+                "step": step.number,
+                **extra,
+            }
+        )
+
+    def wait(self, complete: Callable, timeout: datetime.timedelta, collective: str) -> None:
+        """``complete(timeout)``; a ``RuntimeError`` naming the bucket when it times out."""
+        try:
+            complete(timeout)
+        except RuntimeError as exc:
+            names = [st.name for st in self.params]
+            raise RuntimeError(
+                f"GradientReducer: the {collective} of bucket {self.index} {names} did not "
+                f"complete within {timeout} (a rank failed or issued other collectives)"
+            ) from exc
 
 
 def make_buckets(params: list[ReducedParam], cap_mb: float) -> list[Bucket]:
@@ -99,26 +123,12 @@ class AllReduceBuckets:
         bucket.versions = [g._version for g in grads]
         bucket.flat = torch.cat([g.detach().reshape(-1) for g in grads])
         bucket.work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
-        self.step.launch_log.append(
-            {
-                "bucket": bucket.index,
-                "params": [st.name for st in bucket.params],
-                "time": time.perf_counter(),
-                "step": self.step.number,
-            }
-        )
+        bucket.log_launch(self.step)
 
     def complete(self, bucket: Bucket, timeout: datetime.timedelta, errors: list[str]) -> None:
         """Wait for ``bucket``'s all-reduce and write the averages back; a gradient that was
         replaced or written in the meantime goes to ``errors``."""
-        names = [st.name for st in bucket.params]
-        try:
-            bucket.work.wait(timeout)
-        except RuntimeError as exc:
-            raise RuntimeError(
-                f"GradientReducer: the all-reduce of bucket {bucket.index} {names} did not "
-                f"complete within {timeout} (a rank failed or issued other collectives)"
-            ) from exc
+        bucket.wait(bucket.work.wait, timeout, "all-reduce")
         bucket.flat.div_(self.world_size)
         offset = 0
         for st, g, version in zip(bucket.params, bucket.grads, bucket.versions):

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
-import time
 import weakref
 from collections.abc import Iterator
 
@@ -112,7 +111,7 @@ class FsdpReduceScatter:
         if not any(fsdp.unreduced_grad(fp) for fp in own):
             return  # nothing for FSDP2 to reduce (all delayed, or an input-only backward)
         self.tracker.begin_step_if_needed()
-        label = getattr(group, "_module_fqn", None) or "a fully_shard group"
+        label = _torch_private.group_name(group) or "a fully_shard group"
         seen = self.passes.setdefault(id(group), [-1, 0])
         if seen[0] != task:
             seen[0] = task
@@ -148,29 +147,13 @@ class FsdpReduceScatter:
             grads.append(g)
         group = self.layout.group_of[id(bucket.params[0].param)]
         bucket.work = fsdp.ReduceScatter(fps, grads, group) if fps else None
-        step.launch_log.append(
-            {
-                "bucket": bucket.index,
-                "params": [st.name for st in bucket.params],
-                "time": time.perf_counter(),
-                "step": step.number,
-                "collective": "reduce_scatter",
-            }
-        )
+        bucket.log_launch(step, collective="reduce_scatter")
 
     def complete(self, bucket: Bucket, timeout: datetime.timedelta, errors: list[str]) -> None:
         """Wait for ``bucket``'s reduce-scatter and write its shards into ``param.grad``."""
         if bucket.work is None:
             return
-        names = [st.name for st in bucket.params]
-        try:
-            bucket.work.complete(timeout)
-        except RuntimeError as exc:
-            raise RuntimeError(
-                f"GradientReducer: the reduce-scatter of bucket {bucket.index} {names} did "
-                f"not complete within {timeout} (a rank failed or issued other "
-                "collectives)"
-            ) from exc
+        bucket.wait(bucket.work.complete, timeout, "reduce-scatter")
 
     def on_pass_done(self, owner: Owner) -> None:
         """Every entry of a non-final backward pass of ``owner``'s module has run: what FSDP2

@@ -9,7 +9,6 @@ import types
 
 import splitgrad.distributed.expert_parallel as _ep
 import splitgrad.impl as _impl
-import torch.distributed as dist
 from splitgrad.distributed import ExpertParallelMoE, GradientReducer
 
 
@@ -91,19 +90,11 @@ class _WaitsFirstAllToAll(_ep._AllToAll):
 
     @staticmethod
     def backward(ctx, grad):
-        output_splits, input_splits = ctx.splits
-        dx = grad.new_empty(sum(input_splits), *grad.shape[1:])
-        work = dist.all_to_all_single(
-            dx, grad.contiguous(), input_splits, output_splits, group=ctx.group, async_op=True
-        )
-        label = ctx.timeline[0] if ctx.timeline else None
-        if label:
-            ctx.timeline[1].append(f"{label} all-to-all backward start")
+        dx, work = _ep._AllToAll.start_reverse(ctx, grad)
         _ep._wait(work, ctx.timeout, "all_to_all (backward)")
         if ctx.during_backward is not None:
             ctx.during_backward()  # nothing left in flight to overlap
-        if label:
-            ctx.timeline[1].append(f"{label} all-to-all backward wait done")
+        _ep._AllToAll.note(ctx, "wait done")
         return dx, None, None, None, None, None, None
 
 

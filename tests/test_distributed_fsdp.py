@@ -14,7 +14,7 @@ import re
 
 import pytest
 import torch
-from splitgrad.distributed import GradientReducer, run_ranks
+from splitgrad.distributed import GradientReducer, _torch_private, run_ranks
 from splitgrad.properties.checks.distributed import (
     DistributedReport,
     check_fully_sharded,
@@ -135,11 +135,13 @@ def _sharded(lib, *, delay=True, fused=False):
 
 
 def _sync_flags(model) -> list[bool]:
+    from torch.distributed.fsdp import FSDPModule
+
     return [
         g.reduce_grads
         for m in model.modules()
-        if hasattr(m, "_get_fsdp_state")
-        for g in m._get_fsdp_state()._fsdp_param_groups
+        if isinstance(m, FSDPModule)
+        for g in _torch_private.fsdp_param_groups(m)[1]
     ]
 
 

@@ -1,6 +1,8 @@
 """Private torch stays fenced: in ``reference/``, ``impl/`` and ``distributed/`` only one module per
-package (:data:`FENCES`) imports or names a private part of torch, and each of those names the
-torch versions it was checked on and raises naming the running one when a part is missing."""
+package (:data:`FENCES`) imports or names a private part of torch, or reads a private attribute
+of torch's objects (:data:`PRIVATE_ATTRIBUTE`); each of those names the torch versions it was
+checked on and raises naming the running one when a part is missing. ``bench/`` and ``cli/``
+have no fence: they go through the library's."""
 
 from __future__ import annotations
 
@@ -17,12 +19,21 @@ FENCES = {
     "reference": "_torch_private.py",
     "impl": "_torch_compat.py",
     "distributed": "_torch_private.py",
+    "bench": None,
+    "cli": None,
 }
 FILES = sorted(
     path
     for package, fence in FENCES.items()
     for path in (ROOT / package).rglob("*.py")
-    if path != ROOT / package / fence
+    if fence is None or path != ROOT / package / fence
+)
+#: Private attributes of torch's objects the library reaches (FSDP2's state, parameter groups
+#: and parameters; a DTensor's local shard; a tensor's hook dictionaries), read or tested with
+#: ``getattr``/``hasattr``/``setattr``.
+PRIVATE_ATTRIBUTE = re.compile(
+    r"_(fsdp|get_fsdp|unsharded|state_ctx|reduce_scatter|reduce_dtype|orig_dtype|module_fqn"
+    r"|local_tensor|post_accumulate_grad_hooks|backward_hooks)"
 )
 # Calls whose string argument names a module (``importlib.import_module("torch._C")``).
 _IMPORTING_CALLS = {"import_module", "__import__", "getLogger"}
@@ -51,9 +62,10 @@ def _dotted(node: ast.AST) -> list[str] | None:
 
 
 def private_uses(source: str) -> list[str]:
-    """Every private torch name ``source`` imports or reads, and every ``sys._getframe``, as
-    ``"line N: what"``. Names bound by ``import torch...`` and ``from torch... import ...`` are
-    followed (``import torch.distributed as dist; dist._x`` counts)."""
+    """Every private torch name ``source`` imports or reads, every :data:`PRIVATE_ATTRIBUTE` and
+    every ``sys._getframe``, as ``"line N: what"``. Names bound by ``import torch...`` and
+    ``from torch... import ...`` are followed (``import torch.distributed as dist; dist._x``
+    counts)."""
     tree = ast.parse(source)
     bound = {"torch": "torch"}  # local name -> the torch name it stands for
     found = []
@@ -74,6 +86,8 @@ def private_uses(source: str) -> list[str]:
                     bound[alias.asname or alias.name] = name
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
+            if PRIVATE_ATTRIBUTE.match(node.attr):
+                found.append(f"line {node.lineno}: .{node.attr}")
             parts = _dotted(node)
             if parts is None:
                 continue
@@ -88,6 +102,10 @@ def private_uses(source: str) -> list[str]:
             called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
             if called == "get" and _dotted(func.value) == ["sys", "modules"]:
                 called = "sys.modules.get"
+            if called in ("getattr", "hasattr", "setattr") and len(node.args) > 1:
+                name = node.args[1]
+                if isinstance(name, ast.Constant) and PRIVATE_ATTRIBUTE.match(str(name.value)):
+                    found.append(f"line {node.lineno}: {called}(..., {name.value!r})")
             if called in _IMPORTING_CALLS | {"sys.modules.get"}:
                 for arg in node.args[:1]:
                     if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
@@ -104,7 +122,7 @@ def private_uses(source: str) -> list[str]:
 def test_no_private_torch_outside_the_fence(path: Path) -> None:
     uses = private_uses(path.read_text())
     package = path.relative_to(ROOT).parts[0]
-    fence = f"{package}/{FENCES[package]}"
+    fence = f"{package}/{FENCES[package]}" if FENCES[package] else "a fence of the library"
     assert not uses, f"{path.relative_to(ROOT)} uses private torch (move it into {fence}): {uses}"
 
 
@@ -123,9 +141,11 @@ def test_the_checker_sees_each_kind_of_use() -> None:
         "sys._getframe(1)\n"
         "sys.modules.get('torch.distributed._composable_state')\n"
         "torch.__version__, torch.ops.aten._to_copy, torch.nn.Linear\n"
+        "state._fsdp_param_groups, getattr(fp, '_unsharded_param', None)\n"
+        "self._parameters, getattr(fp, '_splitgrad_mark', None)\n"
     )
     lines = {int(use.split()[1].rstrip(":")) for use in private_uses(source)}
-    assert lines == {4, 5, 7, 8, 9, 10, 11, 12}
+    assert lines == {4, 5, 7, 8, 9, 10, 11, 12, 14}
 
 
 def test_each_fence_names_its_versions_and_the_running_one() -> None:
