@@ -44,31 +44,15 @@ from .case import (  # noqa: F401 (re-exported: the campaign names them from her
 )
 
 __all__ = [
-    "KINDS",
-    "DTYPES",
-    "RECIPES",
-    "RECIPE_FAMILIES",
-    "make_recipe",
-    "recipe_alignment",
-    "LOW_PRECISION_DTYPES",
-    "AUTOCAST_DTYPES",
-    "with_autocast",
-    "MAX_WORK",
-    "X_LAYOUTS",
-    "DY_LAYOUTS",
-    "EXPANDED_LAYOUTS",
-    "boundary_cases",
-    "ModuleConfig",
-    "MicroBatch",
-    "Case",
-    "torch_dtype",
     "sizes",
-    "module_configs",
+    "seeds",
     "m_splits",
+    "module_configs",
+    "with_autocast",
     "micro_batches",
     "schedules",
-    "seeds",
     "cases",
+    "boundary_cases",
 ]
 
 

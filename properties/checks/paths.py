@@ -180,9 +180,8 @@ class ForcedPathBackend(Backend):
         setattr(module, self.path.attribute, self.path.value)
         self.inner.load_state(module, make_state(config, 0))
         rows = max(config.alignment, 2)
-        splits = None
-        if config.kind == "GroupedLinear":
-            splits = (rows,) + (0,) * (config.num_gemms - 1)
+        grouped = config.kind == "GroupedLinear"
+        splits = (rows,) + (0,) * (config.num_gemms - 1) if grouped else None
         (d,) = make_micro_batches(Case(config, (MicroBatch((rows,), splits),), 0))
         x = d.fresh_input()
         try:
