@@ -2,17 +2,11 @@
 
 Each check takes the ``--backend`` string of the package under test (:mod:`.library`), runs the
 scenario on local processes (:func:`~splitgrad.distributed.run_ranks`: a timeout on every
-collective), computes the single-process baseline in a process of its own, and returns a
-:class:`DistributedReport` (:mod:`.report`); ``report.raise_if_failed()`` raises
-``AssertionError`` listing every mismatch. A rank that raises or a harness step that meets an
-unexpected value (a gradient that is ``None``) becomes a failure of the report, never a crash.
-
-* :func:`check_pipeline` (P15, :mod:`.pipeline`): the pipelining schedules with ``dw_builder``;
-* :func:`check_data_parallel` (P16, :mod:`.data_parallel`): ``GradientReducer`` over 2 replicas;
-* :func:`check_fully_sharded` (P16 under FSDP2, :mod:`.fsdp`), in fp32 and mixed precision;
-* :func:`check_pipeline_data_parallel` (P16 with P15, :mod:`.pipeline_data_parallel`): 2 stages x
-  2 replicas, reduced or fully_shard-ed;
-* :func:`check_expert_parallel` (P14 with P16 beside it, :mod:`.expert_parallel`).
+collective), compares it with single-process baselines and returns a :class:`DistributedReport`
+(:mod:`.report`) naming every mismatch; a rank that raises, or a harness step that meets an
+unexpected value (a gradient that is ``None``), becomes a failure of the report, never a crash.
+P15: :mod:`.pipeline`; P16: :mod:`.data_parallel`, under FSDP2 :mod:`.fsdp`, composed with P15
+:mod:`.pipeline_data_parallel`; P14 (with P16 beside it): :mod:`.expert_parallel`.
 """
 
 from .data_parallel import check_data_parallel

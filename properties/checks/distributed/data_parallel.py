@@ -1,9 +1,8 @@
 """P16 (SPEC §7) alone: :class:`~splitgrad.distributed.GradientReducer` over 2 gloo replicas.
 
 Every reduction is launched before ``finish()`` (and some before the last ``backward_dw()``);
-gradients are bitwise equal to ``(replica0 + replica1) / 2`` computed in one process by the
-package without delay (a sum of two is exact in either order), and within the data-parallel
-budget of the float64 global-batch truth of ``splitgrad.reference``.
+gradients are bitwise ``(replica0 + replica1) / 2`` of the package without delay in one process
+(a sum of two is exact in either order) and within the budget of the float64 global batch.
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -31,64 +31,76 @@ from .model import (
 )
 from .report import DistributedReport, baseline, check_buckets, judge_truth, run_checked
 
-__all__ = ["REDUCER", "dp_truth", "compare_replica", "check_data_parallel"]
-
 #: The reducer the checks build, named as a ``--backend`` names a package.
 REDUCER = "splitgrad.distributed:GradientReducer"
 
 
-def _dp_step(
-    lib,
+def replica_step(
+    model: torch.nn.Module,
+    reducer: Any,
     rank: int,
-    *,
-    fused: bool,
     mode: str,
     n_mb: int,
-    dtype,
-    proj_twice: bool,
-    reducer_cls,
-    tied: bool = False,
-):
-    """One step of 2 Blocks on one replica, micro-batches marked by ``mode`` ("no_sync" or
-    "count"), every backward_dw() deferred until after the last backward and run block by block
-    (so the first block's reductions overlap the second block's wgrad GEMMs)."""
-    hidden, ffn, rows = sizes(None)
-    model = blocks(
-        lib,
-        range(2),
-        fused=fused,
-        dtype=dtype,
-        microbatches_per_step=n_mb,
-        prefill_seed=rank + 1,
-        proj_twice=proj_twice,
-        tied=tied,
-    )
+    dtype: torch.dtype,
+    *,
+    sharded: bool = False,
+    drain: str = "late",
+    passes: int = 1,
+) -> dict:
+    """One step of ``model`` on replica ``rank``, micro-batches marked by ``mode``: "no_sync"
+    (the reducer's context, which turns FSDP2's gradient sync off too) or "count" (``sharded``:
+    FSDP2's ``set_requires_gradient_sync`` set by hand, as without a reducer). Every
+    ``backward_dw()`` runs block by block after the last backward, so the first block's
+    reductions overlap the second block's wgrad GEMMs (``drain="each"``: each micro-batch's
+    right after its backward). Returns the reducer's launches and the times of passes and
+    drains."""
+    hidden, _, rows = sizes(None)
+    x, target = data(100 + rank, n_mb * rows, hidden, dtype)
+    pass_times, dw_starts, dw_ends = [], [], []
+    for j, (xb, tb) in enumerate(zip(x.split(rows), target.split(rows))):
+        last = j == n_mb - 1
+        ctx = contextlib.nullcontext()
+        if reducer is not None and mode == "no_sync":
+            ctx = contextlib.nullcontext() if last else reducer.no_sync()
+        elif sharded:
+            model.set_requires_gradient_sync(last)
+        with ctx:
+            loss_of(model(xb), tb).backward()
+        pass_times.append(time.perf_counter())
+        if drain == "each" and not last:
+            for b in reversed(model):
+                drain_entries(b)
+    for b in reversed(model):
+        dw_starts.append(time.perf_counter())
+        drain_entries(b, passes=passes)
+        dw_ends.append(time.perf_counter())
+    error = None if reducer is None else finish_error(reducer)
+    return {
+        "error": error,
+        "launches": [] if reducer is None else [dict(e) for e in reducer.launch_log],
+        "buckets": [] if reducer is None else reducer.bucket_names,
+        "finish": None if reducer is None else reducer.finish_time,
+        "dw_starts": dw_starts,
+        "dw_ends": dw_ends,
+        "pass_times": pass_times,
+    }
+
+
+def _dp_step(lib, rank: int, reducer_cls, cfg: dict) -> dict:
+    """One step (:func:`replica_step`) of 2 Blocks built as ``cfg`` says, on replica ``rank``."""
+    hidden, ffn, _ = sizes(None)
+    mode, n_mb, tied = cfg["mode"], cfg["n_mb"], cfg["tied"]
+    options = {k: cfg[k] for k in ("fused", "dtype", "proj_twice", "tied")}
+    model = blocks(lib, range(2), microbatches_per_step=n_mb, prefill_seed=rank + 1, **options)
     # about one GEMM weight per bucket; tied, the shared (hidden, hidden) weight in one alone,
     # the first delayed bucket to launch: final too early, it would launch too early
     cap = hidden * (hidden if tied else ffn) * 4
     reducer = reducer_cls(
         model, num_microbatches=n_mb if mode == "count" else None, bucket_cap_mb=cap / 2**20
     )
-    x, target = data(100 + rank, n_mb * rows, hidden, dtype)
-    for j, (xb, tb) in enumerate(zip(x.split(rows), target.split(rows))):
-        last = j == n_mb - 1
-        ctx = reducer.no_sync() if (mode == "no_sync" and not last) else contextlib.nullcontext()
-        with ctx:
-            loss_of(model(xb), tb).backward()
-    dw_times = []
-    for b in reversed(model):
-        drain_entries(b, passes=n_mb if tied else 1)
-        dw_times.append(time.perf_counter())
-    error = finish_error(reducer)
+    out = replica_step(model, reducer, rank, mode, n_mb, cfg["dtype"], passes=n_mb if tied else 1)
     scale(model, n_mb)
-    return {
-        "grads": gradient_copies(model),
-        "launches": [dict(e) for e in reducer.launch_log],
-        "finish": reducer.finish_time,
-        "dw_times": dw_times,
-        "buckets": reducer.bucket_names,
-        "error": error,
-    }
+    return {"grads": gradient_copies(model), **out}
 
 
 def _dp_rank(
@@ -96,7 +108,7 @@ def _dp_rank(
 ) -> list:
     lib = load_library(lib_name)
     reducer_cls = load_library(reducer_name)
-    return [_dp_step(lib, rank, reducer_cls=reducer_cls, **cfg) for cfg in configs]
+    return [_dp_step(lib, rank, reducer_cls, cfg) for cfg in configs]
 
 
 def dp_truth(rank: int, _: int, lib_name: str, configs: list[dict], world: int) -> list:
@@ -108,13 +120,8 @@ def dp_truth(rank: int, _: int, lib_name: str, configs: list[dict], world: int) 
     out = []
     for cfg in configs:
         n_mb, seeds = cfg["n_mb"], tuple(100 + r for r in range(world))
-        options = dict(
-            dtype=cfg["dtype"],
-            value_dtype=cfg.get("value_dtype", cfg["dtype"]),
-            fused=cfg["fused"],
-            proj_twice=cfg.get("proj_twice", False),
-            tied=cfg.get("tied", False),
-        )
+        options = {k: cfg.get(k, False) for k in ("fused", "proj_twice", "tied")}
+        options.update(dtype=cfg["dtype"], value_dtype=cfg.get("value_dtype", cfg["dtype"]))
         replicas = [gradients(without_delay(lib, 2, (s,), n_mb, **options)[0]) for s in seeds]
         emulated = replica_mean(replicas, n_mb)
         naive, truth = reference_runs(2, seeds, n_mb, **options)
@@ -156,7 +163,7 @@ def _check_launches(report: DistributedReport, where: str, got: dict) -> None:
     second block's wgrad finished: overlap."""
     check_buckets(report, where, got)
     # the last block's entries run first; the first launch must precede the last drain
-    if not got["launches"] or got["launches"][0]["time"] >= got["dw_times"][-1]:
+    if not got["launches"] or got["launches"][0]["time"] >= got["dw_ends"][-1]:
         report.failures.append(f"{where}: no reduction started before the last backward_dw()")
 
 

@@ -2,11 +2,9 @@
 layer named by ``moe=``) over 2 gloo ranks.
 
 The experts are bitwise the single-process ``GroupedLinear`` over all experts, and their
-``backward_dw()`` runs while the dispatch all-to-all of the backward is in flight: read from the
-order of events the harness records itself (each ``all_to_all_single`` launched, its work
-handle's ``wait()`` called and returned, the experts' ``backward_dw()`` start and end), never
-from the layer's own account. A replicated projection in front is reduced by a
-:class:`~splitgrad.distributed.GradientReducer` (P16) and compared with the ranks' mean.
+``backward_dw()`` runs while the dispatch all-to-all of the backward is in flight: read from
+events the harness records itself (:class:`_AllToAllTrace`), never from the layer's own account.
+A replicated projection in front is reduced by a ``GradientReducer`` (P16).
 """
 
 from __future__ import annotations
@@ -19,8 +17,6 @@ from splitgrad.distributed import GradientReducer
 
 from .library import load_library
 from .report import DistributedReport, baseline, run_checked
-
-__all__ = ["check_expert_parallel", "overlap_failure"]
 
 _TOKENS, _HIDDEN, _EXPERTS = 12, 16, 4
 
@@ -52,8 +48,9 @@ def _moe_modules(lib: Any, held: range, world: int, **options: Any) -> tuple:
 
 def _expert_grads(grouped: Any, held: range) -> dict:
     return {
-        e: (getattr(grouped, f"weight{i}").grad, getattr(grouped, f"bias{i}").grad)
+        f"expert {e} {kind}.grad": getattr(grouped, f"{kind}{i}").grad
         for i, e in enumerate(held)
+        for kind in ("weight", "bias")
     }
 
 
@@ -98,7 +95,8 @@ class _TracedWork:
 
 class _AllToAllTrace:
     """While active, every ``torch.distributed.all_to_all_single`` of this process is numbered
-    and recorded in ``events`` (launched, or run synchronously) and its work handle traced."""
+    and recorded in ``events`` (launched, or run synchronously) and its work handle traced
+    (``wait()`` called and returned)."""
 
     def __init__(self, events: list) -> None:
         self.events = events
@@ -196,18 +194,15 @@ def overlap_failure(events: list) -> str | None:
     (start,) = runs
     ends = [j for j, (what, _) in enumerate(events) if what == "experts backward_dw end"]
     ends = [j for j in ends if j > start]
-    issued = [(i, k) for i, (what, k) in enumerate(events[lo:hi], lo) if k is not None]
-    issued = [(i, k) for i, k in issued if events[i][0] in ("launched", "ran synchronously")]
+    issuing = ("launched", "ran synchronously")
+    issued = [(i, k) for i, (what, k) in enumerate(events[lo:hi], lo) if what in issuing]
     if not issued:
         return "the backward issued no all_to_all_single (traced at torch.distributed)"
     launch, dispatch = issued[-1]
     if events[launch][0] == "ran synchronously":
         return f"the dispatch all-to-all (all-to-all {dispatch}) ran synchronously: never in flight"
-    done = [
-        i
-        for i, (what, k) in enumerate(events)
-        if k == dispatch and what in ("wait() called", "seen completed")
-    ]
+    waited = ("wait() called", "seen completed")
+    done = [i for i, (what, k) in enumerate(events) if k == dispatch and what in waited]
     if not done:
         return f"the dispatch all-to-all (all-to-all {dispatch}) was never waited on"
     if not (ends and launch < start < ends[0] < done[0]):
@@ -238,10 +233,8 @@ def check_expert_parallel(
         rows = slice(rank * _TOKENS, (rank + 1) * _TOKENS)
         report.bitwise(f"rank {rank} output", got["y"], truth["y"][rows])
         report.bitwise(f"rank {rank} x.grad", got["x.grad"], truth["x.grad"][rows])
-        for e, (w, b) in got["experts"].items():
-            tw, tb = truth["experts"][e]
-            report.bitwise(f"rank {rank} expert {e} weight.grad", w, tw)
-            report.bitwise(f"rank {rank} expert {e} bias.grad", b, tb)
+        for name, g in got["experts"].items():
+            report.bitwise(f"rank {rank} {name}", g, truth["experts"][name])
         report.counted()
         why = overlap_failure(got["events"])
         if why:
@@ -257,9 +250,6 @@ def check_expert_parallel(
             report.failures.append(
                 f"rank {rank}: the projection's reduction was not launched before finish()"
             )
-    report.bitwise(
-        "proj.weight.grad rank 0 vs rank 1",
-        results[0]["proj"]["weight"],
-        results[1]["proj"]["weight"],
-    )
+    weights = [r["proj"]["weight"] for r in results]
+    report.bitwise("proj.weight.grad rank 0 vs rank 1", weights[0], weights[1])
     return report

@@ -9,18 +9,12 @@ batch, in fp32 and under FSDP2 mixed precision (:data:`FSDP_PRECISIONS`).
 
 from __future__ import annotations
 
-import contextlib
-import time
-
 import torch
-from splitgrad.distributed import GradientReducer
 
-from .data_parallel import REDUCER, compare_replica, dp_truth
+from .data_parallel import REDUCER, compare_replica, dp_truth, replica_step
 from .library import load_library
-from .model import blocks, data, drain_entries, finish_error, loss_of, sizes
+from .model import blocks, gradient_copies
 from .report import DistributedReport, check_buckets, run_checked
-
-__all__ = ["FSDP_PRECISIONS", "check_fully_sharded", "check_fsdp_launches", "launch_summary"]
 
 #: FSDP2 mixed precision the fully_shard cells run, by name: ``MixedPrecisionPolicy``'s
 #: ``param_dtype`` and ``reduce_dtype`` and ``set_force_sum_reduction_for_comms``. They reach
@@ -39,105 +33,50 @@ FSDP_PRECISIONS: dict[str, tuple[torch.dtype | None, torch.dtype | None, bool]] 
 }
 
 
-def _sharded_blocks(lib, precision: str, delay: bool) -> torch.nn.Sequential:
-    """2 Blocks of ``lib``, each and the root fully_shard-ed under ``precision``."""
+def _fsdp_step(
+    lib, rank: int, reducer_cls, mode: str, n_mb: int, precision: str, drain: str
+) -> dict:
+    """One step (:func:`~.data_parallel.replica_step`) of 2 Blocks, each and the root
+    fully_shard-ed under ``precision``, on one rank: delayed with ``reducer_cls``, or FSDP2
+    alone without delay (``None``); the full (all-gathered) gradients are divided by the
+    micro-batch count."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     param_dtype, reduce_dtype, force_sum = FSDP_PRECISIONS[precision]
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    model = blocks(lib, range(2), fused=False, dtype=torch.float32, delay=delay)
+    model = blocks(lib, range(2), fused=False, dtype=torch.float32, delay=reducer_cls is not None)
     for b in model:
         fully_shard(b, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     if force_sum:
         for m in (*model, model):
             m.set_force_sum_reduction_for_comms(True)
-    return model
-
-
-def _fsdp_step(
-    lib,
-    rank: int,
-    *,
-    mode: str,
-    n_mb: int,
-    delay: bool,
-    precision: str = "fp32",
-    drain: str = "late",
-    reducer_cls=GradientReducer,
-) -> dict:
-    """One step of 2 Blocks fully_shard-ed under ``precision`` (:data:`FSDP_PRECISIONS`) on one
-    rank. Delayed: a reducer, micro-batches marked by ``mode`` ("no_sync": the reducer's
-    context, which turns FSDP2's gradient sync off too; "count": ``num_microbatches`` and
-    ``set_requires_gradient_sync`` set by hand), every ``backward_dw()`` run block by block
-    after the last backward (``drain="late"``) or each micro-batch's right after its backward
-    (``"each"``). Not delayed: FSDP2 alone. Returns the full (all-gathered) gradients divided by
-    the micro-batch count, the launch log and the times of passes and drains."""
-    model = _sharded_blocks(lib, precision, delay)
     reducer = None
-    if delay:
+    if reducer_cls is not None:
         reducer = reducer_cls(model, num_microbatches=n_mb if mode == "count" else None)
-    hidden, _, rows = sizes(None)
-    x, target = data(100 + rank, n_mb * rows, hidden, torch.float32)
-    pass_times = []
-    for j, (xb, tb) in enumerate(zip(x.split(rows), target.split(rows))):
-        last = j == n_mb - 1
-        ctx = contextlib.nullcontext()
-        if reducer is not None and mode == "no_sync":
-            ctx = contextlib.nullcontext() if last else reducer.no_sync()
-        else:
-            model.set_requires_gradient_sync(last)
-        with ctx:
-            loss_of(model(xb), tb).backward()
-        pass_times.append(time.perf_counter())
-        if drain == "each" and not last:
-            for b in reversed(model):
-                drain_entries(b)
-    dw_starts, dw_ends = [], []
-    for b in reversed(model):
-        dw_starts.append(time.perf_counter())
-        drain_entries(b)
-        dw_ends.append(time.perf_counter())
-    error = None if reducer is None else finish_error(reducer)
-    with torch.no_grad():  # a gradient that requires grad (some packages') stays outside
-        grads = {
-            name: None if p.grad is None else p.grad.detach().full_tensor().div(n_mb)
-            for name, p in model.named_parameters()
-        }
-    return {
-        "grads": grads,
-        "launches": [] if reducer is None else [dict(e) for e in reducer.launch_log],
-        "buckets": [] if reducer is None else reducer.bucket_names,
-        "finish": None if reducer is None else reducer.finish_time,
-        "dw_starts": dw_starts,
-        "dw_ends": dw_ends,
-        "pass_times": pass_times,
-        "error": error,
-    }
+    out = replica_step(model, reducer, rank, mode, n_mb, torch.float32, sharded=True, drain=drain)
+    grads = gradient_copies(model, full=True)
+    out["grads"] = {n: None if g is None else g.div_(n_mb) for n, g in grads.items()}
+    return out
 
 
 def _fsdp_rank(
     rank: int, world: int, lib_name: str, configs: list[dict], reducer_name: str = REDUCER
 ) -> dict:
     """Every config, delayed with the reducer and (the baseline) FSDP2 alone without delay; on
-    rank 0 also the single-process baselines of :func:`~.data_parallel.dp_truth` (same thread
-    count): the global batch in FSDP2's compute dtype (the naive yardstick) from the fp32
-    values FSDP2 casts, and the float64 truth of those fp32 values."""
+    rank 0 also :func:`~.data_parallel.dp_truth`: the naive yardstick in FSDP2's compute dtype
+    from the fp32 values FSDP2 casts, and the float64 truth of those values."""
     lib = load_library(lib_name)
     reducer_cls = load_library(reducer_name)
     out = {"runs": [], "baseline": [], "truth": None}
     for cfg in configs:
-        out["runs"].append(_fsdp_step(lib, rank, delay=True, reducer_cls=reducer_cls, **cfg))
-        out["baseline"].append(_fsdp_step(lib, rank, delay=False, **cfg))
+        out["runs"].append(_fsdp_step(lib, rank, reducer_cls, **cfg))
+        out["baseline"].append(_fsdp_step(lib, rank, None, **cfg))
     if rank == 0:
+        fp32 = torch.float32
+        computes = [FSDP_PRECISIONS[c["precision"]][0] or fp32 for c in configs]
         truth_configs = [
-            {
-                "n_mb": c["n_mb"],
-                "fused": False,
-                "dtype": FSDP_PRECISIONS[c["precision"]][0] or torch.float32,
-                "value_dtype": torch.float32,
-            }
-            for c in configs
+            {"n_mb": c["n_mb"], "dtype": d, "value_dtype": fp32} for c, d in zip(configs, computes)
         ]
         out["truth"] = dp_truth(0, 1, lib_name, truth_configs, world)
     return out
@@ -175,13 +114,11 @@ def check_fully_sharded(
     reducer: str = REDUCER,
 ) -> DistributedReport:
     """P16 under ``fully_shard`` (FSDP2) on 2 gloo ranks, for each of ``precisions``: no_sync()
-    and num_microbatches with every ``backward_dw()`` after the last backward, and no_sync()
-    with each micro-batch's right after its backward (label suffix "each"); the yardstick of
-    the float64 truth is the reference in FSDP2's compute dtype. In float32 compute (plain and
-    forced sum) also bitwise ``(replica0 + replica1) / 2`` computed in one process: a sum of
-    two, halved, is exact in either order, whichever side divides; in bf16 or fp16 FSDP2's
-    casts and accumulation dtype have no one-process twin. ``reducer`` names the reducer class
-    (``"module:Class"``, built as ``GradientReducer`` is)."""
+    and num_microbatches draining after the last backward, and no_sync() draining each
+    micro-batch right after its backward ("each"). In float32 compute also bitwise ``(replica0
+    + replica1) / 2`` computed in one process (a sum of two, halved, is exact in either order,
+    whichever side divides); bf16 or fp16 casts and accumulation have no one-process twin.
+    ``reducer`` names the reducer class, built as ``GradientReducer`` is."""
     unknown = sorted(set(precisions) - set(FSDP_PRECISIONS))
     if unknown:
         raise ValueError(f"unknown precisions {unknown}; expected some of {list(FSDP_PRECISIONS)}")

@@ -1,11 +1,9 @@
 """The package a distributed check runs, from the ``--backend`` string that names it.
 
-``impl``, ``reference``, ``module:NAME``, ``path:DIR`` and ``class:MODULE:ATTR`` mean what they
-mean to ``splitgrad verify`` (:func:`~splitgrad.properties.backends.get_backend`), which must give
-a library backend (the checks build its ``Linear``, ``GroupedLinear``, ...); a bare import name
-(``mypkg``) or ``NAME:ATTR`` (``mypkg.testing:buggy``) names a package or object the ranks import
-by name, as do the reducer and expert-parallel classes a check is given. Each rank resolves the
-string again (ranks are spawned); what a process loaded once, it keeps.
+``impl``, ``reference``, ``module:NAME``, ``path:DIR`` and ``class:MODULE:ATTR`` name a library
+backend as for ``splitgrad verify``; a bare import name (``mypkg``) or ``NAME:ATTR``
+(``mypkg.testing:buggy``) names a package or object, as do the reducer and expert-parallel classes
+a check is given. Each spawned rank resolves the string again; a process keeps what it loaded.
 """
 
 from __future__ import annotations
@@ -15,8 +13,6 @@ import importlib
 from typing import Any
 
 from ...backends import BACKEND_NAMES, BackendUnavailable, LibraryBackend, get_backend
-
-__all__ = ["load_library", "preload_library"]
 
 _HARNESS_PREFIXES = ("path:", "module:", "class:")
 

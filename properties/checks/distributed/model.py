@@ -12,25 +12,6 @@ from splitgrad.distributed import in_shape_inference, split_modules
 
 from .library import load_library
 
-__all__ = [
-    "RECIPES",
-    "Block",
-    "blocks",
-    "gradients",
-    "gradient_copies",
-    "drain_entries",
-    "scale",
-    "replica_mean",
-    "finish_error",
-    "loss_of",
-    "autocast",
-    "make_recipe",
-    "data",
-    "sizes",
-    "without_delay",
-    "reference_runs",
-]
-
 #: FP8 recipes by short name (the classes are looked up in the package under test).
 RECIPES = {
     "delayed": "DelayedScaling",
@@ -43,15 +24,13 @@ _WEIGHT_NAMES = ("weight", "fc1_weight", "fc2_weight")
 
 class Block(torch.nn.Module):
     """``x + proj(tanh(gate(mlp(x))))``: a ``LayerNormMLP`` and a ``Linear`` of the package under
-    test (delayed unless ``delay=False``, plain or ``fused``) around a ``torch.nn.Linear``
-    (reduced from autograd's hooks).
+    test (delayed unless ``delay=False``, plain or ``fused``) around a ``torch.nn.Linear``.
 
     ``microbatches_per_step`` (fused only): the first forward of every step (pipelining's
-    shape-inference pass not counted) passes ``is_first_microbatch=True``, as a training loop
-    with fused accumulation does; ``main_grad`` starts from ``prefill_seed``'s random values,
-    which that micro-batch must overwrite. ``proj_twice``: ``proj`` is applied twice, so each
-    backward queues two of its entries (SPEC §4: a weight used twice in one graph); its first use
-    passes ``is_first_microbatch=False`` (its entry runs second and must add to the overwrite).
+    shape-inference pass not counted) passes ``is_first_microbatch=True`` and must overwrite
+    ``main_grad``'s random start (``prefill_seed``). ``proj_twice``: ``proj`` is applied twice,
+    so each backward queues two of its entries (SPEC §4); its first use passes
+    ``is_first_microbatch=False`` (its entry runs second and must add to the overwrite).
     ``tied``: a further ``Linear`` ``out`` shares ``proj``'s weight (neither has a bias),
     ``x + out(tanh(proj(...)))``: one weight written by two modules' entries (drained ``out``
     first, so ``out`` overwrites and every ``proj`` entry adds)."""
@@ -129,19 +108,15 @@ def blocks(
 def gradients(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     """Every parameter's gradient by name: ``main_grad`` for fused GEMM weights, else ``.grad``."""
     fused = {
-        id(p)
-        for sm in split_modules(module)
-        for name, p in sm.gemm_params
-        if sm.uses_main_grad(name)
+        id(p) for sm in split_modules(module) for n, p in sm.gemm_params if sm.uses_main_grad(n)
     }
-    return {
-        name: (p.main_grad if id(p) in fused else p.grad) for name, p in module.named_parameters()
-    }
+    return {n: p.main_grad if id(p) in fused else p.grad for n, p in module.named_parameters()}
 
 
-def gradient_copies(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
-    """:func:`gradients`, each detached and copied."""
-    return {k: None if v is None else v.detach().clone() for k, v in gradients(module).items()}
+def gradient_copies(module: torch.nn.Module, full: bool = False) -> dict[str, torch.Tensor | None]:
+    """:func:`gradients`, each detached and copied (``full``: all-gathered from FSDP2's shards)."""
+    copy = (lambda g: g.full_tensor()) if full else torch.Tensor.clone
+    return {k: None if v is None else copy(v.detach()) for k, v in gradients(module).items()}
 
 
 def drain_entries(module: torch.nn.Module, passes: int = 1) -> None:
@@ -175,11 +150,8 @@ def replica_mean(replicas: list[dict], n_mb: int) -> dict:
         grads = [r[name] for r in replicas]
         if any(g is None for g in grads):
             out[name] = None
-            continue
-        total = grads[0].clone()
-        for g in grads[1:]:
-            total += g
-        out[name] = total.div_(len(replicas)).div_(n_mb)
+        else:
+            out[name] = sum(grads[1:], grads[0].clone()).div_(len(grads)).div_(n_mb)
     return out
 
 
@@ -226,28 +198,19 @@ def sizes(recipe: str | None) -> tuple[int, int, int]:
 
 
 def without_delay(
-    lib: Any,
-    count: int,
-    seeds: tuple[int, ...],
-    n_mb: int,
-    *,
-    dtype: torch.dtype,
-    value_dtype: torch.dtype,
-    recipe: str | None = None,
-    **options: Any,
+    lib: Any, count: int, seeds: tuple[int, ...], n_mb: int, recipe: str | None = None, **options
 ) -> tuple[torch.nn.Sequential, list[torch.Tensor]]:
     """SPEC §7's baseline: Blocks ``0..count-1`` of ``lib`` without delay, run one after the
     other on each seed's ``n_mb`` micro-batches in one process as one step (only the very first
-    micro-batch overwrites a fused ``main_grad``), on values rounded to ``value_dtype`` and
-    computed in ``dtype``. Returns the blocks and every micro-batch's loss."""
+    micro-batch overwrites a fused ``main_grad``), on values rounded to ``options["value_dtype"]``
+    and computed in ``options["dtype"]``. Returns the blocks and every micro-batch's loss."""
     hidden, _, rows = sizes(recipe)
+    dtype, steps = options["dtype"], n_mb * len(seeds)
     model = blocks(
         lib,
         range(count),
         recipe,
-        dtype=dtype,
-        value_dtype=value_dtype,
-        microbatches_per_step=n_mb * len(seeds),
+        microbatches_per_step=steps,
         prefill_seed=99,
         delay=False,
         **options,
@@ -255,7 +218,7 @@ def without_delay(
     losses = []
     fp8_recipe = make_recipe(lib, recipe)
     for seed in seeds:
-        x, target = data(seed, n_mb * rows, hidden, value_dtype)
+        x, target = data(seed, n_mb * rows, hidden, options["value_dtype"])
         for xb, tb in zip(x.to(dtype).split(rows), target.to(dtype).split(rows)):
             with autocast(lib, fp8_recipe):
                 out = model(xb)

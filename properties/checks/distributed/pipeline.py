@@ -5,8 +5,7 @@ Loss and every gradient are bitwise equal to running the same stages on the same
 in one process *without delay*, divided by the micro-batch count as the schedule does: each
 parameter's micro-batch contributions are added in micro-batch order (W steps run FIFO) by the
 same kernels on the same shapes (P4), and the stage boundaries only copy tensors. Without FP8,
-every gradient is also judged against ``splitgrad.reference``'s float64 truth. One rank's step
-(:func:`run_pipeline`) and the baselines also serve :mod:`.pipeline_data_parallel`.
+every gradient is also judged against ``splitgrad.reference``'s float64 truth.
 """
 
 from __future__ import annotations
@@ -23,25 +22,15 @@ from .model import (
     data,
     finish_error,
     gradient_copies,
+    gradients,
     loss_of,
     make_recipe,
     reference_runs,
-    scale,
+    replica_mean,
     sizes,
     without_delay,
 )
 from .report import DistributedReport, baseline, judge_truth, run_checked
-
-__all__ = [
-    "SCHEDULES",
-    "PipelineConfig",
-    "stage_layout",
-    "run_pipeline",
-    "single_pipeline",
-    "reference_stages",
-    "compare_stage",
-    "check_pipeline",
-]
 
 #: The torch.distributed.pipelining schedules P15 runs (by class name).
 SCHEDULES = (
@@ -150,12 +139,7 @@ def run_pipeline(
         )
     # finish() is a no-op where the schedule's gradient scaling finished it already
     errors = [(i, finish_error(r)) for i, r in reducers.items()]
-    grads = {i: gradient_copies(b) for i, b in stages.items()}
-    if fsdp_mesh is not None:
-        grads = {
-            i: {n: None if g is None else g.detach().full_tensor() for n, g in per.items()}
-            for i, per in grads.items()
-        }
+    grads = {i: gradient_copies(b, full=fsdp_mesh is not None) for i, b in stages.items()}
     return {
         "errors": [f"stage {i}: {e}" for i, e in errors if e is not None],
         "losses": [loss.detach().clone() for loss in losses],
@@ -170,42 +154,33 @@ def run_pipeline(
     }
 
 
-def single_pipeline(
-    lib, cfg: PipelineConfig, num_stages: int, seeds=(0,)
-) -> tuple[torch.nn.Sequential, list]:
-    """The stages of ``cfg`` without delay in one process (:func:`~.model.without_delay`): the
-    baseline of P15 and P16, gradients divided by the micro-batch count by the caller."""
-    options = dict(dtype=cfg.dtype, value_dtype=cfg.dtype, recipe=cfg.recipe, fused=cfg.fused)
-    return without_delay(lib, num_stages, seeds, cfg.n_microbatches, **options)
-
-
-def reference_stages(cfg: PipelineConfig, num_stages: int, seeds=(0,)) -> dict:
-    """Each stage's gradients from :func:`~.model.reference_runs` (``naive`` and ``truth``);
-    ``None`` under FP8, whose truth is the same-recipe one that P3 and P13 judge."""
-    if cfg.recipe is not None:
-        return {"naive": None, "truth": None}
-    options = dict(dtype=cfg.dtype, value_dtype=cfg.dtype, fused=cfg.fused)
-    naive, truth = reference_runs(num_stages, seeds, cfg.n_microbatches, **options)
-    return {
-        "naive": [gradient_copies(b) for b in naive],
-        "truth": [gradient_copies(b) for b in truth],
-    }
-
-
 def _pipeline_rank(rank: int, world: int, lib_name: str, configs: list[PipelineConfig]) -> list:
     lib = load_library(lib_name)
     return [run_pipeline(lib, cfg, rank, world) for cfg in configs]
 
 
-def _pipeline_truth(rank: int, world: int, lib_name: str, configs, pp: int) -> list:
+def pipeline_truth(
+    rank: int, world: int, lib_name: str, configs: list[PipelineConfig], pp: int, replicas: int
+) -> list:
+    """Per config, the stages of ``pp`` ranks without delay in one process on each replica's
+    micro-batches (data seed = replica): each stage's replica mean, the losses by replica, and
+    (without FP8, whose truth is the same-recipe one P3 and P13 judge) the reference runs."""
     lib = load_library(lib_name)
     out = []
     for cfg in configs:
         _, num_stages = stage_layout(cfg.schedule, 0, pp)
-        model, losses = single_pipeline(lib, cfg, num_stages)
-        scale(model, cfg.n_microbatches)
-        grads = [gradient_copies(b) for b in model]
-        out.append({"grads": grads, "losses": losses, **reference_stages(cfg, num_stages)})
+        n_mb, seeds = cfg.n_microbatches, tuple(range(replicas))
+        options = dict(dtype=cfg.dtype, value_dtype=cfg.dtype, fused=cfg.fused)
+        runs = [
+            without_delay(lib, num_stages, (r,), n_mb, recipe=cfg.recipe, **options) for r in seeds
+        ]
+        grads = [replica_mean([gradients(m[i]) for m, _ in runs], n_mb) for i in range(num_stages)]
+        naive = truth = None
+        if cfg.recipe is None:
+            references = reference_runs(num_stages, seeds, n_mb, **options)
+            naive, truth = ([gradient_copies(b) for b in run] for run in references)
+        losses = [run_losses for _, run_losses in runs]
+        out.append({"grads": grads, "losses": losses, "naive": naive, "truth": truth})
     return out
 
 
@@ -232,9 +207,9 @@ def _compare(report: DistributedReport, where: str, got: dict, want: dict) -> No
                 f"{got['runners_left'][i]} W steps not run"
             )
     if got["losses"]:
-        for j, (a, b) in enumerate(zip(got["losses"], want["losses"])):
+        for j, (a, b) in enumerate(zip(got["losses"], want["losses"][0])):
             report.bitwise(f"{where} loss of micro-batch {j}", a, b)
-        if len(got["losses"]) != len(want["losses"]):
+        if len(got["losses"]) != len(want["losses"][0]):
             report.failures.append(f"{where}: {len(got['losses'])} losses returned")
 
 
@@ -258,7 +233,7 @@ def check_pipeline(
     results = run_checked(
         report, "pipeline ranks", _pipeline_rank, world_size, lib_name, configs, timeout_s=timeout_s
     )
-    truth = baseline(report, _pipeline_truth, lib_name, configs, world_size, timeout_s=timeout_s)
+    truth = baseline(report, pipeline_truth, lib_name, configs, world_size, 1, timeout_s=timeout_s)
     if results is None or truth is None:
         return report
     for k, cfg in enumerate(configs):

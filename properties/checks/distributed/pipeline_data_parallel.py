@@ -11,18 +11,8 @@ import torch
 import torch.distributed as dist
 
 from .library import load_library
-from .model import gradients, replica_mean
-from .pipeline import (
-    PipelineConfig,
-    compare_stage,
-    reference_stages,
-    run_pipeline,
-    single_pipeline,
-    stage_layout,
-)
+from .pipeline import PipelineConfig, compare_stage, pipeline_truth, run_pipeline
 from .report import DistributedReport, baseline, run_checked
-
-__all__ = ["check_pipeline_data_parallel"]
 
 
 def _pp_dp_rank(
@@ -42,22 +32,6 @@ def _pp_dp_rank(
         dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
         groups = {"group": pp_groups[replica], "reducer_group": dp_groups[pp_rank]}
     return [run_pipeline(lib, cfg, pp_rank, 2, data_seed=replica, **groups) for cfg in configs]
-
-
-def _pp_dp_truth(rank: int, world: int, lib_name: str, configs: list[PipelineConfig]) -> list:
-    lib = load_library(lib_name)
-    out = []
-    for cfg in configs:
-        _, num_stages = stage_layout(cfg.schedule, 0, 2)
-        replicas = [single_pipeline(lib, cfg, num_stages, seeds=(r,)) for r in range(2)]
-        grads = [
-            replica_mean([gradients(model[i]) for model, _ in replicas], cfg.n_microbatches)
-            for i in range(num_stages)
-        ]
-        losses = [run_losses for _, run_losses in replicas]
-        stages = reference_stages(cfg, num_stages, seeds=(0, 1))
-        out.append({"grads": grads, "losses": losses, **stages})
-    return out
 
 
 def _compare(report: DistributedReport, where: str, got: dict, want: dict, replica: int) -> None:
@@ -99,7 +73,7 @@ def check_pipeline_data_parallel(
     results = run_checked(
         report, "ranks", _pp_dp_rank, 4, lib_name, configs, fully_shard, timeout_s=timeout_s
     )
-    truth = baseline(report, _pp_dp_truth, lib_name, configs, timeout_s=timeout_s)
+    truth = baseline(report, pipeline_truth, lib_name, configs, 2, 2, timeout_s=timeout_s)
     if results is None or truth is None:
         return report
     for k, cfg in enumerate(configs):

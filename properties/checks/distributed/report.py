@@ -15,15 +15,6 @@ from splitgrad.distributed import RankFailure, run_ranks
 from ...budgets import data_parallel_tolerance
 from ..results import CheckResult, Tracker
 
-__all__ = [
-    "DistributedReport",
-    "merge_reports",
-    "run_checked",
-    "baseline",
-    "check_buckets",
-    "judge_truth",
-]
-
 
 @dataclasses.dataclass
 class DistributedReport:
@@ -111,13 +102,8 @@ def _diff(got: torch.Tensor, want: torch.Tensor) -> str:
 
 
 def run_checked(
-    report: DistributedReport,
-    what: str,
-    fn: Callable[..., Any],
-    world: int,
-    *args: Any,
-    timeout_s: float,
-) -> list[Any] | None:
+    report: DistributedReport, what: str, fn: Callable, world: int, *args: Any, timeout_s: float
+) -> list | None:
     """:func:`~splitgrad.distributed.run_ranks`, a failed or stuck rank (the package raised, or
     a harness step met what it did not expect) turned into a failure of ``report`` with its
     traceback's end; ``None`` then."""
@@ -130,9 +116,7 @@ def run_checked(
         return None
 
 
-def baseline(
-    report: DistributedReport, fn: Callable[..., Any], *args: Any, timeout_s: float
-) -> Any:
+def baseline(report: DistributedReport, fn: Callable, *args: Any, timeout_s: float) -> Any:
     """``fn`` on one rank (:func:`run_checked`): the single-process baseline, in a process of its
     own with the ranks' thread count (CPU kernels may reduce in another order with more)."""
     out = run_checked(report, "single-process baseline", fn, 1, *args, timeout_s=timeout_s)
@@ -154,10 +138,10 @@ def check_buckets(
     kinds = {e.get("collective") for e in launches}
     if collective and launches and kinds != {collective}:
         report.failures.append(f"{where}: launches were {kinds}, expected {collective}")
-    if launches and got["finish"] is not None:
-        late = [e["bucket"] for e in launches if e["time"] > got["finish"]]
-        if late:
-            report.failures.append(f"{where}: buckets {late} launched after finish() was called")
+    finish = got["finish"]
+    late = [e["bucket"] for e in launches if finish is not None and e["time"] > finish]
+    if late:
+        report.failures.append(f"{where}: buckets {late} launched after finish() was called")
 
 
 def judge_truth(
