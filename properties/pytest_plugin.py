@@ -5,20 +5,10 @@ Installed with splitgrad (a ``pytest11`` entry point), so in a project with SPEC
     pytest --pyargs splitgrad.properties --splitgrad-backend module:mypkg -n auto \\
         --junitxml=conformance.xml
 
-collects ``splitgrad/properties/test_conformance.py``: one test per property x module x dtype x FP8
-recipe family (x forced fast path), the cells of the same session ``splitgrad verify`` runs
-(:mod:`.session`), under the same ids, e.g. ``test_property[P4-Linear-bfloat16-none]``. A deviation
-the backend declares (:attr:`~.backends.Backend.deviations`) makes its cells strict expected
-failures with its sentence as the reason (one that no longer shows fails as XPASS). Parts of SPEC's
-API the backend lacks fail one test, ``test_api_complete``, naming them and the properties they
-block (as ``splitgrad verify`` exits 2); the blocked cells are skipped, the others run.
-``--splitgrad-xfails FILE`` lists cells the project expects to fail, strictly (:mod:`.xfails`). The
-header names the backend under test, the device, the hypothesis profile and seed, and torch's
-version. Each process opens the session once from the read-only options and nothing else is shared
-between tests, so ``pytest-xdist`` can spread them.
-
-Only options are registered at pytest start-up (torch and hypothesis are imported only when the
-suite is asked for): the plugin costs nothing in a test run that does not collect the suite.
+collects ``test_conformance.py``: one test per cell of the session ``splitgrad verify`` runs,
+under the same ids (``test_property[P4-Linear-bfloat16-none]``). Each process opens the session
+once from the read-only options, so ``pytest-xdist`` can spread the tests. Only options are
+registered at start-up: torch and hypothesis are imported when the suite is asked for.
 """
 
 from __future__ import annotations
@@ -26,82 +16,44 @@ from __future__ import annotations
 import functools
 import os
 
-__all__ = [
-    "pytest_addoption",
-    "pytest_configure",
-    "pytest_report_header",
-    "options_of",
-    "session_options",
-    "session_of",
-    "expected_failures",
-    "suite_requested",
-]
+__all__ = ["options_of", "session_options", "session_of", "expected_failures", "suite_requested"]
 
-_OPTIONS = (
-    (
-        "--splitgrad-backend",
-        "impl",
-        "implementation to check: impl, reference, torch-split, transformer_engine, path:DIR, "
-        "module:NAME or class:MODULE:ATTR (a Backend subclass) (default: impl)",
-    ),
-    ("--splitgrad-module", "", "module kinds, comma-separated (default: all four)"),
-    ("--splitgrad-dtype", "", "dtypes, comma-separated (default: float32,bfloat16)"),
-    ("--splitgrad-property", "", "property ids, comma-separated (default: all)"),
-    (
-        "--splitgrad-recipe",
-        "",
-        "FP8 recipe families: none, delayed, current, mxfp8, block, all (default: high "
-        "precision plus a small FP8 slice)",
-    ),
-    (
-        "--splitgrad-impl-path",
-        "",
-        "forced fast paths: none, grouped, scaled_mm, recompute, all (default: a small slice of "
-        "each where the backend has the knob)",
-    ),
-    (
-        "--splitgrad-autocast",
-        "",
-        "torch.autocast dtypes for float32 modules: none, bfloat16, float16, all (default: a "
-        "small bfloat16 slice)",
-    ),
-    (
-        "--splitgrad-examples",
-        "",
-        "hypothesis examples per cell (default: the profile's; the slices run fewer)",
-    ),
-    (
-        "--splitgrad-profile",
-        "",
-        "hypothesis profile: dev, ci, nightly, gpu (default: HYPOTHESIS_PROFILE, or ci when "
-        "CI is set, else dev)",
-    ),
-    ("--splitgrad-seed", "", "hypothesis seed (default: the profile's; ci is derandomized)"),
-    ("--splitgrad-device", "", "cpu or cuda (default: cpu; cuda for transformer_engine)"),
-    ("--splitgrad-threads", "1", "torch intra-op threads per test process (default: 1)"),
-    (
-        "--splitgrad-xfails",
-        "",
-        "file of cells expected to fail, one cell id per line (P4-Linear-bfloat16-none, as "
-        "the test ids show it), '#' comments with the reason; strict: a listed cell that "
-        "passes fails as XPASS(strict)",
-    ),
-)
+#: ``--splitgrad-NAME`` -> its help; every default is empty but those of :data:`_DEFAULTS`.
+_OPTIONS = {
+    "backend": "implementation to check: impl, reference, torch-split, transformer_engine, "
+    "path:DIR, module:NAME or class:MODULE:ATTR (a Backend subclass) (default: impl)",
+    "module": "module kinds, comma-separated (default: all four)",
+    "dtype": "dtypes, comma-separated (default: float32,bfloat16)",
+    "property": "property ids, comma-separated (default: all)",
+    "recipe": "FP8 recipe families: none, delayed, current, mxfp8, block, all (default: high "
+    "precision plus a small FP8 slice)",
+    "impl-path": "forced fast paths: none, grouped, scaled_mm, recompute, all (default: a small "
+    "slice of each where the backend has the knob)",
+    "autocast": "torch.autocast dtypes for float32 modules: none, bfloat16, float16, all "
+    "(default: a small bfloat16 slice)",
+    "examples": "hypothesis examples per cell (default: the profile's; the slices run fewer)",
+    "profile": "hypothesis profile: dev, ci, nightly, gpu (default: HYPOTHESIS_PROFILE, or ci "
+    "when CI is set, else dev)",
+    "seed": "hypothesis seed (default: the profile's; ci is derandomized)",
+    "device": "cpu or cuda (default: cpu; cuda for transformer_engine)",
+    "threads": "torch intra-op threads per test process (default: 1)",
+    "xfails": "file of cells expected to fail, one cell id per line (P4-Linear-bfloat16-none, "
+    "as the test ids show it), '#' comments with the reason; strict: a listed cell that passes "
+    "fails as XPASS(strict)",
+}
+_DEFAULTS = {"backend": "impl", "threads": "1"}
 
 
 def pytest_addoption(parser) -> None:
     group = parser.getgroup("splitgrad", "splitgrad conformance suite (SPEC.md properties)")
-    for flag, default, help_text in _OPTIONS:
-        group.addoption(flag, default=default, help=help_text)
+    for name, help_text in _OPTIONS.items():
+        group.addoption(f"--splitgrad-{name}", default=_DEFAULTS.get(name, ""), help=help_text)
 
 
 def options_of(config) -> dict[str, str]:
     """The suite's options as strings, keyed without the ``--splitgrad-`` prefix. Hypothesis'
     own ``--hypothesis-profile`` / ``--hypothesis-seed`` fill in a profile / seed not given."""
-    out = {}
-    for flag, _, _ in _OPTIONS:
-        key = flag[len("--splitgrad-") :]
-        out[key] = str(config.getoption(flag) or "")
+    out = {name: str(config.getoption(f"--splitgrad-{name}") or "") for name in _OPTIONS}
     for key, theirs in (("profile", "hypothesis_profile"), ("seed", "hypothesis_seed")):
         if not out[key]:
             value = config.getoption(theirs, default=None)
@@ -110,11 +62,11 @@ def options_of(config) -> dict[str, str]:
 
 
 def session_options(config):
-    """The suite's :class:`~.session.Options` from its ``--splitgrad-*`` options (a bad value
-    stops the run with a usage error naming the option)."""
+    """The suite's :class:`~.front.session.Options` from its ``--splitgrad-*`` options (a bad
+    value stops the run with a usage error naming the option)."""
     import pytest
 
-    from .front.session import OptionError, Options
+    from .front.session import LIST_OPTIONS, OptionError, Options
 
     opts = options_of(config)
 
@@ -122,15 +74,12 @@ def session_options(config):
         try:
             return int(opts[key]) if opts[key] else None
         except ValueError:
-            raise pytest.UsageError(
-                f"--splitgrad-{key}: not a whole number: {opts[key]!r}"
-            ) from None
+            value = opts[key]
+            raise pytest.UsageError(f"--splitgrad-{key}: not a whole number: {value!r}") from None
 
-    lists = {"modules": "module", "dtypes": "dtype", "properties": "property", "recipes": "recipe"}
-    lists |= {"impl_paths": "impl-path", "autocasts": "autocast"}
     try:
         return Options.chosen(
-            {field: [opts[key]] if opts[key] else [] for field, key in lists.items()},
+            {flag: [opts[flag]] if opts[flag] else [] for flag in LIST_OPTIONS},
             backend=opts["backend"],
             examples=number("examples"),
             profile=opts["profile"] or None,
@@ -143,7 +92,7 @@ def session_options(config):
 
 
 def session_of(config):
-    """The :class:`~.session.Session` of this run's options (opened once per process)."""
+    """The :class:`~.front.session.Session` of this run's options (opened once per process)."""
     return _open_session(session_options(config))
 
 
@@ -168,17 +117,16 @@ def suite_requested(config) -> bool:
     here = os.path.dirname(os.path.abspath(__file__))
     for a in config.args:
         a = str(a).split("::", 1)[0]
-        if a.startswith("splitgrad.properties") or os.path.basename(a) == "test_conformance.py":
+        if a.startswith("splitgrad.properties") or os.path.abspath(a) == here:
             return True
-        if os.path.abspath(a) == here:
+        if os.path.basename(a) == "test_conformance.py":
             return True
     return False
 
 
 def pytest_configure(config) -> None:
-    """Check the suite's options and read ``--splitgrad-xfails`` once, before collection: a
-    value that names nothing, or a file that cannot be read or names no cell, stops the run with
-    a usage error naming the option (and the line)."""
+    """Check the suite's options and read ``--splitgrad-xfails`` once, before collection (a bad
+    value or file is a usage error naming the option, and the line)."""
     if suite_requested(config):
         session_options(config)
     path = config.getoption("--splitgrad-xfails", default="")
@@ -247,7 +195,7 @@ def pytest_report_header(config) -> list[str]:
         f"  device {device}, hypothesis profile {profile}, seed {seed}, torch {torch.__version__}"
         f", {opts['threads'] or 1} thread(s) per process",
     ]
-    expected = expected_failures(config)
     if opts["xfails"]:
-        lines.append(f"  expected failures: {opts['xfails']} ({len(expected)} listed, strict)")
+        n = len(expected_failures(config))
+        lines.append(f"  expected failures: {opts['xfails']} ({n} listed, strict)")
     return lines

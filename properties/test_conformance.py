@@ -1,12 +1,6 @@
-"""splitgrad's conformance suite as pytest tests (collected by ``pytest --pyargs
-splitgrad.properties``; options from :mod:`splitgrad.properties.pytest_plugin`).
-
-The cells, their ids and the gaps in the backend's API come from the same
-:class:`~splitgrad.properties.front.session.Session` that ``splitgrad verify`` runs.
-``test_api_complete`` fails once when the backend lacks part of SPEC's API (where ``splitgrad
-verify`` exits 2); ``test_property`` runs one cell of the campaign per test id. Cells listed in
-``--splitgrad-xfails`` are strict expected failures.
-"""
+"""splitgrad's conformance suite as pytest tests (``pytest --pyargs splitgrad.properties``, options
+from :mod:`splitgrad.properties.pytest_plugin`): the cells, ids and API gaps of the session that
+``splitgrad verify`` runs. Cells listed in ``--splitgrad-xfails`` are strict expected failures."""
 
 from __future__ import annotations
 
@@ -25,24 +19,18 @@ def pytest_generate_tests(metafunc) -> None:
     listed = expected_failures(metafunc.config)
     params = []
     for cell in session.cells:
-        marks = []
         declared = [
-            d
+            d.summary + (f" ({d.reference})" if d.reference else "")
             for d in session.backend.deviations
             if d.expected_in(cell.property_id, cell.kind, cell.dtype)
         ]
-        reasons = []
-        if declared:
-            summaries = (d.summary + (f" ({d.reference})" if d.reference else "") for d in declared)
-            reasons.append("declared deviation: " + " | ".join(summaries))
+        reasons = ["declared deviation: " + " | ".join(declared)] if declared else []
         entry = listed.get(cell.test_id)
-        if entry is not None:
-            reasons.append(entry.describe())
-        if reasons:
-            # A listed cell fails in any way; a declared deviation only the way it declares.
-            raises = DeviationObserved if entry is None else None
-            marks.append(pytest.mark.xfail(strict=True, raises=raises, reason="; ".join(reasons)))
-        params.append(pytest.param(cell, id=cell.test_id, marks=marks))
+        reasons += [entry.describe()] if entry is not None else []
+        # A listed cell fails in any way; a declared deviation only the way it declares.
+        raises = DeviationObserved if entry is None else None
+        xfail = pytest.mark.xfail(strict=True, raises=raises, reason="; ".join(reasons))
+        params.append(pytest.param(cell, id=cell.test_id, marks=[xfail] if reasons else []))
     metafunc.parametrize("splitgrad_cell", params)
 
 
@@ -54,11 +42,10 @@ def test_api_complete(request) -> None:
     entry = expected_failures(request.config).get(API_COMPLETE)
     if entry is not None:
         request.applymarker(pytest.mark.xfail(strict=True, reason=entry.describe()))
-    gaps = session.gaps
-    if gaps:
+    if session.gaps:
         lines = [
-            f"{what}" + (f" -> blocks {', '.join(blocked)}" if blocked else "")
-            for what, blocked in gaps.values()
+            what + (f" -> blocks {', '.join(blocked)}" if blocked else "")
+            for what, blocked in session.gaps.values()
         ]
         pytest.fail(
             f"{session.backend.name} lacks part of SPEC's API (the cells that need it are "

@@ -423,7 +423,7 @@ def test_xfails_option_for_verify_checks_the_file_while_parsing(tmp_path: Path, 
     good, bad = tmp_path / "good.txt", tmp_path / "bad.txt"
     good.write_text("P3-Linear-float32-none  # known\n")
     bad.write_text("P3-Linear-float32-none\nP3-Linear-float33-none\n")
-    parser = build_parser()  # verify's own parser carries the option (xfails.add_option)
+    parser = build_parser()  # verify's own parser carries the option
     assert parser.parse_args([]).xfails == {}
     assert list(parser.parse_args(["--xfails", str(good)]).xfails) == ["P3-Linear-float32-none"]
     with pytest.raises(Exception) as exc:  # verify's parser raises its usage error (exit 2)

@@ -177,7 +177,7 @@ def test_recipe_option_adds_fp8_cells_with_a_recipe_column(tmp_path: Path, capsy
 
 
 def test_default_run_has_a_small_fp8_slice(capsys) -> None:
-    from splitgrad.properties.front.verify import FP8_SLICE_EXAMPLES
+    from splitgrad.properties.front.plan import FP8_SLICE_EXAMPLES
 
     argv = ["--backend", "reference", "--module", "Linear", "--dtype", "float32,bfloat16"]
     assert main([*argv, "--property", "P4", "--examples", "40"]) == 0

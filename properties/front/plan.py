@@ -1,58 +1,26 @@
-"""Which cells a campaign runs: property x module x dtype x FP8 recipe family x forced path.
-
-``splitgrad verify`` and the pytest plugin both take their cells from :func:`plan_cells`, so a
-CI job running the plugin sees the same cells (and test ids) as a ``verify`` run with the same
-options.
-
-The default run is the high-precision campaign plus two small slices:
-
-* FP8: bf16, the recipe drawn from all of them per example, :data:`FP8_SLICE_EXAMPLES`
-  examples per cell, the properties FP8 changes most (:data:`FP8_SLICE_PROPERTIES`);
-* forced fast paths (:mod:`.paths`): each path that runs on the CPU, for every module it
-  applies to, :data:`PATH_SLICE_EXAMPLES` examples per cell, every property that runs modules
-  (:data:`PATH_SLICE_PROPERTIES`), in the dtypes of :data:`PATH_SLICE_DTYPES`.
-
-* torch.autocast (SPEC §2): float32 modules with every forward under
-  ``torch.autocast(device, dtype=torch.bfloat16)``, :data:`AUTOCAST_SLICE_EXAMPLES` examples
-  per cell, the properties of :data:`AUTOCAST_PROPERTIES` (where users' mixed-precision runs
-  are); in the default run only when :data:`AUTOCAST_IN_DEFAULT_RUN`.
-
-``recipes`` (families), ``impl_paths`` and ``autocasts`` replace the slices by full cells:
-``["delayed"]`` runs every property under delayed scaling, ``["grouped"]`` every property on
-the forced grouped GEMM, ``["bfloat16"]`` every autocast property under a bf16 autocast.
+"""Which cells a campaign runs (property x module x dtype x FP8 recipe family x forced path x
+autocast dtype): ``splitgrad verify`` and the pytest plugin both take their cells, and so their
+test ids, from :func:`plan_cells`. The default run is the high-precision campaign plus three
+slices at fewer examples per cell: FP8 (bf16, every recipe, :data:`FP8_SLICE_PROPERTIES`), each
+forced fast path that runs on the CPU (:data:`PATH_SLICE_PROPERTIES`), and float32 modules under
+a bf16 ``torch.autocast`` (SPEC §2, :data:`AUTOCAST_PROPERTIES`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from ..cases.case import AUTOCAST_DTYPES, LOW_PRECISION_DTYPES, RECIPE_FAMILIES, RECIPES
 from ..checks.paths import IMPL_PATHS
 from ..checks.registry import SPECS, applicable
 
-__all__ = [
-    "PlannedCell",
-    "plan_cells",
-    "DEFAULT_EXAMPLES",
-    "FP8_SLICE_EXAMPLES",
-    "FP8_SLICE_PROPERTIES",
-    "FP8_SLICE_DTYPES",
-    "PATH_SLICE_EXAMPLES",
-    "ENUMERATED_DRAWN",
-    "PATH_SLICE_PROPERTIES",
-    "PATH_SLICE_DTYPES",
-    "RECIPE_CHOICES",
-    "PATH_CHOICES",
-    "AUTOCAST_CHOICES",
-    "AUTOCAST_PROPERTIES",
-    "AUTOCAST_SLICE_EXAMPLES",
-    "AUTOCAST_SLICE_DTYPES",
-]
+__all__ = ["PlannedCell", "cell_id", "plan_cells"]
 
 # Drawn examples per cell, on top of its explicit cases (registry.explicit_cases: 4 boundary
 # cases, one per recipe, P10's enumeration): every differential example also runs the
-# reference as its yardstick and truth, and the default run stays near a minute on 2 cores.
+# reference as its yardstick and truth (docs/figures.md has what the default run costs).
 DEFAULT_EXAMPLES = 36
 RECIPE_CHOICES = ("none", *RECIPE_FAMILIES, "all")
 PATH_CHOICES = ("none", *IMPL_PATHS, "all")
@@ -80,6 +48,18 @@ AUTOCAST_IN_DEFAULT_RUN = True
 AUTOCAST_SLICE_DTYPES = ("bfloat16",)
 
 
+def cell_id(
+    property_id: str, kind: str, dtype: str, recipe: str, path: str, autocast: str | None
+) -> str:
+    """The id of a cell, in verify's output and JUnit and as the pytest plugin's
+    ``test_property[...]`` parameter: ``P4-Linear-bfloat16-none`` (``-path=NAME`` appended for a
+    forced path, ``-autocast=DTYPE`` for a cell under torch.autocast)."""
+    base = f"{property_id}-{kind}-{dtype}-{recipe}"
+    if path != "default":
+        base += f"-path={path}"
+    return base if autocast is None else f"{base}-autocast={autocast}"
+
+
 @dataclasses.dataclass(frozen=True)
 class PlannedCell:
     """One cell: ``recipes`` are the FP8 recipe names drawn (``(None,)``: high precision),
@@ -97,19 +77,32 @@ class PlannedCell:
 
     @property
     def test_id(self) -> str:
-        """``P4-Linear-bfloat16-none`` (``-path=grouped`` appended for a forced path,
-        ``-autocast=bfloat16`` for a float32 cell under torch.autocast)."""
-        base = f"{self.property_id}-{self.kind}-{self.dtype}-{self.recipe_label}"
-        if self.path != "default":
-            base += f"-path={self.path}"
-        return base if self.autocast is None else f"{base}-autocast={self.autocast}"
+        """:func:`cell_id` of this cell."""
+        return cell_id(
+            self.property_id, self.kind, self.dtype, self.recipe_label, self.path, self.autocast
+        )
 
 
-def _families(recipes: Sequence[str]) -> list[str]:
-    out = [r for r in recipes if r != "all"]
-    if "all" in recipes:
-        out += [f for f in RECIPE_FAMILIES if f not in out]
-    return out
+class _Slice(NamedTuple):
+    """Cells planned alike: every applicable (property, kind, dtype) of these."""
+
+    label: str
+    recipes: tuple[str | None, ...]
+    properties: Sequence[str]
+    dtypes: Sequence[str]
+    examples: int | None
+    path: str = "default"
+    autocast: str | None = None
+
+
+def _fewer(examples: int | None, most: int | None) -> int | None:
+    """At most ``most`` drawn examples (``None``, the profile's count, stays ``None``)."""
+    return examples if examples is None or most is None else min(examples, most)
+
+
+def _among(items: Sequence[str], allowed, otherwise: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The ``items`` in ``allowed``, in order; ``otherwise`` when there are none."""
+    return tuple(i for i in items if i in allowed) or otherwise
 
 
 def plan_cells(
@@ -121,110 +114,80 @@ def plan_cells(
     examples: int | None = DEFAULT_EXAMPLES,
     autocasts: Sequence[str] | None = None,
 ) -> list[PlannedCell]:
-    """The cells of a campaign (see the module docstring). ``recipes``: FP8 families from
-    :data:`RECIPE_CHOICES` (empty: the default high precision + FP8 slice); ``impl_paths``:
-    forced paths from :data:`PATH_CHOICES` (``None``: the default forced-path slices, unless
-    ``recipes`` are given; ``["none"]``: none); ``autocasts``: autocast dtypes from
-    :data:`AUTOCAST_CHOICES` (``None``: the default autocast slice unless ``recipes`` or
-    ``impl_paths`` are given; ``["none"]``: none; otherwise only autocast cells, every
-    :data:`AUTOCAST_PROPERTIES` property at the full count)."""
-    cells = (
-        _plan(kinds, dtypes, properties, recipes, impl_paths, examples)
-        if not (autocasts and "none" not in autocasts)
-        else []
-    )
-    cells += _plan_autocast(kinds, properties, recipes, impl_paths, examples, autocasts)
-    return cells
-
-
-def _plan_autocast(kinds, properties, recipes, impl_paths, examples, autocasts):
-    if autocasts is None:
-        if recipes or impl_paths is not None or not AUTOCAST_IN_DEFAULT_RUN:
-            return []
-        chosen: tuple[str, ...] = AUTOCAST_SLICE_DTYPES
-        n = min(examples, AUTOCAST_SLICE_EXAMPLES) if examples is not None else None
-    else:
-        chosen = (
-            AUTOCAST_DTYPES if "all" in autocasts else tuple(a for a in autocasts if a != "none")
-        )
-        n = examples
-    cells = []
-    for dtype in chosen:
-        for pid in properties:
-            if pid not in AUTOCAST_PROPERTIES:
-                continue
-            for kind in kinds:
-                if applicable(pid, kind):
-                    cells.append(
-                        PlannedCell(pid, kind, "float32", "none", (None,), n, "default", dtype)
-                    )
-    return cells
-
-
-def _plan(kinds, dtypes, properties, recipes, impl_paths, examples) -> list[PlannedCell]:
-    families = _families(recipes)
-    paths = list(IMPL_PATHS) if impl_paths and "all" in impl_paths else list(impl_paths or ())
-    paths = [p for p in paths if p != "none"]
-    only_paths = bool(paths)
-    slices: list[tuple[str, tuple, tuple[str, ...], tuple[str, ...], int | None, str]] = []
-    if not only_paths:
-        if not families or "none" in families:
-            slices.append(("none", (None,), tuple(properties), tuple(dtypes), examples, "default"))
-        for family in families:
-            if family != "none":
-                slices.append(
-                    (
-                        family,
-                        RECIPE_FAMILIES[family],
-                        tuple(properties),
-                        tuple(dtypes),
-                        examples,
-                        "default",
-                    )
-                )
-        if not families:
-            props = tuple(p for p in properties if p in FP8_SLICE_PROPERTIES)
-            slice_dtypes = tuple(d for d in dtypes if d in FP8_SLICE_DTYPES) or FP8_SLICE_DTYPES
-            n = min(examples, FP8_SLICE_EXAMPLES) if examples is not None else None
-            slices.append(("all", tuple(RECIPES), props, slice_dtypes, n, "default"))
-        if impl_paths is None and not families:
-            n = min(examples, PATH_SLICE_EXAMPLES) if examples is not None else None
-            for name, path in IMPL_PATHS.items():
-                if path.recipes is None:
-                    wanted = PATH_SLICE_DTYPES.get(name, ("bfloat16",))
-                    ds = tuple(d for d in dtypes if d in wanted and d in path.dtypes) or wanted
-                    props = tuple(p for p in properties if p in PATH_SLICE_PROPERTIES)
-                    slices.append(("none", (None,), props, ds, n, name))
-                else:
-                    ds = tuple(d for d in dtypes if d in FP8_SLICE_DTYPES) or FP8_SLICE_DTYPES
-                    props = tuple(p for p in properties if p in _PATH_SLICE_FP8)
-                    slices.append(("all", path.recipes, props, ds, n, name))
-    for name in paths:
-        path = IMPL_PATHS[name]
-        ds = tuple(d for d in dtypes if d in path.dtypes) or path.dtypes[:1]
-        if path.recipes is None:
-            slices.append(("none", (None,), tuple(properties), ds, examples, name))
-        else:
-            chosen = [f for f in families if f != "none"] or ["delayed", "current"]
-            for family in chosen:
-                rs = tuple(r for r in RECIPE_FAMILIES[family] if r in path.recipes)
-                if rs:
-                    slices.append((family, rs, tuple(properties), ds, examples, name))
+    """The cells of a campaign. ``recipes`` (:data:`RECIPE_CHOICES`), ``impl_paths``
+    (:data:`PATH_CHOICES`) and ``autocasts`` (:data:`AUTOCAST_CHOICES`) each replace the default
+    run by full cells of what they name (``["none"]``: without that slice); empty or ``None``:
+    the default run, whose forced-path and autocast slices only come without ``recipes`` (and,
+    for autocast, without ``impl_paths``)."""
+    only_autocast = autocasts and "none" not in autocasts
+    slices = [] if only_autocast else _slices(dtypes, properties, recipes, impl_paths, examples)
+    slices += _autocast_slices(properties, recipes, impl_paths, examples, autocasts)
     cells: list[PlannedCell] = []
-    for label, rs, props, cell_dtypes, n, path_name in slices:
-        path = IMPL_PATHS.get(path_name)
-        for pid in props:
-            spec = SPECS[pid]
-            if spec.fp8_only and label == "none":
-                if len(properties) > 1 or path_name != "default":
+    for s in slices:
+        path = IMPL_PATHS.get(s.path)
+        for pid in s.properties:
+            if SPECS[pid].fp8_only and s.label == "none":
+                if len(properties) > 1 or s.path != "default":
                     continue  # P13 needs FP8: only listed when asked for alone
             for kind in kinds:
                 if not applicable(pid, kind) or (path is not None and not path.applies(kind)):
                     continue
-                for dtype in cell_dtypes:
-                    if pid in ("P1", "P2", "P3") and dtype not in LOW_PRECISION_DTYPES:
-                        if path_name != "default":
-                            continue
-                    drawn = n if n is None else min(n, ENUMERATED_DRAWN.get(pid, n))
-                    cells.append(PlannedCell(pid, kind, dtype, label, rs, drawn, path_name))
+                for dtype in s.dtypes:
+                    high = pid in ("P1", "P2", "P3") and dtype not in LOW_PRECISION_DTYPES
+                    if high and s.path != "default":
+                        continue
+                    drawn = _fewer(s.examples, ENUMERATED_DRAWN.get(pid))
+                    cell = (pid, kind, dtype, s.label, s.recipes, drawn, s.path, s.autocast)
+                    cells.append(PlannedCell(*cell))
     return cells
+
+
+def _slices(dtypes, properties, recipes, impl_paths, examples) -> list[_Slice]:
+    families = [r for r in recipes if r != "all"]
+    if "all" in recipes:
+        families += [f for f in RECIPE_FAMILIES if f not in families]
+    paths = list(IMPL_PATHS) if impl_paths and "all" in impl_paths else list(impl_paths or ())
+    paths = [p for p in paths if p != "none"]
+    slices: list[_Slice] = []
+    if not paths:
+        for family in sorted(families or ["none"], key=lambda f: f != "none"):
+            rs = (None,) if family == "none" else RECIPE_FAMILIES[family]
+            slices.append(_Slice(family, rs, properties, dtypes, examples))
+    fp8_dtypes = _among(dtypes, FP8_SLICE_DTYPES, FP8_SLICE_DTYPES)
+    if not paths and not families:
+        fp8_props = _among(properties, FP8_SLICE_PROPERTIES)
+        n = _fewer(examples, FP8_SLICE_EXAMPLES)
+        slices.append(_Slice("all", tuple(RECIPES), fp8_props, fp8_dtypes, n))
+    if impl_paths is None and not families:
+        n = _fewer(examples, PATH_SLICE_EXAMPLES)
+        for name, path in IMPL_PATHS.items():
+            if path.recipes is None:
+                wanted = PATH_SLICE_DTYPES.get(name, ("bfloat16",))
+                ds = _among(dtypes, set(wanted) & set(path.dtypes), wanted)
+                props = _among(properties, PATH_SLICE_PROPERTIES)
+                slices.append(_Slice("none", (None,), props, ds, n, name))
+            else:
+                props = _among(properties, _PATH_SLICE_FP8)
+                slices.append(_Slice("all", path.recipes, props, fp8_dtypes, n, name))
+    for name in paths:
+        path = IMPL_PATHS[name]
+        ds = _among(dtypes, path.dtypes, path.dtypes[:1])
+        if path.recipes is None:
+            slices.append(_Slice("none", (None,), properties, ds, examples, name))
+            continue
+        for family in [f for f in families if f != "none"] or ["delayed", "current"]:
+            rs = tuple(r for r in RECIPE_FAMILIES[family] if r in path.recipes)
+            if rs:
+                slices.append(_Slice(family, rs, properties, ds, examples, name))
+    return slices
+
+
+def _autocast_slices(properties, recipes, impl_paths, examples, autocasts) -> list[_Slice]:
+    if autocasts is None:
+        if recipes or impl_paths is not None or not AUTOCAST_IN_DEFAULT_RUN:
+            return []
+        chosen, examples = AUTOCAST_SLICE_DTYPES, _fewer(examples, AUTOCAST_SLICE_EXAMPLES)
+    else:
+        chosen = AUTOCAST_DTYPES if "all" in autocasts else [a for a in autocasts if a != "none"]
+    props = _among(properties, AUTOCAST_PROPERTIES)
+    return [_Slice("none", (None,), props, ("float32",), examples, autocast=a) for a in chosen]

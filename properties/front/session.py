@@ -1,11 +1,6 @@
 """One conformance session, built from options: what ``splitgrad verify`` and the pytest plugin
-(:mod:`.pytest_plugin`, :mod:`.test_conformance`) both run.
-
-:class:`Options` is what a user chose (each front-end reads its own flags into it through
-:meth:`Options.chosen`); :meth:`Session.open` loads the backend, sets the thread count and
-hypothesis profile, plans the cells (:func:`.plan.plan_cells`), wraps the forced-path backends and
-leaves out the cells whose forced path the backend cannot take. Both front-ends then run the same
-cells with the same ids (:attr:`.plan.PlannedCell.test_id`) through :meth:`Session.run`, and report
+both run. :class:`Options` is what a user chose; :meth:`Session.open` loads the backend and plans
+the cells, which both front-ends run with the same ids through :meth:`Session.run`, reporting
 the same gaps in the backend's API (:attr:`Session.gaps`).
 """
 
@@ -15,16 +10,31 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 
-from ..backends import Backend, get_backend
-from ..cases.case import LOW_PRECISION_DTYPES
-from ..checks.paths import ForcedPathBackend
-from .campaign import NA, CellResult, api_gaps, run_cell
-from .plan import PlannedCell, plan_cells
+import torch
 
-__all__ = ["Options", "OptionError", "Session", "choose", "load_backend", "DEFAULT_DTYPES"]
+from ..backends import Backend, get_backend
+from ..cases.case import DTYPES, KINDS, LOW_PRECISION_DTYPES
+from ..cases.profiles import active_profile_name, load_profile
+from ..checks.paths import ForcedPathBackend
+from ..checks.registry import PROPERTIES
+from .campaign import NA, CellResult, api_gaps, run_cell
+from .plan import AUTOCAST_CHOICES, PATH_CHOICES, RECIPE_CHOICES, PlannedCell, plan_cells
+
+__all__ = ["Options", "OptionError", "Session", "LIST_OPTIONS", "DEFAULT_DTYPES", "load_backend"]
 
 #: The dtypes a session checks when none are chosen.
 DEFAULT_DTYPES = ("float32", "bfloat16")
+
+#: The options that choose from a list, by flag: (field of :class:`Options`, what it may name,
+#: what one item is called).
+LIST_OPTIONS = {
+    "module": ("modules", KINDS, "module"),
+    "dtype": ("dtypes", DTYPES, "dtype"),
+    "property": ("properties", list(PROPERTIES), "property"),
+    "recipe": ("recipes", RECIPE_CHOICES, "recipe"),
+    "impl-path": ("impl_paths", PATH_CHOICES, "impl path"),
+    "autocast": ("autocasts", AUTOCAST_CHOICES, "autocast dtype"),
+}
 
 
 class OptionError(ValueError):
@@ -40,42 +50,18 @@ def choose(values: Sequence[str] | None, allowed: Sequence[str], what: str) -> l
     """The items of ``values`` (each may be comma-separated; repeats dropped, order kept), each
     one of ``allowed`` (property ids in any case); raises :class:`OptionError` naming one that
     is not, or when ``values`` were given but name nothing (``--module ""``)."""
-    if values and not any(item.strip() for v in values for item in v.split(",")):
+    items = [i.strip() for v in values or () for i in v.split(",")]
+    items = [i.upper() if what == "property" else i for i in items if i]
+    if values and not items:
         raise OptionError(f"no {what} in {values[-1]!r}; expected one of {', '.join(allowed)}")
-    out: list[str] = []
-    for value in values or ():
-        for item in value.split(","):
-            item = item.strip()
-            if what == "property":
-                item = item.upper()
-            if not item or item in out:
-                continue
-            if item not in allowed:
-                raise OptionError(f"unknown {what} {item!r}; expected one of {', '.join(allowed)}")
-            out.append(item)
-    return out
-
-
-def _list_options() -> dict[str, tuple[Sequence[str], str, str]]:
-    """The options that choose from a list: field of :class:`Options` -> (what it may name,
-    what one item is called, the option's name as a flag)."""
-    from ..cases.case import DTYPES, KINDS
-    from ..checks.registry import PROPERTIES
-    from .plan import AUTOCAST_CHOICES, PATH_CHOICES, RECIPE_CHOICES
-
-    return {
-        "modules": (KINDS, "module", "module"),
-        "dtypes": (DTYPES, "dtype", "dtype"),
-        "properties": (list(PROPERTIES), "property", "property"),
-        "recipes": (RECIPE_CHOICES, "recipe", "recipe"),
-        "impl_paths": (PATH_CHOICES, "impl path", "impl-path"),
-        "autocasts": (AUTOCAST_CHOICES, "autocast dtype", "autocast"),
-    }
+    for item in items:
+        if item not in allowed:
+            raise OptionError(f"unknown {what} {item!r}; expected one of {', '.join(allowed)}")
+    return list(dict.fromkeys(items))
 
 
 def load_backend(name: str) -> Backend:
-    """:func:`~.backends.get_backend`, its ``ValueError`` for a name that is no backend an
-    :class:`OptionError`."""
+    """:func:`~.backends.get_backend`; a name that is no backend is an :class:`OptionError`."""
     try:
         return get_backend(name)
     except ValueError as exc:
@@ -84,11 +70,9 @@ def load_backend(name: str) -> Backend:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """What a session checks. Empty choices mean the default (every module kind and property,
-    :data:`DEFAULT_DTYPES`, the default slices of :mod:`.plan`); ``examples`` is the drawn count
-    per cell (``None``: the profile's); ``profile`` ``None``: the active one
-    (:func:`.profiles.active_profile_name`); ``device`` ``None``: cpu, cuda for
-    transformer_engine."""
+    """What a session checks. Empty choices and ``None`` mean the default: every module kind and
+    property, :data:`DEFAULT_DTYPES`, the default slices of :mod:`.plan`, the profile's example
+    count, the active profile, cpu (cuda for transformer_engine)."""
 
     backend: str = "impl"
     modules: tuple[str, ...] = ()
@@ -105,12 +89,12 @@ class Options:
 
     @classmethod
     def chosen(cls, lists: dict[str, Sequence[str] | None], **scalars) -> Options:
-        """Options whose list fields come from raw values (``lists["modules"] = ["Linear,
-        GroupedLinear"]``; :func:`choose`); an :class:`OptionError` names the option."""
+        """Options whose list fields come from raw values by flag (``lists["module"] =
+        ["Linear,GroupedLinear"]``; :func:`choose`); an :class:`OptionError` names the flag."""
         fields = {}
-        for field, (allowed, what, flag) in _list_options().items():
+        for flag, (field, allowed, what) in LIST_OPTIONS.items():
             try:
-                fields[field] = tuple(choose(lists.get(field), allowed, what))
+                fields[field] = tuple(choose(lists.get(flag), allowed, what))
             except OptionError as exc:
                 raise OptionError(str(exc), flag) from None
         return cls(**fields, **scalars)
@@ -138,14 +122,7 @@ class Session:
 
     @classmethod
     def open(cls, options: Options, backend: Backend | None = None) -> Session:
-        """Load the backend (unless given), set torch's intra-op threads, load the hypothesis
-        profiles, and plan the cells."""
-        import torch
-
-        from ..cases.case import KINDS
-        from ..cases.profiles import active_profile_name, load_profile
-        from ..checks.registry import PROPERTIES
-
+        """Load the backend (unless given), set torch's threads and hypothesis' profiles, plan."""
         backend = backend or load_backend(options.backend)
         torch.set_num_threads(options.threads)
         load_profile()
@@ -183,27 +160,17 @@ class Session:
 
     @functools.cached_property
     def gaps(self) -> dict[str, tuple[str, list[str]]]:
-        """The parts of SPEC's API the backend lacks that the chosen properties use
-        (:func:`.campaign.api_gaps`)."""
+        """The parts of SPEC's API the backend lacks that the chosen properties use."""
         return api_gaps(self.backend, self.properties, self.fp8_asked)
-
-    def backend_for(self, cell: PlannedCell) -> Backend:
-        return self.forced[cell.path] if cell.path != "default" else self.backend
 
     def run(self, cell: PlannedCell) -> CellResult:
         """Run one cell's campaign (:func:`.campaign.run_cell`)."""
         if cell.property_id in ("P1", "P2", "P3") and cell.dtype not in LOW_PRECISION_DTYPES:
-            return CellResult(
-                cell.property_id,
-                cell.kind,
-                cell.dtype,
-                cell.recipe_label,
-                status=NA,
-                message="no wider dtype to measure error against",
-                path=cell.path,
-            )
+            fields = (cell.property_id, cell.kind, cell.dtype, cell.recipe_label)
+            why = "no wider dtype to measure error against"
+            return CellResult(*fields, status=NA, message=why, path=cell.path)
         return run_cell(
-            self.backend_for(cell),
+            self.forced[cell.path] if cell.path != "default" else self.backend,
             cell.property_id,
             cell.kind,
             cell.dtype,

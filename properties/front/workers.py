@@ -1,19 +1,9 @@
-"""Run a campaign's cells on two cores: this process and one forked worker.
-
-Cells are independent (each a hypothesis run of its own), so a campaign can run them in two
-processes and report them in plan order. The split keeps the cells that draw the same cases
-together (one module kind, dtype, recipe family, forced path and autocast dtype: P1-P3 draw the
-same cases there, and :func:`~.truth.memo` keeps their truth), and keeps in this process the
-cells that need it: P9's (its ``python -O`` subprocess was started here).
-
-The worker is forked, so it sees the loaded backend, the monkeypatches of a test and the
-opened session as they are; it sends each finished cell back with the GEMM path decisions it
-recorded (:mod:`splitgrad.impl.gemm_paths`), which join this process's recorders.
-
-One caveat on reproducibility: hypothesis draws some integers from the constants of the
-modules loaded so far, so a cell may draw other cases in a worker than in a one-process run
-(the verdicts are those of the code under test, and each failure's reproduce line replays its
-case exactly).
+"""Run a campaign's cells on two cores, this process and one forked worker, reported in plan
+order. Cells that draw the same cases (one kind, dtype, recipe family, forced path and autocast
+dtype) stay together, so that :func:`~..oracle.truth.memo` keeps their truth; P9's stay here,
+where its ``python -O`` subprocess was started. Hypothesis draws some integers from the constants
+of the modules loaded so far, so a worker may draw other cases than one process would; each
+failure's reproduce line replays its case.
 """
 
 from __future__ import annotations
@@ -22,6 +12,8 @@ import multiprocessing
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+from splitgrad.impl import gemm_paths
 
 __all__ = ["default_jobs", "run_cells"]
 
@@ -42,10 +34,6 @@ def default_jobs(device: str = "cpu") -> int:
     return 2 if cores >= 2 and forks else 1
 
 
-def _group(cell: Any) -> tuple:
-    return (cell.kind, cell.dtype, cell.recipe_label, cell.path, cell.autocast)
-
-
 def _cost(cell: Any) -> float:
     return 15.0 if cell.examples is None else float(cell.examples) + 4.0
 
@@ -55,7 +43,8 @@ def _split(cells: Sequence[Any]) -> tuple[list[int], list[int]]:
     largest first to the less loaded side; P9's cells here."""
     groups: dict[tuple, list[int]] = {}
     for i, cell in enumerate(cells):
-        groups.setdefault(_group(cell), []).append(i)
+        group = (cell.kind, cell.dtype, cell.recipe_label, cell.path, cell.autocast)
+        groups.setdefault(group, []).append(i)
     home = [i for i, c in enumerate(cells) if c.property_id in _HOME_PROPERTIES]
     load = [sum(_cost(cells[i]) for i in home), 0.0]
     sides: list[list[int]] = [list(home), []]
@@ -68,8 +57,6 @@ def _split(cells: Sequence[Any]) -> tuple[list[int], list[int]]:
 
 
 def _worker(run: Callable[[Any], Any], cells: Sequence[Any], indices: list[int], conn) -> None:
-    from splitgrad.impl import gemm_paths
-
     try:
         for i in indices:
             with gemm_paths.recording() as log:
@@ -79,14 +66,6 @@ def _worker(run: Callable[[Any], Any], cells: Sequence[Any], indices: list[int],
         conn.send((None, repr(exc), None))
     finally:
         conn.close()
-
-
-def _merge_paths(counts: dict) -> None:
-    from splitgrad.impl import gemm_paths
-
-    for log in gemm_paths.RECORDERS:
-        for decision, n in counts.items():
-            log.counts[decision] = log.counts.get(decision, 0) + n
 
 
 def run_cells(
@@ -137,6 +116,8 @@ def _receive(conn, done: dict[int, Any], pending: set[int]) -> None:
         ) from None
     if i is None:
         raise RuntimeError(f"the campaign's worker process failed: {cell}")
-    _merge_paths(counts)
+    for log in gemm_paths.RECORDERS:  # the worker's GEMM path decisions join this process's
+        for decision, n in counts.items():
+            log.counts[decision] = log.counts.get(decision, 0) + n
     done[i] = cell
     pending.discard(i)
