@@ -111,25 +111,32 @@ def take_fp8(ctx) -> tuple[torch.nn.Module, object]:
     return ctx.module, fp8
 
 
-def norm_module_backward(ctx, dy, names, n_saved: int, backward: Callable, op) -> tuple:
-    """The backward of the Function of a module that begins with a norm (``LayerNormLinear``,
+def norm_module_backward(op_name: str, names, n_saved: int, backward: Callable) -> staticmethod:
+    """The ``backward`` of the Function of a module that begins with a norm (``LayerNormLinear``,
     ``LayerNormMLP``), whose inputs are ``x``, the parameters ``names``, module, overwrite,
     autocast, and whose forward saved ``n_saved`` tensors, then the norm's statistics. Traced
-    by ``torch.compile``: one call to the module's backward op ``op``
+    by ``torch.compile``: one call to the module's backward op, registered here as ``op_name``
     (:func:`.compiled.norm_module_backward_op`); differentiated itself: the twin
     (:func:`twin_backward`); otherwise ``backward``, the eager body, on the leaves the
     Function's edges lead to."""
-    saved = ctx.saved_tensors
-    if torch.compiler.is_compiling():
-        needs = list(ctx.needs_input_grad[:3])
-        handle, overwrite = ctx.module._handle, ctx.overwrite
-        out = iter(op(handle, dy, saved[:n_saved], saved[n_saved:], overwrite, needs))
-        return (*(next(out) if n else None for n in needs), *(None,) * (len(names) + 1))
-    if differentiated():  # create_graph, torch.func: see .twin
-        return twin_backward(ctx, names, dy, saved[0])
-    dests, leaves = edge_routes(ctx, ctx.present)
-    grads = backward(ctx.module, dy, saved, ctx.needs_input_grad[0], dests, leaves, ctx.overwrite)
-    return (*grads, None, None, None)
+    op = compiled.norm_module_backward_op(op_name, names, backward)
+
+    @without_autocast
+    def function_backward(ctx, dy):
+        saved = ctx.saved_tensors
+        if torch.compiler.is_compiling():
+            needs = list(ctx.needs_input_grad[:3])
+            handle, overwrite = ctx.module._handle, ctx.overwrite
+            out = iter(op(handle, dy, saved[:n_saved], saved[n_saved:], overwrite, needs))
+            return (*(next(out) if n else None for n in needs), *(None,) * (len(names) + 1))
+        if differentiated():  # create_graph, torch.func: see .twin
+            return twin_backward(ctx, names, dy, saved[0])
+        dests, leaves = edge_routes(ctx, ctx.present)
+        module, need_x = ctx.module, ctx.needs_input_grad[0]
+        grads = backward(module, dy, saved, need_x, dests, leaves, ctx.overwrite)
+        return (*grads, None, None, None)
+
+    return staticmethod(function_backward)
 
 
 def twin_backward(ctx, names: Sequence[str], dy: torch.Tensor, x: torch.Tensor) -> tuple:

@@ -52,18 +52,11 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x, ln_weight, ln_bias, ln_out, weight, *stats)
         return gemm.linear_forward(ln_out, weight, bias)
 
-    @staticmethod
-    @without_autocast
-    def backward(ctx, dy):
-        return norm_module_backward(ctx, dy, _NAMES, 5, _backward, _backward_op)
+    # Compiled, it calls the op splitgrad::layernorm_linear_backward (see :mod:`.compiled`).
+    backward = norm_module_backward("splitgrad::layernorm_linear_backward", _NAMES, 5, _backward)
 
 
 _apply = fast_apply(_LayerNormLinearFunction)
-
-#: The backward of a compiled ``LayerNormLinear`` (see :mod:`.compiled`).
-_backward_op = compiled.norm_module_backward_op(
-    "splitgrad::layernorm_linear_backward", _NAMES, _backward
-)
 
 
 class _LayerNormLinearFP8Function(torch.autograd.Function):

@@ -137,19 +137,13 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         )
         return gemm.linear_forward(act_out, fc2_weight, fc2_bias)
 
-    @staticmethod
-    @without_autocast
-    def backward(ctx, dy):
-        return norm_module_backward(ctx, dy, _NAMES, 8, _backward, _backward_op)
+    # Compiled, it calls the op splitgrad::layernorm_mlp_backward (see :mod:`.compiled`) on the
+    # saved x, ln_weight, ln_bias, ln_out, fc1_weight, fc1_out, act_out (None when recomputed),
+    # fc2_weight.
+    backward = norm_module_backward("splitgrad::layernorm_mlp_backward", _NAMES, 8, _backward)
 
 
 _apply = fast_apply(_LayerNormMLPFunction)
-
-#: The backward of a compiled ``LayerNormMLP`` (see :mod:`.compiled`). Its saved tensors: x,
-#: ln_weight, ln_bias, ln_out, fc1_weight, fc1_out, act_out (None when recomputed), fc2_weight.
-_backward_op = compiled.norm_module_backward_op(
-    "splitgrad::layernorm_mlp_backward", _NAMES, _backward
-)
 
 
 class _LayerNormMLPFP8Function(torch.autograd.Function):
