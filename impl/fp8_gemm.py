@@ -318,18 +318,21 @@ def _describe(a: Float8Tensor, a_t: bool, b: Float8Tensor, b_t: bool) -> str:
     )
 
 
-def _after_choice(
-    scaled: bool,
-    path: str,
+def _choose_scaled(
     a: Float8Tensor,
     a_t: bool,
     b: Float8Tensor,
     b_t: bool,
+    path: str,
     out_dtype: torch.dtype,
     compute_dtype: torch.dtype,
-) -> None:
-    """Record the decision (when recording) and, on CUDA, warn where the probe refused a call
-    that could have taken the scaled path (:func:`.gemm_paths.fast_path_missed`)."""
+) -> bool:
+    """Whether this call takes the scaled path (never for float64 parameters, which compute in
+    float64). Records the decision (when recording) and, on CUDA, warns where the probe refused
+    a call that could have taken it (:func:`.gemm_paths.fast_path_missed`)."""
+    scaled = compute_dtype == torch.float32 and _use_scaled_mm(path, a, b, out_dtype)
+    if not (gemm_paths.RECORDERS or (not scaled and a.data.is_cuda)):
+        return scaled
     device = a.data.device
     if compute_dtype != torch.float32:
         why = "float64 parameters compute in float64"
@@ -355,6 +358,7 @@ def _after_choice(
             _problem(a, a_t, b, b_t),
             f"{a.fmt} A row-major, {b.fmt} B column-major" if scaled else "",
         )
+    return scaled
 
 
 def _use_scaled_mm(path: str, a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> bool:
@@ -409,10 +413,7 @@ def fp8_mm(
     if empty is not None:
         y = torch.zeros(empty, dtype=compute_dtype, device=a.data.device)
         return (y if bias is None else y + bias.to(compute_dtype)).to(out_dtype)
-    scaled = compute_dtype == torch.float32 and _use_scaled_mm(path, a, b, out_dtype)
-    if gemm_paths.RECORDERS or (not scaled and a.data.is_cuda):
-        _after_choice(scaled, path, a, a_t, b, b_t, out_dtype, compute_dtype)
-    if scaled:
+    if _choose_scaled(a, a_t, b, b_t, path, out_dtype, compute_dtype):
         return _scaled_mm(a, a_t, b, b_t, out_dtype, bias)
     return _dequantized_mm(a, a_t, b, b_t, compute_dtype, bias).to(out_dtype)
 
@@ -434,10 +435,7 @@ def fp8_mm_accumulate_(
         if overwrite:
             out.zero_()
         return
-    scaled = compute_dtype == torch.float32 and _use_scaled_mm(path, a, b, out.dtype)
-    if gemm_paths.RECORDERS or (not scaled and a.data.is_cuda):
-        _after_choice(scaled, path, a, a_t, b, b_t, out.dtype, compute_dtype)
-    if scaled:
+    if _choose_scaled(a, a_t, b, b_t, path, out.dtype, compute_dtype):
         product = _scaled_mm(a, a_t, b, b_t, out.dtype, None)
         out.copy_(product) if overwrite else out.add_(product)
         return

@@ -148,17 +148,6 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
     ),
     seed=st.integers(0, 2**31 - 1),
 )
-@example(  # an all-zero MXFP8 tensor: every scale_inv is 1
-    recipe=ref.MXFP8BlockScaling(),
-    role="input",
-    axis=0,
-    dtype=torch.float32,
-    row_blocks=2,
-    col_blocks=1,
-    scale=0.0,
-    specials=[],
-    seed=0,
-)
 @example(  # a NaN in a delayed-scaling tensor poisons the history (scale kept)
     recipe=ref.DelayedScaling(amax_history_len=2),
     role="grad_output",
