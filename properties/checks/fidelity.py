@@ -67,7 +67,7 @@ from ..oracle.kink import CaseRejected, has_relu_kink, kink_sites
 from ..oracle.truth import float64_twin, judge_steps, reference_backend
 from .protocol import PROTOCOL_CHECKS, PROTOCOL_VARIANTS, _kind, _start, _what, protocol_explicit
 from .results import CheckResult, PropertyViolation, Tracker
-from .runner import AccuracyRun, ModuleRun, Snapshot, Step, fb_steps
+from .runner import AccuracyRun, ModuleRun, Snapshot, Step, clone_of, fb_steps
 
 __all__ = [
     "VARIANTS",
@@ -97,10 +97,6 @@ def names_module(message: str, kind: str) -> bool:
     return re.search(rf"(?<![A-Za-z0-9_]){re.escape(kind)}(?![A-Za-z0-9_])", message) is not None
 
 
-def _grad(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach().clone()
-
-
 def _snapshot(run: ModuleRun, tensors: dict[str, torch.Tensor]) -> tuple[Snapshot, Snapshot]:
     """(norm, gemm) snapshots of ``tensors`` keyed as :meth:`ModuleRun.snapshot` keys them
     (``"weight.main_grad"`` for fused weights, whose ``.grad`` must stay ``None``)."""
@@ -109,8 +105,8 @@ def _snapshot(run: ModuleRun, tensors: dict[str, torch.Tensor]) -> tuple[Snapsho
     for name, t in tensors.items():
         out = gemm if name in run.gemm_names else norm
         if run.uses_main_grad(name):
-            out[f"{name}.main_grad"] = _grad(t.main_grad)
-        out[f"{name}.grad"] = _grad(t.grad)
+            out[f"{name}.main_grad"] = clone_of(t.main_grad)
+        out[f"{name}.grad"] = clone_of(t.grad)
     return norm, gemm
 
 
@@ -191,7 +187,7 @@ def _functional_run(backend: Backend, case: Case, delay: bool, t: Tracker, what:
         x = d.fresh_input()
         y = run.functional_forward(leaves, x, d.spec.m_splits, d.spec.is_first_microbatch)
         backend.backward(run.module, [y], [d.dy])
-        xgrads.append(_grad(x.grad))
+        xgrads.append(clone_of(x.grad))
     if delay:
         now = _snapshot(run, leaves)[1]
         label = f"{what}substituted GEMM leaf written before backward_dw(): "
@@ -247,18 +243,18 @@ def _check_parametrize(backend: Backend, case: Case) -> CheckResult:
             if run.uses_main_grad(name) and names_module(str(exc), name):
                 return t.result  # a main_grad belongs to a leaf: refused, naming the weight
             raise
-        xgrads.append(_grad(x.grad))
+        xgrads.append(clone_of(x.grad))
     queued = len(data) if case.delay and leaves_left else 0
     t.equal(f"{what}pending_wgrad_count after the backwards", run.pending(), queued)
     label = f"{what}parametrizations.{name}.original.grad"
-    arrived = _grad(original.grad)
+    arrived = clone_of(original.grad)
     t.expect(
         arrived is not None,
         f"{label} is None after backward(): a weight that is not a leaf gets its gradient "
         "through autograd during backward (SPEC §3)",
     )
     run.drain()
-    t.bitwise(f"{label} changed by backward_dw()", _grad(original.grad), arrived)
+    t.bitwise(f"{label} changed by backward_dw()", clone_of(original.grad), arrived)
     # original.grad = 2 * the weight's gradient, exactly: judged as the weight's gradient.
     got = {f"{name}.grad": arrived / 2}
     norm, gemm = (got, {}) if name in run.norm_names else ({}, got)
@@ -301,7 +297,7 @@ class _Recorder:
         for i, d in enumerate(data):
             self.phase = f"backward {i}"
             x, _ = run.fb(d)
-            xgrads.append(_grad(x.grad))
+            xgrads.append(clone_of(x.grad))
             after[self.phase] = run.all_snapshot()
         for i in range(len(data) if delay else 0):
             self.phase = f"backward_dw {i}"
@@ -328,7 +324,7 @@ def _check_tensor_hook(backend: Backend, case: Case) -> CheckResult:
 
     def make_hook(name: str, mask: torch.Tensor):
         def p18_mask_hook(g):
-            rec.record(name, _grad(g))
+            rec.record(name, clone_of(g))
             if g is None:
                 return None
             out = g * mask
@@ -370,7 +366,7 @@ def _check_tensor_hook(backend: Backend, case: Case) -> CheckResult:
             acc = r.clone() if acc is None else acc + r
             seen = g.clone() if seen is None else seen + g
         label = f"{what}{name}.grad vs its prefill plus what its hook returned"
-        t.bitwise(label, _grad(run.params[name].grad), acc)
+        t.bitwise(label, clone_of(run.params[name].grad), acc)
         (norm if name in run.norm_names else gemm)[f"{name}.grad"] = seen
     label = f"{what}what the hooks saw (accumulated) and the rest: "
     _judge(t, case, xgrads, norm, gemm, prefill_grads=True, label=label)
@@ -384,7 +380,7 @@ def _check_tensor_hook_wrong_size(backend: Backend, case: Case) -> CheckResult:
     seen: list[torch.Tensor | None] = []
 
     def p18_wrong_size_hook(g):
-        seen.append(_grad(g))
+        seen.append(clone_of(g))
         return None if g is None else torch.cat([g.reshape(-1), g.new_zeros(1)])
 
     handle = run.params[name].register_hook(p18_wrong_size_hook)
@@ -433,7 +429,7 @@ def _check_post_accumulate_hook(backend: Backend, case: Case) -> CheckResult:
 
     def make_hook(name: str):
         def p18_post_hook(leaf):
-            rec.record(name, _grad(leaf.main_grad if run.uses_main_grad(name) else leaf.grad))
+            rec.record(name, clone_of(leaf.main_grad if run.uses_main_grad(name) else leaf.grad))
 
         return p18_post_hook
 
@@ -507,7 +503,7 @@ def _double_backward(run: ModuleRun, data: list, case: Case, returned: bool) -> 
         # Accumulated: first order plus the penalty's gradient, as autograd leaves them.
         firsts = {"inp": x.grad, **{n: p.grad for n, p in params.items()}}
         source = "written by backward(create_graph=True)"
-    out: dict = {f"first order {n}.grad": _grad(g) for n, g in firsts.items()}
+    out: dict = {f"first order {n}.grad": clone_of(g) for n, g in firsts.items()}
     penalty = []
     for j, g in enumerate(firsts.values()):
         if g is not None and g.requires_grad:
@@ -520,9 +516,9 @@ def _double_backward(run: ModuleRun, data: list, case: Case, returned: bool) -> 
         )
     run.backend.backward(run.module, [torch.stack(penalty).sum()], [torch.ones((), dtype=y.dtype)])
     run.drain()
-    out["second order inp.grad"] = _grad(x.grad)
+    out["second order inp.grad"] = clone_of(x.grad)
     for n, p in params.items():
-        out[f"second order {n}.grad"] = _grad(p.grad)
+        out[f"second order {n}.grad"] = clone_of(p.grad)
     return out
 
 

@@ -49,7 +49,7 @@ from ..cases.case import Case
 from ..cases.data import MicroBatchData, make_micro_batches, make_state, param_specs, with_layout
 from .misuse import _expect_raises, _state_snapshot
 from .results import CheckResult, PropertyViolation, Tracker
-from .runner import ModuleRun, Snapshot
+from .runner import ModuleRun, Snapshot, clone_of
 
 __all__ = ["PROTOCOL_CHECKS", "PROTOCOL_VARIANTS", "protocol_explicit"]
 
@@ -159,7 +159,7 @@ def _trace(backend: Backend, case: Case, module: Any, data: list[MicroBatchData]
     for d in data:
         x, y = run.fb(d)
         out.outputs.append(y)
-        out.input_grads.append(None if x.grad is None else x.grad.detach().clone())
+        out.input_grads.append(clone_of(x.grad))
         out.pending.append(run.pending())
     run.drain()
     out.grads, out.fp8 = run.all_snapshot(), run.fp8_snapshot()
