@@ -57,17 +57,22 @@ class ActionRecorder:
         self._memory = False
         self._host0 = 0.0
         self._origin = None
+        self._holds_first = self._holds_last = False
 
     def wrap(self, stage, stage_index: int) -> None:
         """Record every F/B/W action ``stage`` (a ``PipelineStage``) runs from now on."""
         for attr, kind in _ACTION_METHODS:
             setattr(stage, attr, self._recording(getattr(stage, attr), kind, stage_index))
+        self._holds_first |= stage.is_first
+        self._holds_last |= stage.is_last
 
     def step(
-        self, schedule, inputs=None, *, target=None, losses=None, memory: bool = False
-    ) -> tuple[list[dict], float]:
-        """Run one ``schedule.step`` (``inputs``, ``target`` and ``losses`` where this rank holds
-        the first or last stage, else ``None``): its spans and its wall-clock seconds."""
+        self, schedule, inputs, target, *, memory: bool = False
+    ) -> tuple[list[dict], float, list[torch.Tensor]]:
+        """Run one ``schedule.step``, given ``inputs`` where this rank holds the first stage and
+        ``target`` where it holds the last: its spans, its wall-clock seconds and the last
+        stage's losses (none on other ranks)."""
+        losses: list[torch.Tensor] = []
         self._memory = memory
         prof = None
         if memory and self.device.type != "cuda":
@@ -79,7 +84,11 @@ class ActionRecorder:
         self._start_step()
         t0 = time.perf_counter()
         with quiet_stderr() if prof is not None else contextlib.nullcontext():
-            schedule.step(*(() if inputs is None else (inputs,)), target=target, losses=losses)
+            schedule.step(
+                *((inputs,) if self._holds_first else ()),
+                target=target if self._holds_last else None,
+                losses=losses if self._holds_last else None,
+            )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         wall = time.perf_counter() - t0
@@ -93,7 +102,7 @@ class ActionRecorder:
             }
             for s in self.spans:
                 s["bytes"] = deltas[f"{s['kind']}{s['stage']}.{s['mb']}"]
-        return self._step_spans(), wall
+        return self._step_spans(), wall, losses
 
     def _start_step(self) -> None:
         self.spans = []

@@ -217,7 +217,6 @@ def _bench_variant(lib, name: str, variant: str, cfg, rank: int, world: int, dev
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(n_mb * cfg.rows, cfg.hidden, generator=gen).to(dev, dtype)
     target = torch.randn(n_mb * cfg.rows, cfg.hidden, generator=gen).to(dev, dtype)
-    first, last = 0 in indices, num_stages - 1 in indices
     modules = {i: _build_stage(lib, variant, i, cfg, num_stages, dev) for i in indices}
     recorder = ActionRecorder(dev)
     stages = []
@@ -236,15 +235,8 @@ def _bench_variant(lib, name: str, variant: str, cfg, rank: int, world: int, dev
     def one_step(memory: bool) -> tuple[list[dict], float]:
         for m in modules.values():
             m.zero_grad(set_to_none=False)
-        losses: list[torch.Tensor] = []
         dist.barrier()
-        spans, wall = recorder.step(
-            schedule,
-            x if first else None,
-            target=target if last else None,
-            losses=losses if last else None,
-            memory=memory,
-        )
+        spans, wall, losses = recorder.step(schedule, x, target, memory=memory)
         if variant == "splitgrad":
             left = {
                 f"stage {i}/{sm.name or 'module'}": sm.module.pending_wgrad_count
