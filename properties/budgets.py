@@ -1,11 +1,6 @@
-"""Every tolerance of the harness, and the three tiers of oracle that apply them.
-
-1. Bitwise (:func:`check_bitwise`): ``rtol=0, atol=0`` on the bit patterns, ``-0.0 == +0.0``.
-2. Error budget (:func:`check_error_budget`): ``max|actual - truth| <= multiplier *
-   max|naive - truth| + floor_steps * eps(dtype) * max|truth|`` against the float64 truth;
-   :func:`check_fp8_budget` where two correct FP8 runs may quantize different values.
-3. float64 gradcheck of the reference (:func:`gradcheck_reference`).
-
+"""Every tolerance of the harness, and the three tiers of oracle that apply them: bitwise
+(:func:`check_bitwise`), an error budget against the float64 truth (:func:`check_error_budget`,
+:func:`check_fp8_budget`) and float64 gradcheck of the reference (:func:`gradcheck_reference`).
 Each constant carries its reason; docs/budgets.md derives each value. Failures raise
 :class:`BudgetViolation` naming the tensor, the worst index, both values and the budget.
 """
@@ -16,51 +11,6 @@ import dataclasses
 import math
 
 import torch
-
-__all__ = [
-    "BudgetViolation",
-    "ErrorBudget",
-    "OUTPUT",
-    "DGRAD",
-    "WGRAD",
-    "NORM_GRAD",
-    "GROUPED_GEMM",
-    "SECOND_ORDER",
-    "BUDGETS",
-    "chained",
-    "WGRAD_OPERAND_STEPS",
-    "DGRAD_OPERAND_STEPS",
-    "DGRAD_OPERAND_SIGMAS",
-    "accumulation_magnitude",
-    "FUSED_ACCUMULATION_STEPS",
-    "fused_accumulation_tolerance",
-    "ROUNDING_SIGMAS",
-    "ACTIVATION_EVAL_STEPS",
-    "with_rounding_bound",
-    "FP8_MAX",
-    "FP8_EPS",
-    "FP8_SUBNORMAL_STEP",
-    "fp8_step",
-    "Fp8Budget",
-    "FP8",
-    "FP8_KINK_MAX_SITES",
-    "FP8_KINK_PAIRS_UP_TO",
-    "FP8_KINK_SWITCH_STEPS",
-    "KINK_ROUNDING_STEPS",
-    "KINK_MAX_ENUMERATED",
-    "DATA_PARALLEL_MULTIPLIER",
-    "DATA_PARALLEL_FLOOR_STEPS",
-    "data_parallel_tolerance",
-    "GRADCHECK_EPS",
-    "GRADCHECK_ATOL",
-    "GRADCHECK_RTOL",
-    "rounding_step",
-    "check_same_presence",
-    "check_bitwise",
-    "check_error_budget",
-    "check_fp8_budget",
-    "gradcheck_reference",
-]
 
 
 class BudgetViolation(AssertionError):
@@ -75,10 +25,8 @@ class BudgetViolation(AssertionError):
 
 @dataclasses.dataclass(frozen=True)
 class ErrorBudget:
-    """``max|actual - truth| <= multiplier * max|naive - truth| + floor_steps * eps * max|truth|``.
-
-    ``why``: where the implementation and the naive reference may round differently; ``fp32_*``
-    replace the values for a module that computes in float32."""
+    """``max|actual - truth| <= multiplier * max|naive - truth| + floor_steps * eps * max|truth|``;
+    ``why``: where the two sides round differently; ``fp32_*``: the values for float32 modules."""
 
     kind: str
     multiplier: float
@@ -385,11 +333,8 @@ def check_same_presence(
 
 
 def check_bitwise(name: str, actual: torch.Tensor | None, expected: torch.Tensor | None) -> float:
-    """Tier 1: identical bits (and dtype, shape, device, presence). Returns 0.0 or raises.
-
-    In a floating-point tensor ``-0.0`` and ``+0.0`` compare equal: the sign of an exact zero
-    depends on the order of cancellations, which SPEC does not fix (docs/oracle.md). Anything
-    else counts bit for bit, NaN payloads and the sign of a zero in an integer view included."""
+    """Tier 1: identical bits (and dtype, shape, device, presence), except that ``-0.0 == +0.0``
+    in a floating-point tensor (docs/budgets.md). Returns 0.0 or raises."""
     if not check_same_presence(name, actual, expected):
         return 0.0
     assert actual is not None and expected is not None  # narrowed by check_same_presence

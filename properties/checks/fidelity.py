@@ -1,39 +1,11 @@
 """P18 (SPEC §2, §3, §7): autograd fidelity. A module that writes its own GEMM gradients (now,
-or at ``backward_dw()``) must still behave as autograd does for everything a user can attach to
-its parameters or wrap around it. Each case names one kind (``case.variant``, :data:`VARIANTS`)
-and the parameters it targets (``case.asked``); modules are driven through the Backend API only.
-
-* ``functional_call``: ``torch.func.functional_call`` hands the forward fresh leaves (prefilled
-  ``.grad``, or their own ``main_grad`` when fused). The leaves get the gradients (judged, as are
-  the other parameters', against the float64 truth with the P2/P3 budgets); the module's own
-  substituted parameters keep their values bit for bit; under delay nothing reaches a GEMM leaf
-  before ``backward_dw()``, and after it the leaves are bitwise those of a run without delay.
-* ``parametrize``: the target becomes ``2 * original``; ``original.grad`` arrives during
-  ``backward()`` even under delay, is judged against the truth, and nothing is queued for it. A
-  fused GEMM weight may instead be refused with a ``RuntimeError`` naming it.
-* ``tensor_hook``: a hook that records what it sees and returns it times a 0/1 mask. Every call
-  sees a tensor; what the hooks saw, accumulated, is judged against the truth; ``.grad`` ends
-  bitwise the prefill plus what they returned; GEMM parameters' hooks run in ``backward_dw()``
-  under delay (once per entry), never in ``backward()``. A fused GEMM weight must refuse it.
-* ``tensor_hook_wrong_size``: the hook returns a tensor of another size: a ``RuntimeError`` in
-  ``backward()`` without delay; under delay in ``backward_dw()``, with the entry still queued and
-  nothing written, and once the hook is removed the queue drains to the right gradients.
-* ``post_accumulate_hook``: fires once per backward pass, after the write (what it reads is
-  bitwise the gradient, or ``main_grad``, right after that call); a GEMM parameter's fires in
-  ``backward_dw()`` under delay, never in ``backward()``.
-* ``grad_of_grad`` (``torch.autograd.grad(..., create_graph=True)``), ``backward_create_graph``
-  (``y.backward(dy, create_graph=True)``), each then the backward of a penalty ``sum(g * v)`` over
-  the gradients (``gradgradcheck``'s pattern); ``func.grad``, ``func.vjp``, ``func.jacrev``,
-  ``func.vmap`` (per-sample gradients) over ``functional_call`` of the module.
-
-These last six give the right result or raise a ``RuntimeError`` naming the module (SPEC §2); a
-wrong value, or any other exception, fails. First-order results are judged against the float64
-truth as P2/P3 judge them; second-order ones and Jacobians against the reference's float64 run
-of the same procedure, the reference in the case's dtype as yardstick
-(:data:`~.budgets.SECOND_ORDER`; P2/P3 budgets for Jacobian blocks). Under FP8 only the error is
-accepted: the quantized GEMMs (SPEC §6) have no derivative to judge against.
-
-The rest of SPEC §2's "well-behaved ``torch.nn.Module``" list is P18's too: :mod:`.protocol`.
+or at ``backward_dw()``) must behave as autograd does for whatever a user attaches to its
+parameters or wraps around it: ``functional_call``, ``parametrize``, tensor hooks (also one that
+returns another size), post-accumulate hooks, double backward and ``torch.func`` transforms
+(``case.variant``: :data:`VARIANTS`, on the parameters ``case.asked``; docs/harness.md lists
+what each kind checks). The differentiating kinds give the right result or raise a
+``RuntimeError`` naming the module; under FP8 only the error (docs/budgets.md says how the
+results are judged). The module-protocol half of SPEC §2's list is :mod:`.protocol`'s.
 """
 
 from __future__ import annotations
@@ -69,16 +41,6 @@ from .protocol import PROTOCOL_CHECKS, PROTOCOL_VARIANTS, _kind, _start, _what, 
 from .results import CheckResult, PropertyViolation, Tracker
 from .runner import AccuracyRun, ModuleRun, Snapshot, Step, clone_of, fb_steps
 
-__all__ = [
-    "VARIANTS",
-    "EXPLICIT",
-    "DIFFERENTIATING_VARIANTS",
-    "check_p18",
-    "p18_cases",
-    "p18_explicit",
-    "names_module",
-]
-
 #: The substitution kinds (``case.variant``) and their checks, in the order of the checks below.
 _CHECKS: dict[str, Callable[[Backend, Case], CheckResult]] = {}
 #: Kinds that act on some parameters (``case.asked``), and how many they take at most.
@@ -98,8 +60,7 @@ def names_module(message: str, kind: str) -> bool:
 
 
 def _snapshot(run: ModuleRun, tensors: dict[str, torch.Tensor]) -> tuple[Snapshot, Snapshot]:
-    """(norm, gemm) snapshots of ``tensors`` keyed as :meth:`ModuleRun.snapshot` keys them
-    (``"weight.main_grad"`` for fused weights, whose ``.grad`` must stay ``None``)."""
+    """(norm, gemm) snapshots of ``tensors``, keyed as :meth:`ModuleRun.snapshot` keys them."""
     norm: Snapshot = {}
     gemm: Snapshot = {}
     for name, t in tensors.items():
@@ -111,8 +72,7 @@ def _snapshot(run: ModuleRun, tensors: dict[str, torch.Tensor]) -> tuple[Snapsho
 
 
 def _plain(case: Case) -> Case:
-    """``case`` without fused accumulation or ``is_first_microbatch`` flags (what a returned or
-    autograd-accumulated gradient is judged as)."""
+    """``case`` without fused accumulation or ``is_first_microbatch`` flags."""
     return dataclasses.replace(
         case,
         config=dataclasses.replace(case.config, fuse_wgrad_accumulation=False),
@@ -123,8 +83,8 @@ def _plain(case: Case) -> Case:
 
 
 def _judge(t: Tracker, case: Case, xgrads: list, norm: Snapshot, gemm: Snapshot, **kw) -> None:
-    """Input gradients and final gradients after every micro-batch's forward and backward
-    against the float64 truth, as P2/P3 judge them (``kw``: :func:`~.truth.judge_steps`')."""
+    """Input and final gradients after every micro-batch's forward and backward against the
+    float64 truth, as P2/P3 judge them (``kw``: :func:`~.truth.judge_steps`')."""
     got = AccuracyRun([], xgrads, norm, gemm)
     judge_steps(t, case, fb_steps(len(case.micro_batches)), got, **kw)
 
@@ -138,7 +98,7 @@ def _targets(case: Case, run: ModuleRun) -> list[str]:
 
 def _refused(case: Case, what: str, exc: BaseException) -> None:
     """Accept ``exc`` as SPEC §2's clear refusal (a ``RuntimeError`` naming the module) or
-    raise :class:`~.results.PropertyViolation` saying what it is instead."""
+    raise a :class:`~.results.PropertyViolation`."""
     kind = case.config.kind
     text = f"{type(exc).__name__}: {str(exc).strip()[:400]}"
     if not isinstance(exc, RuntimeError):
@@ -154,32 +114,21 @@ def _refused(case: Case, what: str, exc: BaseException) -> None:
 
 
 # ---- functional_call -----------------------------------------------------------------------
-
-
-def _substitutes(run: ModuleRun, case: Case, names: list[str]) -> dict[str, torch.Tensor]:
-    """Fresh leaves with the values of the parameters ``names``, prepared as the module's own
-    (``.grad`` prefill; their own ``main_grad`` prefill when fused)."""
+def _functional_run(backend: Backend, case: Case, delay: bool, t: Tracker, what: str):
+    """One functional_call run, drained: x gradients, norm and GEMM snapshots of what it used."""
+    data = make_micro_batches(case)
+    run = ModuleRun(backend, case, delay=delay, prefill_grads=True, hooks=0)
+    names = _targets(case, run)
+    # Fresh leaves with the targets' values, prefilled as the module's own.
     prefill = make_grad_prefill(run.config, case.seed)
     main = make_main_grads(run.config, case.seed) if run.config.fuse_wgrad_accumulation else {}
-    out = {}
-    for name in names:
-        leaf = run.params[name].detach().clone().requires_grad_(True)
+    leaves = {name: run.params[name].detach().clone().requires_grad_(True) for name in names}
+    for name, leaf in leaves.items():
         if run.uses_main_grad(name):
             leaf.main_grad = main[name].clone()
             leaf.grad_added_to_main_grad = False
         else:
             leaf.grad = prefill[name].clone()
-        out[name] = leaf
-    return out
-
-
-def _functional_run(backend: Backend, case: Case, delay: bool, t: Tracker, what: str):
-    """One functional_call run; returns (x gradients, norm and GEMM snapshots of the tensors
-    the forward used) after draining."""
-    data = make_micro_batches(case)
-    run = ModuleRun(backend, case, delay=delay, prefill_grads=True, hooks=0)
-    names = _targets(case, run)
-    leaves = _substitutes(run, case, names)
     own_before = {k: v for k, v in run.all_snapshot().items() if k.split(".")[0] in names}
     leaves_before = _snapshot(run, leaves)[1]
     xgrads = []
@@ -215,8 +164,6 @@ def _check_functional_call(backend: Backend, case: Case) -> CheckResult:
 
 
 # ---- parametrize ---------------------------------------------------------------------------
-
-
 class _Twice(torch.nn.Module):
     """The parametrization ``W = 2 * original`` (exact in every float format)."""
 
@@ -267,8 +214,6 @@ def _check_parametrize(backend: Backend, case: Case) -> CheckResult:
 
 
 # ---- tensor hooks and post-accumulate hooks ------------------------------------------------
-
-
 def _mask(run: ModuleRun, case: Case, name: str, index: int) -> torch.Tensor:
     p = run.params[name]
     g = generator(case.seed, 30_000 + index)
@@ -290,8 +235,8 @@ class _Recorder:
         return [p for p, _ in self.calls.get(name, [])]
 
     def drive(self, run: ModuleRun, data: list[MicroBatchData], delay: bool) -> tuple[list, dict]:
-        """Every micro-batch's forward and backward, then under delay each ``backward_dw()``,
-        each call its own phase; returns the input gradients and the gradients after each."""
+        """Every forward and backward, then each ``backward_dw()`` under delay, each call its
+        own phase; returns the input gradients and the gradients after each phase."""
         xgrads: list[torch.Tensor | None] = []
         after: dict[str, Snapshot] = {}
         for i, d in enumerate(data):
@@ -448,8 +393,6 @@ def _check_post_accumulate_hook(backend: Backend, case: Case) -> CheckResult:
 
 
 # ---- double backward and torch.func --------------------------------------------------------
-
-
 def _budget_of(key: str) -> B.ErrorBudget:
     if key.startswith("second order"):
         return B.SECOND_ORDER
@@ -460,9 +403,8 @@ def _budget_of(key: str) -> B.ErrorBudget:
 
 
 def _compare(t: Tracker, what: str, case: Case, got: dict, naive: dict, truth: dict, keep) -> None:
-    """Each tensor of ``got`` against ``truth`` (float64) with ``naive`` (the reference in the
-    case's dtype) as yardstick, under the budget its name picks (:func:`_budget_of`). A missing
-    gradient and an all-zero one are the same (autograd leaves ``None`` where no path leads)."""
+    """Each tensor of ``got`` against ``truth`` with ``naive`` as yardstick, under the budget its
+    name picks (docs/budgets.md, P18)."""
     for key in sorted(set(got) | set(truth)):
         if not keep(key):
             continue
@@ -483,9 +425,9 @@ def _params(run: ModuleRun) -> dict[str, torch.Tensor]:
 
 
 def _double_backward(run: ModuleRun, data: list, case: Case, returned: bool) -> dict:
-    """The first-order gradients (``returned`` by ``torch.autograd.grad``, else written by
-    ``backward``, both with ``create_graph=True``), then what a backward of a penalty on them (a
-    random vector's dot product with each) leaves on ``x`` and the parameters: the second order."""
+    """First-order gradients with ``create_graph=True`` (``returned`` by ``autograd.grad``, else
+    written by ``backward``), then the second order: what a backward of a penalty on them (a
+    random vector's dot product with each) leaves on ``x`` and the parameters."""
     d = data[0]
     x = d.fresh_input()
     params = _params(run)
@@ -523,8 +465,8 @@ def _double_backward(run: ModuleRun, data: list, case: Case, returned: bool) -> 
 
 
 def _torch_func(run: ModuleRun, data: list, case: Case) -> dict:
-    """``torch.func``'s ``grad``, ``vjp``, ``jacrev`` or per-sample ``vmap(grad(...))`` (over
-    two micro-batches), as ``case.variant`` says, of ``functional_call`` of the module."""
+    """``torch.func``'s ``grad``, ``vjp``, ``jacrev`` or per-sample ``vmap(grad(...))`` (two
+    micro-batches) of ``functional_call`` of the module, as ``case.variant`` says."""
     d = data[0]
     params, x = {n: p.detach() for n, p in _params(run).items()}, d.x.detach()
 
@@ -559,8 +501,7 @@ _PROCEDURES: dict[str, Callable[[ModuleRun, list, Case], dict]] = {
 
 def _judge_first_order(t: Tracker, case: Case, got: dict, what: str, index=0, keep=None) -> None:
     """First-order gradients of micro-batch ``index`` (``"inp.grad"``, ``"<param>.grad"``)
-    against the float64 truth as P2/P3 judge them (a plain module's gradient into an empty
-    ``.grad``)."""
+    against the float64 truth as P2/P3 judge a plain module's."""
     specs = param_specs(case.config)
     norm = {f"{s.name}.grad": got.get(f"{s.name}.grad") for s in specs if s.role == NORM}
     gemm = {f"{s.name}.grad": got.get(f"{s.name}.grad") for s in specs if s.role != NORM}
@@ -652,8 +593,8 @@ DIFFERENTIATING_VARIANTS = tuple(_PROCEDURES)
 
 
 def check_p18(backend: Backend, case: Case) -> CheckResult:
-    """P18 on ``case``: an autograd-fidelity kind (see the module docstring) or a
-    module-protocol kind (:mod:`.protocol`, n/a where the backend gives a reason)."""
+    """P18 on ``case``: an autograd-fidelity kind or a module-protocol kind (:mod:`.protocol`,
+    n/a where the backend gives a reason)."""
     check = {**_CHECKS, **PROTOCOL_CHECKS}.get(case.variant)
     if check is None:
         raise ValueError(
@@ -666,8 +607,7 @@ def check_p18(backend: Backend, case: Case) -> CheckResult:
 
 
 def _ordered(case: Case, variant: str) -> list[str]:
-    """The parameters ``variant`` may target: GEMM weights, then biases, then norm parameters
-    (only GEMM parameters for ``tensor_hook_wrong_size``)."""
+    """The parameters ``variant`` may target, GEMM weights first, norm parameters last."""
     order = {GEMM_WEIGHT: 0, GEMM_BIAS: 1, NORM: 2}
     names = [s.name for s in sorted(param_specs(case.config), key=lambda s: order[s.role])]
     if variant == "tensor_hook_wrong_size":
@@ -676,8 +616,8 @@ def _ordered(case: Case, variant: str) -> list[str]:
 
 
 def _fit(case: Case, variant: str, targets: tuple[str, ...]) -> Case:
-    """``case`` made into a P18 case of ``variant`` on ``targets``: the wrong-size hook runs
-    without fused accumulation (a fused weight refuses any tensor hook, see ``tensor_hook``)."""
+    """``case`` made into a P18 case of ``variant`` on ``targets`` (the wrong-size hook without
+    fused accumulation: a fused weight refuses any tensor hook)."""
     config = case.config
     if variant == "tensor_hook_wrong_size" and config.fuse_wgrad_accumulation:
         config = dataclasses.replace(config, fuse_wgrad_accumulation=False)
@@ -704,10 +644,7 @@ def p18_cases(draw, kinds, dtypes, devices, recipes):
 
 
 #: The explicit cases of a cell: (kind, delay, fused, targets), targets ``"all"``, ``"w"``
-#: (from the GEMM weights on) or ``"o"`` (from the other end: norm parameters, biases). Every
-#: kind; with and without delay where delay changes when a gradient arrives; fused where a
-#: ``main_grad`` meets the substitution; the ``torch.func`` transforms and double backwards
-#: without delay or fusion (where they must give the right result), some with both.
+#: (from the GEMM weights on) or ``"o"`` (from the other end: norm parameters, biases).
 EXPLICIT = (
     ("functional_call", True, False, "all"),
     ("functional_call", False, True, "w"),
@@ -738,9 +675,8 @@ EXPLICIT = (
 
 
 def p18_explicit(base: list[Case]) -> list[Case]:
-    """The explicit cases of a P18 cell: :data:`EXPLICIT`, each on the next of its boundary
-    cases ``base`` (sizes, rows, layouts, recipes), then every module-protocol kind on each of
-    them (:func:`~.protocol.protocol_explicit`)."""
+    """The explicit cases of a P18 cell: :data:`EXPLICIT`, each on the next of the boundary
+    cases ``base``, then every module-protocol kind on each of them."""
     out = []
     for k, (variant, delay, fused, pick) in enumerate(EXPLICIT):
         c = base[k % len(base)]
@@ -749,14 +685,10 @@ def p18_explicit(base: list[Case]) -> list[Case]:
             c, config=dataclasses.replace(c.config, fuse_wgrad_accumulation=fused)
         )
         names = _ordered(c, variant)
-        most = _TARGETED.get(variant, 0)
-        if most == 0:
-            targets: tuple[str, ...] = ()
-        elif pick == "all":
-            targets = tuple(names)
-        else:
+        targets = tuple(names) if pick == "all" else ()
+        if pick in ("w", "o"):
             start = 0 if pick == "w" else len(names) // 2
-            picked = [names[(start + j) % len(names)] for j in range(most or 2)]
+            picked = [names[(start + j) % len(names)] for j in range(_TARGETED[variant] or 2)]
             targets = tuple(dict.fromkeys(picked))
         out.append(_fit(c, variant, targets))
     return out + protocol_explicit(base)

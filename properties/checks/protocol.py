@@ -1,34 +1,12 @@
-"""P18's module-protocol kinds (SPEC §2, "Every module is a well-behaved ``torch.nn.Module``";
-the autograd half of that list is :mod:`.fidelity`'s, which dispatches both), through the
-:class:`~.backends.Backend` API. They are n/a on a backend whose modules are the adapter's own
+"""P18's module-protocol kinds (SPEC §2, "Every module is a well-behaved ``torch.nn.Module``"),
+through the :class:`~.backends.Backend` API; :mod:`.fidelity` dispatches them with the autograd
+kinds. n/a on a backend whose modules are the adapter's own
 (:meth:`~.backends.Backend.module_protocol_reason`). Each case names one kind (``case.variant``):
-
-* ``module.placement``: built inside ``with torch.device("meta"):`` without ``device=``, every
-  parameter is on meta (in the case's dtype); after ``torch.set_default_device("meta")`` and
-  ``torch.set_default_dtype(D)`` without ``device=`` and ``params_dtype=``, on meta in ``D``;
-  after ``torch.set_default_dtype(D)`` alone without ``params_dtype=``, on the case's device in
-  ``D`` (``D``: the case's dtype, or float64 when that is already torch's default); an explicit
-  ``device=`` and ``params_dtype=`` win over all of these at once.
-* ``module.reset_parameters``: under one seed, a module built on meta, ``to_empty()`` and reset
-  is bitwise one built eagerly (parameters, FP8 scaling state) and computes bitwise the same
-  outputs and gradients over the case's micro-batches; a module given the case's values and run
-  is, once reset under that seed, bitwise the eager one again (FP8 state that of a fresh one).
-* ``module.reset_queued``: with weight-gradient entries queued, ``reset_parameters()`` raises
-  ``RuntimeError`` and changes nothing (values, gradients, ``main_grad``, FP8 state, the queue);
-  the entries then drain to the gradients of a run that never tried; with nothing queued it resets.
-* ``module.repr``: ``Kind(...)`` showing the sizes as ``name=value`` under SPEC §2's argument
-  names and every option that differs from its default (``params_dtype`` when it is not torch's
-  default), each with the module's value (strings with or without quotes).
-* ``module.output_not_view``: for each micro-batch as a 2-D input in its layout, the output is a
-  tensor of its own (``not y._is_view()``), with grad, under ``no_grad()`` and ``inference_mode()``.
-* ``module.pickle``, ``module.torch_save``, ``module.deepcopy``, ``module.to_empty``: a copy
-  (``pickle``; ``torch.save``/``load``; ``copy.deepcopy``; a second module run the same way,
-  ``to_empty()`` and given the first one's ``state_dict()``), taken after the first micro-batch
-  when there are two (so FP8 scaling state has moved), has parameters of its own with the same
-  values and FP8 state, and over the remaining micro-batches computes bitwise what the original
-  computes: outputs, input gradients, the queue, every gradient and ``main_grad``. ``.grad`` and
-  ``main_grad`` are not part of a copy (``Parameter``'s ``deepcopy`` drops them, as for
-  ``torch.nn.Linear``): both start with ``.grad`` unset and the same ``main_grad`` prefill.
+placement under torch's default device and dtype, ``reset_parameters`` (after meta and
+``to_empty()``, and refused with entries queued), ``repr``, no output view, and copies by
+``pickle``, ``torch.save``, ``deepcopy`` and ``to_empty`` that compute bitwise what the original
+computes (docs/harness.md lists what each checks). ``.grad`` and ``main_grad`` are not part of a
+copy (``Parameter``'s ``deepcopy`` drops them, as for ``torch.nn.Linear``).
 """
 
 from __future__ import annotations
@@ -51,8 +29,6 @@ from .misuse import _expect_raises, _state_snapshot
 from .results import CheckResult, PropertyViolation, Tracker
 from .runner import ModuleRun, Snapshot, clone_of
 
-__all__ = ["PROTOCOL_CHECKS", "PROTOCOL_VARIANTS", "protocol_explicit"]
-
 
 def _what(case: Case) -> str:
     """The prefix of a P18 message: kind, delay, fused accumulation, targets."""
@@ -74,8 +50,7 @@ def _kind(table: dict[str, Callable[[Backend, Case], CheckResult]], *variants: s
     return enter
 
 
-#: The module-protocol kinds of P18 (``case.variant``) and their checks, in the order a cell
-#: enumerates them (the order of the checks below).
+#: The module-protocol kinds of P18 (``case.variant``) and their checks, in the order below.
 PROTOCOL_CHECKS: dict[str, Callable[[Backend, Case], CheckResult]] = {}
 
 
@@ -85,13 +60,9 @@ def _start(backend: Backend, case: Case, **kw: Any) -> tuple:
     return Tracker(), _what(case), data, ModuleRun(backend, case, delay=case.delay, hooks=0, **kw)
 
 
-# ---- torch's defaults and the global RNG, restored afterwards ------------------------------
-
-
 @contextlib.contextmanager
 def _torch_defaults(device: str | None = None, dtype: torch.dtype | None = None) -> Iterator[None]:
-    """``torch.set_default_device(device)`` / ``set_default_dtype(dtype)`` for the block, the
-    previous ones restored afterwards (a CPU default as no default at all)."""
+    """torch's default ``device`` / ``dtype`` for the block, the previous ones restored after."""
     previous_dtype = torch.get_default_dtype()
     previous_device = torch.get_default_device()
     try:
@@ -114,16 +85,13 @@ def _seeded(case: Case) -> Iterator[None]:
         yield
 
 
-# ---- comparing two modules -----------------------------------------------------------------
-
-
 def _values(backend: Backend, module: Any) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in backend.parameters(module).items()}
 
 
 def _same_parameters(t: Tracker, what: str, backend: Backend, module, want, want_fp8=None) -> None:
-    """Names, shapes, dtypes, devices and values (bitwise) of ``module``'s parameters against
-    ``want``, and its FP8 scaling state against ``want_fp8`` when given."""
+    """``module``'s parameters (names, shapes, dtypes, devices, bits) and FP8 state against
+    ``want`` and ``want_fp8`` (when given)."""
     got = _values(backend, module)
     t.equal(f"{what}parameter names", sorted(got), sorted(want))
     for name in sorted(want):
@@ -150,8 +118,7 @@ class _Trace:
 
 
 def _trace(backend: Backend, case: Case, module: Any, data: list[MicroBatchData]) -> _Trace:
-    """What ``module`` does over ``data``, starting afresh: ``.grad`` unset, the case's
-    ``main_grad`` prefill when fused."""
+    """What ``module`` does over ``data`` from ``.grad`` unset (``main_grad`` prefilled)."""
     for p in backend.parameters(module).values():
         p.grad = None
     run = ModuleRun(backend, case, delay=case.delay, module=module, hooks=0)
@@ -174,9 +141,6 @@ def _same_trace(t: Tracker, what: str, got: _Trace, want: _Trace) -> None:
     t.equal(f"{what}pending_wgrad_count after each backward", got.pending, want.pending)
     t.bitwise_all(what, got.grads, want.grads)
     t.bitwise_all(what, got.fp8, want.fp8)
-
-
-# ---- the checks ----------------------------------------------------------------------------
 
 
 @_kind(PROTOCOL_CHECKS, "module.placement")
@@ -433,18 +397,17 @@ def _check_copy(backend: Backend, case: Case) -> CheckResult:
     return t.result
 
 
-#: The module-protocol kinds of P18 (``case.variant``), enumerated by every cell in this order.
+#: The module-protocol kinds of P18 (``case.variant``), in the order every cell enumerates them.
 PROTOCOL_VARIANTS = tuple(PROTOCOL_CHECKS)
 
 
-def protocol_explicit(base: list[Case], seed: int = 100) -> list[Case]:
-    """The module-protocol cases of a P18 cell: every kind of :data:`PROTOCOL_VARIANTS` on each
-    of the cell's boundary cases ``base`` (sizes, rows, layouts, options, recipes), delay on and
-    off in turn (``module.reset_queued`` always delayed: it needs a queue)."""
+def protocol_explicit(base: list[Case]) -> list[Case]:
+    """The module-protocol cases of a P18 cell: every kind on each of the cell's boundary cases
+    ``base``, delay on and off in turn (``module.reset_queued`` always delayed)."""
     out = []
     for variant in PROTOCOL_VARIANTS:
         for j, c in enumerate(base):
             c = dataclasses.replace(c, micro_batches=c.micro_batches[:2], variant=variant, asked=())
             delay = variant == "module.reset_queued" or j % 2 == 0
-            out.append(dataclasses.replace(c, delay=delay, seed=seed + len(out)))
+            out.append(dataclasses.replace(c, delay=delay, seed=100 + len(out)))
     return out

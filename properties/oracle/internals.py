@@ -1,8 +1,5 @@
-"""The float64 intermediates of a case, and the operand allowances built from them.
-
-:func:`float64_internals` recomputes a module's intermediates (fc1's pre-activations for the
-relu kink, the operands of each GEMM for the allowances) with the reference's formulas from the
-case's values, so they equal the truth run's. docs/budgets.md derives the allowances.
+"""The float64 intermediates of a case (the reference's formulas on the case's values, as in
+the truth run), and the operand allowances built from them (docs/budgets.md derives them).
 """
 
 from __future__ import annotations
@@ -15,14 +12,6 @@ import torch
 from .. import budgets as B
 from ..cases.case import Case
 from ..cases.data import make_micro_batches, make_state
-
-__all__ = [
-    "MicroBatchInternals",
-    "float64_internals",
-    "norm_projection",
-    "wgrad_operand_floors",
-    "dgrad_operand_floors",
-]
 
 NORM_EPS = 1e-5  # the modules' default norm epsilon (ModuleConfig has no eps)
 
@@ -74,8 +63,7 @@ def float64_internals(case: Case) -> tuple[dict[str, torch.Tensor], list[MicroBa
 
 def wgrad_operand_floors(case: Case) -> dict[str, torch.Tensor]:
     """Per-element allowance (:data:`~.budgets.WGRAD_OPERAND_STEPS`) for ``main_grad`` of a
-    weight whose GEMM operands the module computes, by snapshot key; empty for other modules,
-    without fused accumulation (WGRAD's floor covers ``.grad``) and under FP8."""
+    weight whose GEMM operands the module computes, by snapshot key (else empty)."""
     c = case.config
     if not c.has_norm or c.recipe is not None or not c.fuse_wgrad_accumulation:
         return {}
@@ -126,8 +114,7 @@ def _d_fc1_moves(m: MicroBatchInternals, dh: torch.Tensor, activation: str) -> t
 
 def dgrad_operand_floors(case: Case) -> dict[str, torch.Tensor]:
     """Per-element allowance (:data:`~.budgets.DGRAD_OPERAND_STEPS`) for ``LayerNormMLP``'s
-    input and norm-parameter gradients under a smooth activation, by tensor name; empty for
-    other modules, for relu (:mod:`.kink`) and under FP8."""
+    input and norm-parameter gradients under a smooth activation in high precision (else empty)."""
     c = case.config
     if c.kind != "LayerNormMLP" or c.activation == "relu" or c.recipe is not None:
         return {}

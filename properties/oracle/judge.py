@@ -1,15 +1,6 @@
-"""One comparison against the float64 truth, and the loops that make them for a whole run.
-
-:func:`judge` picks a tensor's regime from the case (docs/budgets.md, FP8):
-
-* high precision: the tensor's :class:`~.budgets.ErrorBudget` against the float64 truth, with
-  the rounding bound as a per-element floor;
-* FP8, same operands (every quantized operand on the tensor's way is an input, a parameter or
-  ``dy``): the same budget, against the same recipe run in float64;
-* FP8, computed operands: the two-gate :data:`~.budgets.FP8` budget against the truth.
-
-:class:`Judging` holds what one example is judged with; :func:`best_of` runs P1-P3's
-comparisons against each candidate truth at a relu kink (:mod:`.kink`).
+"""One comparison against the float64 truth (:func:`judge`, in the tensor's regime: high
+precision, FP8 with exact operands or FP8 with computed ones, docs/budgets.md), and the loops
+that make them for a whole run against each candidate truth (:func:`best_of`, :mod:`.kink`).
 """
 
 from __future__ import annotations
@@ -25,25 +16,13 @@ from ..checks.results import CheckResult, Tracker
 from ..checks.runner import AccuracyRun
 from .kink import KinkSite
 
-__all__ = [
-    "Judging",
-    "judge",
-    "compare_outputs",
-    "compare_dgrads",
-    "compare_wgrads",
-    "best_of",
-    "kink_candidates",
-    "kink_note",
-]
-
 
 @dataclasses.dataclass
 class Judging:
     """What every tensor of one example is judged with: the naive run, the candidate truths
-    (``candidates[0]`` the truth itself), the FP8 truth, the allowances by tensor name, and
-    ``uses``, how many times in a row the module ran (:func:`~.budgets.chained`).
-    ``fp8_exact=False``: some quantized operand is computed although a tensor's name alone
-    would not tell (a module chained on itself)."""
+    (``candidates[0]`` the truth), the FP8 truth, the allowances by tensor name, ``uses`` (the
+    module's runs in a row); ``fp8_exact=False``: a quantized operand is computed, whatever the
+    tensor's name says (a module chained on itself)."""
 
     case: Case
     naive: AccuracyRun
@@ -59,8 +38,8 @@ class Judging:
 
 
 def _fp8_exact_operands(config: ModuleConfig, name: str) -> bool:
-    """Whether every FP8-quantized operand on the way to tensor ``name`` is a module input,
-    parameter or output gradient, so that every side quantizes bit-identical values."""
+    """Whether every FP8-quantized operand on the way to tensor ``name`` is an input, parameter
+    or output gradient (quantized alike by every side)."""
     if config.kind in ("Linear", "GroupedLinear"):
         return True
     if config.kind == "LayerNormLinear":
@@ -86,9 +65,8 @@ def judge(
     floor_dtype: torch.dtype | None = None,
     module_dtype: torch.dtype | None = None,
 ) -> None:
-    """Judge tensor ``name`` of the run under test against candidate truth ``cand`` in its
-    regime; ``floor_dtype`` sets the floor's rounding step (default: ``actual``'s),
-    ``module_dtype`` the multiplier. Records the ratio in ``t`` or raises."""
+    """Judge tensor ``name`` against candidate truth ``cand`` in its regime (``floor_dtype``: the
+    floor's rounding step, default ``actual``'s; ``module_dtype``: the multiplier's)."""
     config = j.case.config
     naive, truth, label = tensor_of(j.naive, name), tensor_of(cand, name), j.label + name
     if isinstance(actual, torch.Tensor) and isinstance(naive, torch.Tensor):
@@ -129,21 +107,14 @@ def judge(
         if switched is not None:
             extra = B.FP8_KINK_SWITCH_STEPS * fp8_eps * switched
             bound = extra if bound is None else bound + extra
-        samples = _smallest_gemm_dimension(j.case)
+        # The fewest values any FP8 GEMM reduces over or spans (every non-empty group's rows).
+        dims = [d for shape in config.gemm_shapes() for d in shape]
+        for mb in j.case.micro_batches:
+            dims.extend(n for n in (mb.m_splits or (mb.rows,)) if n > 0)
         truth0 = tensor_of(j.candidates[0], name)  # the naive error is measured against it
         t.fp8_budget(
-            label, actual, truth, naive, B.FP8, *dtypes, recipe, fp8_eps, samples, bound, truth0
+            label, actual, truth, naive, B.FP8, *dtypes, recipe, fp8_eps, min(dims), bound, truth0
         )
-
-
-def _smallest_gemm_dimension(case: Case) -> int:
-    """The fewest values any FP8 GEMM of ``case`` reduces over or spans: feature sizes, fc1's
-    width, and every non-empty token count (group by group)."""
-    c = case.config
-    dims = [d for shape in c.gemm_shapes() for d in shape]
-    for mb in case.micro_batches:
-        dims.extend(n for n in (mb.m_splits or (mb.rows,)) if n > 0)
-    return min(dims)
 
 
 # ---- judging a whole run ---------------------------------------------------------------------
@@ -237,7 +208,7 @@ def kink_candidates(
 ) -> list[AccuracyRun]:
     """One candidate truth per ``relu'`` assignment in ``picks``: ``truth`` plus each switched
     site's change (``deltas``) on every tensor it ``reaches`` (``(site, "x" | "p", micro-batch or
-    snapshot key)``; default: all), recording what it switched by tensor name in ``switched``."""
+    snapshot key)``; default: all), what it switched recorded by tensor name."""
     candidates = []
     for choice in picks:
         cand = AccuracyRun(

@@ -1,14 +1,7 @@
-"""The relu kink: pre-activations too close to 0 for any low-precision run to know relu'.
-
-Where the float64 truth of an fc1 pre-activation of a relu ``LayerNormMLP`` lies within
-rounding distance of 0 (:func:`kink_sites`, the band of :func:`kink_bound`), a correct run may
-use either derivative there, which moves the gradients by O(1). Gradients are linear in each
-``relu'``, so :func:`kink_deltas` gives, per site, what switching it adds to every compared
-tensor, and the checks accept a result within budget of the truth for *some* choice
-(:func:`kink_choices`): every choice in high precision (past
-:data:`~.budgets.KINK_MAX_ENUMERATED` sites :class:`CaseRejected`), under FP8 (a band an FP8
-step wide, :func:`fp8_kink_bound`) the truth, then one or two sites switched, the first that
-passes. docs/budgets.md derives both bands.
+"""The relu kink: fc1 pre-activations of a relu ``LayerNormMLP`` within rounding distance of 0
+(:func:`kink_sites`), where a correct run may take either ``relu'``. :func:`kink_deltas` gives
+what switching a site adds to every compared tensor, and the checks accept a result within
+budget of the truth for some choice (:func:`kink_choices`); docs/budgets.md derives the bands.
 """
 
 from __future__ import annotations
@@ -24,18 +17,6 @@ from .. import budgets as B
 from ..cases.case import Case, make_recipe
 from .internals import MicroBatchInternals, float64_internals
 
-__all__ = [
-    "CaseRejected",
-    "KinkSite",
-    "has_relu_kink",
-    "kink_choices",
-    "kink_sites",
-    "kink_bound",
-    "fp8_kink_bound",
-    "site_at",
-    "kink_deltas",
-]
-
 # A compared tensor: ("x", micro_batch_index) for inp.grad, or ("p", "fc1_weight.grad") etc.
 TensorKey = tuple[str, int | str]
 
@@ -46,8 +27,8 @@ class CaseRejected(UnsatisfiedAssumption):
 
 @dataclasses.dataclass(frozen=True)
 class KinkSite:
-    """One fc1 pre-activation within rounding distance of the kink: where it is (row of the
-    flattened input), its float64 truth, the bound, and ``d_act`` (what ``relu' = 1`` passes)."""
+    """One fc1 pre-activation within rounding distance of the kink (row of the flattened input),
+    its float64 truth, the bound, and ``d_act`` (what ``relu' = 1`` passes)."""
 
     micro_batch: int
     row: int
@@ -88,11 +69,9 @@ def fp8_kink_bound(
     recipe: str, ln_outs: list[torch.Tensor], w1: torch.Tensor, bounds: list[torch.Tensor]
 ) -> list[torch.Tensor]:
     """Per micro-batch, the band of fc1 pre-activations (N, F) whose ``relu'`` an FP8 run under
-    ``recipe`` may take on either side: the high-precision band ``bounds`` plus
+    ``recipe`` may take on either side: the high-precision ``bounds`` plus
     :data:`~.budgets.ROUNDING_SIGMAS` root sums of squares of one FP8 step per operand element,
-    ``sqrt(step(ln_out)**2 @ (W1**2)^T + ln_out**2 @ step(W1)**2^T)``. The subnormal floor is
-    taken at the largest scale the recipe can use: twice the amax-based one (block scales round
-    to a power of two), at least 1 for delayed scaling (its initial scale)."""
+    at the largest scale the recipe can use (docs/budgets.md)."""
     from splitgrad.reference import fp8 as R
     from splitgrad.reference.fp8_quant import format_for
 
@@ -212,10 +191,9 @@ def switched(sites: list[KinkSite], most: int) -> Iterator[tuple[int, ...]]:
 
 def kink_choices(case: Case, sites: list[KinkSite]) -> list[tuple[int, ...]]:
     """The ``relu'`` assignments of ``sites`` that ``case`` is judged against, the truth's own
-    first (a single one: judge against the truth alone). High precision: all of them, and
-    :class:`CaseRejected` past :data:`~.budgets.KINK_MAX_ENUMERATED` sites. FP8: one or two
-    switched sites (:func:`switched`), and the truth alone past
-    :data:`~.budgets.FP8_KINK_MAX_SITES` sites (the module docstring says why)."""
+    first: all of them in high precision (:class:`CaseRejected` past
+    :data:`~.budgets.KINK_MAX_ENUMERATED` sites); under FP8 one or two switched sites, and the
+    truth alone past :data:`~.budgets.FP8_KINK_MAX_SITES` sites."""
     if not sites:
         return [()]
     if case.config.recipe is None:

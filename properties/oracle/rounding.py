@@ -1,10 +1,7 @@
 """A rounding-error interpreter: how far a correct low-precision run may be from the float64
-truth, element by element, for any summation order.
-
-:func:`rounding_bounds` replays a case along the reference's formulas on :class:`Bounded`
-values (a float64 value and the variance-like sum of the rounding errors a correct run may have
-on it); :class:`Arith` holds the rules, and docs/budgets.md derives each. The budgets use the
-result as a per-element floor (:func:`~.budgets.with_rounding_bound`).
+truth, element by element, for any summation order. :func:`rounding_bounds` replays a case
+along the reference's formulas on :class:`Bounded` values with :class:`Arith`'s rules
+(docs/budgets.md derives each); the budgets take the result as a per-element floor.
 """
 
 from __future__ import annotations
@@ -28,8 +25,6 @@ from ..cases.data import (
 from ..checks.runner import Step, fb_steps
 from .internals import NORM_EPS, norm_projection
 
-__all__ = ["unit_roundoff", "sum_gamma", "Bounded", "Arith", "rounding_bounds"]
-
 
 def unit_roundoff(dtype: torch.dtype) -> float:
     """Round-to-nearest unit roundoff of ``dtype``: half its epsilon."""
@@ -47,8 +42,7 @@ def sum_gamma(k: int, u: float) -> float:
 @dataclasses.dataclass
 class Bounded:
     """An intermediate: ``v`` its float64 truth, ``s`` the sum of the squares of the rounding
-    errors a correct run may carry on it (half an ulp per rounding point, a reduction's worst
-    case in any order counted three times), carried to later results through ``J**2``."""
+    errors a correct run may carry on it, carried to later results through ``J**2``."""
 
     v: torch.Tensor
     s: torch.Tensor
@@ -69,8 +63,8 @@ class Bounded:
         return Bounded(self.v.t(), self.s.t())
 
     def bound(self) -> torch.Tensor:
-        """The elementwise rounding bound: a rounding to nearest errs uniformly within half an
-        ulp, a standard deviation of 1/sqrt(3) of it."""
+        """The elementwise rounding bound (a rounding to nearest errs uniformly within half an
+        ulp: a standard deviation of 1/sqrt(3) of it)."""
         return B.ROUNDING_SIGMAS * (self.s / 3.0).sqrt()
 
 
@@ -87,8 +81,7 @@ def _cat(parts: list[Bounded], dim: int, empty: torch.Tensor) -> Bounded:
 
 class Arith:
     """Operations on :class:`Bounded` values, rounding where the reference rounds: ``u`` the
-    unit roundoff of the module dtype (a stored result), ``uc`` that of the compute dtype (fp32
-    GEMM accumulation, norms, activations)."""
+    unit roundoff of a stored result, ``uc`` that of the compute dtype."""
 
     def __init__(
         self, dtype: torch.dtype, cast_operands: bool = False, recipe: str | None = None
@@ -103,10 +96,9 @@ class Arith:
         self._tainted: set[tuple[str, str]] = set()
 
     def quant(self, a: Bounded, gemm: str, role: str) -> Bounded:
-        """A GEMM operand quantized to FP8 as ``role`` of GEMM ``gemm`` (no-op without a recipe):
-        where two correct runs may hold it a little apart (computed, or for delayed scaling a
-        computed value in the scale's history), one FP8 step of the element more, at the largest
-        scale the recipe can be at."""
+        """A GEMM operand quantized to FP8 as ``role`` of GEMM ``gemm``: where two correct runs
+        may hold it apart (computed, or a computed value in a delayed scale's history), one FP8
+        step of the element more, at the largest scale the recipe can be at."""
         if self.recipe is None or a.v.numel() == 0:
             return a
         from splitgrad.reference import fp8 as R
@@ -131,8 +123,7 @@ class Arith:
         return Bounded(a.v, a.s + _worst(step))
 
     def operand(self, a: Bounded) -> Bounded:
-        """A GEMM operand: under ``torch.autocast`` cast (rounded) to the autocast dtype first
-        (float32 parameters and inputs; values already in it stay exact), else as it is."""
+        """A GEMM operand, rounded to the autocast dtype first under ``torch.autocast``."""
         return self.store(a) if self.cast_operands else a
 
     def param(self, w: torch.Tensor) -> Bounded:
@@ -178,9 +169,7 @@ def _through(jac: torch.Tensor, a: Bounded) -> torch.Tensor:
 
 
 def _norm_fwd(ar: Arith, x: Bounded, state, c) -> tuple[Bounded, dict]:
-    """The norm of ``x`` (``layer_norm_fwd`` / ``rms_norm_fwd``): the input's error through the
-    exact Jacobian ``rstd P``; the mean's summation error shifts every ``x - mean`` of the row
-    and is multiplied by ``rstd``; the variance's moves ``xhat`` by ``|xhat| * gamma_K / 2``."""
+    """The norm of ``x`` along ``layer_norm_fwd`` / ``rms_norm_fwd`` (docs/budgets.md)."""
     layer_norm = c.normalization == "LayerNorm"
     k = x.v.shape[-1]
     gamma = state["layer_norm_weight"] + (1.0 if c.zero_centered_gamma else 0.0)
@@ -215,9 +204,8 @@ def _norm_fwd(ar: Arith, x: Bounded, state, c) -> tuple[Bounded, dict]:
 
 
 def _norm_bwd(ar: Arith, dy: Bounded, saved: dict, c) -> tuple[Bounded, Bounded, Bounded | None]:
-    """dx, dgamma, dbeta along ``layer_norm_bwd`` / ``rms_norm_bwd`` (before the slot's
-    rounding): ``d_ln``'s error through the exact Jacobian ``rstd P diag(gamma)``, the saved
-    ``xhat`` / ``rstd`` errors through ``dx``'s derivatives in them."""
+    """dx, dgamma, dbeta along ``layer_norm_bwd`` / ``rms_norm_bwd``, before the slot's rounding
+    (docs/budgets.md)."""
     layer_norm = c.normalization == "LayerNorm"
     xh, rstd, gamma, proj = saved["xhat"], saved["rstd"], saved["gamma"], saved["proj"]
     k = xh.v.shape[-1]
@@ -268,9 +256,8 @@ def _second_derivative(fprime, v: torch.Tensor) -> torch.Tensor:
 
 
 def _module_bounds(ar: Arith, c, state, x: Bounded, dy_of) -> tuple[Bounded, dict]:
-    """One use of a Linear / LayerNormLinear / LayerNormMLP on the rows ``x``: its forward, then
-    its backward from ``dy_of(y)``: ``(y, grads)`` with grads keyed ``"x"`` and by parameter
-    name (this use's contribution, before the slot's rounding)."""
+    """One use of a Linear / LayerNormLinear / LayerNormMLP on the rows ``x``, backward from
+    ``dy_of(y)``: ``(y, grads)``, grads keyed ``"x"`` and by parameter (pre-rounding)."""
     grads: dict[str, Bounded] = {}
     h_in, saved = _norm_fwd(ar, x, state, c) if c.has_norm else (x, {})
     if c.kind in ("Linear", "LayerNormLinear"):
@@ -321,8 +308,7 @@ def _module_bounds(ar: Arith, c, state, x: Bounded, dy_of) -> tuple[Bounded, dic
 
 
 def _use(ar: Arith, c, state, x: Bounded, dy_of, splits) -> tuple[Bounded, dict]:
-    """One use of the module on the rows ``x``; a GroupedLinear is a Linear per group of rows
-    (``m_splits``), its forward taken whole before ``dy_of`` sees it."""
+    """One use of the module on the rows ``x``; a GroupedLinear as a Linear per group of rows."""
     if c.kind != "GroupedLinear":
         return _module_bounds(ar, c, state, x, dy_of)
     lin = dataclasses.replace(c, kind="Linear", num_gemms=1)
@@ -367,9 +353,8 @@ class _Replay:
         self.out: dict[str, torch.Tensor] = {}
 
     def accumulate(self, grads: dict[str, Bounded], rows: int, flag: bool | None) -> None:
-        """One use's parameter gradients into their slots: ``main_grad`` in fp32 (a flagged
-        contribution overwrites, SPEC §3; else it may meet each term of the GEMM's reduction),
-        ``.grad`` in the module dtype."""
+        """One use's parameter gradients into their slots: ``main_grad`` in fp32 (overwritten
+        when flagged, SPEC §3), ``.grad`` in the module dtype."""
         ar, u32 = self.ar, unit_roundoff(torch.float32)
         for name, g in grads.items():
             if name not in self.slots:
@@ -402,16 +387,13 @@ class _Replay:
         dy = Bounded.exact(d.dy.reshape(-1, c.output_features))
         return _use(self.ar, c, self.state, x, dy_of or (lambda _y: dy), d.spec.m_splits)
 
-    def zero(self) -> None:
-        """Every gradient to ``None``; a fused weight's ``main_grad`` to zeros."""
-        for name in self.slots:
-            zero = torch.zeros_like(self.prefill_main[name]) if name in self.main else None
-            self.slots[name] = None if zero is None else Bounded.exact(zero)
-
     def step(self, step: Step) -> None:
         i = step.index
-        if step.op == "zero":
-            return self.zero()
+        if step.op == "zero":  # every .grad to None, a fused weight's main_grad to zeros
+            for name in self.slots:
+                zero = torch.zeros_like(self.prefill_main[name]) if name in self.main else None
+                self.slots[name] = None if zero is None else Bounded.exact(zero)
+            return
         rows = self.case.micro_batches[i].rows
         if step.op == "fb":
             y, g = self.use(i)
@@ -422,9 +404,8 @@ class _Replay:
             y1, g1 = self.use(i + 1)
             self.record(i, y0, g0.pop("x"))
             self.record(i + 1, y1, g1.pop("x"))
-            self.accumulate(
-                g1, self.case.micro_batches[i + 1].rows, None
-            )  # the second use's wgrad runs first
+            # The second use's wgrad runs first.
+            self.accumulate(g1, self.case.micro_batches[i + 1].rows, None)
             self.accumulate(g0, rows, self.flags[i])
         else:  # chain: y = m(m(x)), one backward
             inner: dict[str, Bounded] = {}
@@ -453,11 +434,10 @@ def rounding_bounds(
     prefill_grads: bool = False,
     frozen: Sequence[str] = (),
 ) -> dict[str, torch.Tensor]:
-    """Per compared tensor (``"output[micro-batch i]"``, ``"inp.grad[micro-batch i]"`` and the
-    gradient slots' snapshot keys), the elementwise bound on a correct run's rounding error after
-    ``steps`` (default: one forward and backward per micro-batch), for any summation order, on a
-    module prepared as the check prepared it. Under FP8 it bounds how far two correct runs can
-    be apart (:meth:`Arith.quant`). Empty in float64 (no wider truth)."""
+    """Per compared tensor (outputs, input gradients, gradient slots' snapshot keys), the
+    elementwise bound on a correct run's rounding error after ``steps`` (default: one forward and
+    backward per micro-batch), on a module prepared as the check prepared it; under FP8, how far
+    two correct runs can be apart. Empty in float64."""
     if case.config.torch_dtype == torch.float64:
         return {}
     replay = _Replay(case, prefill_grads, frozen)

@@ -2,13 +2,10 @@
 
 :func:`truth_runs` replays a check's :class:`~.runner.Step`\\ s non-delayed on the reference: in
 the case's dtype (the naive run), on its float64 twin (the truth) and, under FP8, on the float64
-twin under the same recipe. P1-P3 judge against it (:mod:`.accuracy`); :func:`judge_steps` judges
-what the differential properties (P4-P8, P12) observed after their own steps with the P2/P3
-budgets, since comparing an implementation with itself cannot see a bug on the path both sides
-share (docs/oracle.md). At a relu kink a candidate truth adds a site's change only to the
-gradients its micro-batch still reaches at the end. A module chained on itself (``"chain"``)
-feeds its own output into its second use, which the micro-batches' operand allowances and kink
-sites do not describe: neither applies, and a relu ``LayerNormMLP`` is not judged there.
+twin under the same recipe. :func:`judge_steps` judges what the differential properties observed
+after their own steps with the P2/P3 budgets (docs/oracle.md). A module chained on itself
+(``"chain"``) gets neither operand allowances nor kink sites, and a relu ``LayerNormMLP`` is not
+judged there: its second use's operands are its own output, which they do not describe.
 """
 
 from __future__ import annotations
@@ -38,18 +35,6 @@ from .judge import Judging, best_of, compare_dgrads, compare_wgrads, kink_candid
 from .kink import has_relu_kink, kink_choices, kink_deltas, kink_sites
 from .rounding import rounding_bounds
 
-__all__ = [
-    "reference_backend",
-    "float64_twin",
-    "TruthRuns",
-    "truth_runs",
-    "memo",
-    "row_reversal",
-    "worse_naive",
-    "judge_steps",
-]
-
-
 T = TypeVar("T")
 
 
@@ -60,8 +45,8 @@ def reference_backend() -> Backend:
 
 
 def float64_twin(backend: Backend, case: Case, low: ModuleRun, **config: object) -> ModuleRun:
-    """A non-delayed run of ``backend`` on a float64 copy of ``low``'s module (the same weights
-    and prefills: :func:`splitgrad.reference.upcast`), ``config`` replacing fields of the case's."""
+    """A non-delayed run of ``backend`` on a float64 copy of ``low``'s module (weights and
+    prefills), ``config`` replacing fields of the case's."""
     from splitgrad.reference import upcast
 
     module = upcast(low.module)
@@ -88,10 +73,9 @@ _memo_bytes = 0
 
 
 def memo(fn: Callable[..., T], *args: Hashable) -> T:
-    """``fn(*args)`` for a function of its arguments alone, kept up to :data:`MEMO_BYTES` (P1-P3
-    share cases). The key holds ``fn`` itself (so a test's replacement is never answered from
-    it), and torch's thread count and deterministic mode (the float64 reductions may depend on
-    them). Callers must not modify what they get."""
+    """``fn(*args)`` for a function of its arguments alone, kept up to :data:`MEMO_BYTES`; keyed
+    also by torch's thread count and deterministic mode (float64 reductions may depend on them).
+    Callers must not modify what they get."""
     global _memo_bytes
     key = (fn, args, torch.get_num_threads(), torch.are_deterministic_algorithms_enabled())
     if key in _MEMO:
@@ -119,8 +103,8 @@ def _nbytes(value: object) -> int:
 def truth_runs(
     case: Case, steps: Sequence[Step], *, prefill_grads: bool = False, frozen: Sequence[str] = ()
 ) -> TruthRuns:
-    """The truth and the naive yardstick of ``steps`` on ``case``, prepared as the check prepared
-    its module (``prefill_grads``, ``frozen``; ``main_grad`` prefilled when fused); shared."""
+    """The truth and the naive yardstick of ``steps`` on ``case``, the module prepared as the
+    check prepared its own (``prefill_grads``, ``frozen``); memoized."""
     return memo(_truth_runs, case, tuple(steps), prefill_grads, tuple(frozen))
 
 
@@ -155,8 +139,7 @@ def _permute_rows(t: torch.Tensor | None, perm: torch.Tensor) -> torch.Tensor | 
 
 def row_reversal(data: Sequence[MicroBatchData]) -> tuple[list[MicroBatchData], list[torch.Tensor]]:
     """Each micro-batch with its rows reversed within each group (``m_splits``), and each row
-    permutation (its own inverse): row-wise work is unchanged, every reduction over rows adds
-    the same terms in another order."""
+    permutation (its own inverse): every reduction over rows adds its terms in another order."""
     out, perms = [], []
     for d in data:
         starts, start = [], 0
@@ -182,8 +165,7 @@ def worse_naive(
     naive: AccuracyRun, reversed_run: AccuracyRun, perms: Sequence[torch.Tensor], truth: AccuracyRun
 ) -> AccuracyRun:
     """Per tensor, whichever of two naive runs (rows in order, rows reversed) is further from
-    ``truth``: one run's error over a reduction is a single sample of the rounding noise, and
-    can be far below it when its row errors cancel (docs/budgets.md)."""
+    ``truth`` (docs/budgets.md: the naive yardstick, taken twice)."""
 
     def err(a: torch.Tensor | None, t: torch.Tensor | None) -> float:
         if a is None or t is None or a.shape != t.shape:
@@ -245,8 +227,8 @@ def _reached(case: Case, steps: Sequence[Step], frozen: Sequence[str]) -> dict[s
 def _candidates(
     case: Case, steps: Sequence[Step], truth: AccuracyRun, frozen: Sequence[str]
 ) -> tuple[list[AccuracyRun], str]:
-    """The truths the case may be judged against and the note a failure message gets; raises
-    :class:`~.kink.CaseRejected` as :func:`~.kink.kink_choices` does."""
+    """The truths the case may be judged against (a site's change only on the gradients its
+    micro-batch still reaches) and the note a failure message gets."""
     sites = kink_sites(case)
     picks = kink_choices(case, sites)
     if len(picks) == 1:
@@ -304,8 +286,7 @@ def judge_steps(
 ) -> None:
     """Judge what a check observed after ``steps`` (``got``) against the float64 truth of the same
     steps with P2's (``"dgrad"``) and/or P3's (``"wgrad"``) budgets; ``label`` prefixes tensor
-    names in messages; ``only``, a predicate on names (``"inp.grad[micro-batch 1]"``,
-    ``"fc1_weight.grad"``), limits the comparison. Records the worst ratio in ``t`` or raises."""
+    names in messages; ``only``, a predicate on names, limits the comparison."""
     if case.config.dtype not in LOW_PRECISION_DTYPES:
         return  # float64 has no wider truth (as P1-P3, which never draw it)
     chain = any(s.op == "chain" for s in steps)
