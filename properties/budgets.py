@@ -454,89 +454,63 @@ def check_fp8_budget(
             f"{name}: the naive run's truth has shape {tuple(naive_truth.shape)}, "
             f"expected {tuple(truth.shape)}",
         )
-    tag = f"[{budget.kind} budget{', ' + recipe if recipe else ''}]"
-    nt = truth if naive_truth is None else naive_truth
-    g = _Fp8Gate(name, budget, dtype or actual.dtype, *map(_f64, (truth, actual, naive, nt)), tag)
-    n_eff = g.t.numel() if samples is None else max(1, min(samples, g.t.numel()))
-    g.small = budget.small_tensor_steps * fp8_eps / math.sqrt(n_eff)
+    b, dtype = budget, dtype or actual.dtype
+    tag = f"[{b.kind} budget{', ' + recipe if recipe else ''}]"
+    t, a, n = _f64(truth), _f64(actual), _f64(naive)
+    nt = t if naive_truth is None else _f64(naive_truth)
+    n_eff = t.numel() if samples is None else max(1, min(samples, t.numel()))
+    small = b.small_tensor_steps * fp8_eps / math.sqrt(n_eff)
+    bound = None if bound is None else _f64(bound).expand_as(t)
+    # The element-wise gate.
+    err = _abs_err(a, t)
+    naive_err = float((n - nt).abs().max())
+    magnitude = float(t.abs().max())
+    floor = b.floor_steps * rounding_step(dtype, magnitude) + small * magnitude
+    allowed_t = torch.full_like(err, b.multiplier * naive_err + floor)
     if bound is not None:
-        g.bound = _f64(bound).expand_as(g.t)
-    ratio = g.elementwise()
-    if float(g.t.norm()) == 0.0:
-        return ratio
-    return max(ratio, g.whole_tensor())
-
-
-@dataclasses.dataclass
-class _Fp8Gate:
-    """The two gates of :func:`check_fp8_budget` on one tensor (float64 CPU copies: ``t`` the
-    truth, ``a`` the implementation, ``n`` the naive run, ``nt`` the naive run's truth)."""
-
-    name: str
-    budget: Fp8Budget
-    dtype: torch.dtype
-    t: torch.Tensor
-    a: torch.Tensor
-    n: torch.Tensor
-    nt: torch.Tensor
-    tag: str
-    small: float = 0.0
-    bound: torch.Tensor | None = None
-
-    def elementwise(self) -> float:
-        b = self.budget
-        err = _abs_err(self.a, self.t)
-        naive_err = float((self.n - self.nt).abs().max())
-        magnitude = float(self.t.abs().max())
-        floor = b.floor_steps * rounding_step(self.dtype, magnitude) + self.small * magnitude
-        allowed_t = torch.full_like(err, b.multiplier * naive_err + floor)
-        if self.bound is not None:
-            allowed_t = torch.maximum(allowed_t, b.multiplier * naive_err + self.bound)
-        flat, ratio = _worst(err / allowed_t)
-        if ratio <= 1.0:
-            return ratio
-        idx = _fmt_index(flat, self.t.shape)
+        allowed_t = torch.maximum(allowed_t, b.multiplier * naive_err + bound)
+    flat, ratio = _worst(err / allowed_t)
+    if not ratio <= 1.0:
+        idx = _fmt_index(flat, t.shape)
         crossing = ""
-        if self.bound is not None:
-            crossing = f"; FP8 crossing bound there {float(self.bound.flatten()[flat]):.4g}"
+        if bound is not None:
+            crossing = f"; FP8 crossing bound there {float(bound.flatten()[flat]):.4g}"
         raise BudgetViolation(
-            self.name,
-            f"{self.name}: worst error {float(err.flatten()[flat]):.4g} at index {idx}: got "
-            f"{_scalar(self.a, idx)!r}, truth {_scalar(self.t, idx)!r} (naive FP8 "
-            f"{_scalar(self.n, idx)!r}); element-wise budget "
+            name,
+            f"{name}: worst error {float(err.flatten()[flat]):.4g} at index {idx}: got "
+            f"{_scalar(a, idx)!r}, truth {_scalar(t, idx)!r} (naive FP8 "
+            f"{_scalar(n, idx)!r}); element-wise budget "
             f"{float(allowed_t.flatten()[flat]):.4g} = {b.multiplier} x naive error "
-            f"{naive_err:.4g} + the larger of {b.floor_steps} rounding steps of {self.dtype} at "
-            f"|truth| {magnitude:.4g} + small-tensor {self.small:.3g} x |truth|{crossing}; "
-            f"ratio {ratio:.3g} {self.tag}",
+            f"{naive_err:.4g} + the larger of {b.floor_steps} rounding steps of {dtype} at "
+            f"|truth| {magnitude:.4g} + small-tensor {small:.3g} x |truth|{crossing}; "
+            f"ratio {ratio:.3g} {tag}",
             ratio,
         )
-
-    def whole_tensor(self) -> float:
-        b = self.budget
-        norm_t = float(self.t.norm())
-        rel = float((self.a - self.t).norm()) / norm_t
-        norm_nt = float(self.nt.norm())
-        rel_naive = float((self.n - self.nt).norm()) / norm_nt if norm_nt else 0.0
-        eps = torch.finfo(self.dtype).eps
-        allowed = b.norm_multiplier * rel_naive + b.norm_floor_steps * eps + self.small
-        if self.bound is not None:
-            crossing = b.norm_multiplier * rel_naive + float(self.bound.norm()) / norm_t
-            allowed = max(allowed, crossing)
-        ratio = rel / allowed
-        if ratio <= 1.0:
-            return ratio
-        t, a, n = self.t, self.a, self.n
-        idx = _fmt_index(int(_abs_err(a, t).flatten().argmax()), t.shape)
+    norm_t = float(t.norm())
+    if norm_t == 0.0:
+        return ratio
+    # The whole-tensor gate.
+    rel = float((a - t).norm()) / norm_t
+    norm_nt = float(nt.norm())
+    rel_naive = float((n - nt).norm()) / norm_nt if norm_nt else 0.0
+    eps = torch.finfo(dtype).eps
+    allowed = b.norm_multiplier * rel_naive + b.norm_floor_steps * eps + small
+    if bound is not None:
+        allowed = max(allowed, b.norm_multiplier * rel_naive + float(bound.norm()) / norm_t)
+    whole = rel / allowed
+    if not whole <= 1.0:
+        idx = _fmt_index(int(err.flatten().argmax()), t.shape)
         raise BudgetViolation(
-            self.name,
-            f"{self.name}: relative error ||got - truth|| / ||truth|| = {rel:.4g} over the whole "
+            name,
+            f"{name}: relative error ||got - truth|| / ||truth|| = {rel:.4g} over the whole "
             f"tensor, naive FP8 {rel_naive:.4g}; whole-tensor budget {allowed:.4g} = "
-            f"{b.norm_multiplier} x naive + {b.norm_floor_steps} eps of {self.dtype} + "
-            f"small-tensor {self.small:.3g}; ratio {ratio:.3g} (worst element {idx}: got "
+            f"{b.norm_multiplier} x naive + {b.norm_floor_steps} eps of {dtype} + "
+            f"small-tensor {small:.3g}; ratio {whole:.3g} (worst element {idx}: got "
             f"{_scalar(a, idx)!r}, truth {_scalar(t, idx)!r}, naive {_scalar(n, idx)!r}) "
-            f"{self.tag}",
-            ratio,
+            f"{tag}",
+            whole,
         )
+    return max(ratio, whole)
 
 
 def gradcheck_reference(config, seed: int = 0, rows: int = 3, backend=None) -> None:
@@ -545,7 +519,6 @@ def gradcheck_reference(config, seed: int = 0, rows: int = 3, backend=None) -> N
     ``L = sum(y * dy)`` per parameter element for the gradients the module writes itself.
     Raises :class:`BudgetViolation`; ``backend`` defaults to the reference. Keep shapes tiny."""
     from .backends import get_backend
-    from .cases.case import MicroBatch
     from .cases.data import make_state
 
     config = dataclasses.replace(config, dtype="float64", autocast=None)
@@ -554,7 +527,6 @@ def gradcheck_reference(config, seed: int = 0, rows: int = 3, backend=None) -> N
     if config.kind == "GroupedLinear":
         base, extra = divmod(rows, config.num_gemms)
         splits = tuple(base + (i < extra) for i in range(config.num_gemms))
-    mb = MicroBatch((rows,), splits)
     g = torch.Generator().manual_seed(seed)
     x0 = torch.randn(rows, config.in_features, generator=g, dtype=torch.float64)
     dy = torch.randn(rows, config.output_features, generator=g, dtype=torch.float64)
@@ -564,7 +536,7 @@ def gradcheck_reference(config, seed: int = 0, rows: int = 3, backend=None) -> N
     weights = set(backend.gemm_weight_names(module)) if config.fuse_wgrad_accumulation else set()
 
     def fwd(x: torch.Tensor) -> torch.Tensor:
-        return backend.forward(module, x, mb.m_splits, None)
+        return backend.forward(module, x, splits, None)
 
     x = x0.clone().requires_grad_(True)
     tol = {"eps": GRADCHECK_EPS, "atol": GRADCHECK_ATOL, "rtol": GRADCHECK_RTOL}
@@ -578,7 +550,7 @@ def gradcheck_reference(config, seed: int = 0, rows: int = 3, backend=None) -> N
         p.grad = None
         if name in weights:
             p.main_grad.zero_()  # gradcheck's own backward calls accumulated into it
-    backend.forward(module, x0.clone().requires_grad_(True), mb.m_splits, None).backward(dy)
+    backend.forward(module, x0.clone().requires_grad_(True), splits, None).backward(dy)
     for name, p in params.items():
         analytic = p.main_grad if name in weights else p.grad
         if analytic is None:

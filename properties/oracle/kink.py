@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator
 
 import torch
 from hypothesis.errors import UnsatisfiedAssumption
@@ -170,32 +169,12 @@ def kink_deltas(case: Case, sites: list[KinkSite]) -> list[dict[TensorKey, torch
     return out
 
 
-def choices(sites: list[KinkSite]) -> Iterator[tuple[int, ...]]:
-    """Every ``relu'`` assignment of the sites, the truth's own first."""
-    own = tuple(s.truth_slope for s in sites)
-    yield own
-    for c in itertools.product((0, 1), repeat=len(sites)):
-        if c != own:
-            yield c
-
-
-def switched(sites: list[KinkSite], most: int) -> Iterator[tuple[int, ...]]:
-    """The truth's own ``relu'`` assignment, then every one that switches one site, then (with
-    ``most >= 2``) every one that switches two."""
-    own = tuple(s.truth_slope for s in sites)
-    yield own
-    for k in range(1, most + 1):
-        for picked in itertools.combinations(range(len(sites)), k):
-            yield tuple(1 - v if i in picked else v for i, v in enumerate(own))
-
-
 def kink_choices(case: Case, sites: list[KinkSite]) -> list[tuple[int, ...]]:
     """The ``relu'`` assignments of ``sites`` that ``case`` is judged against, the truth's own
     first: all of them in high precision (:class:`CaseRejected` past
     :data:`~.budgets.KINK_MAX_ENUMERATED` sites); under FP8 one or two switched sites, and the
     truth alone past :data:`~.budgets.FP8_KINK_MAX_SITES` sites."""
-    if not sites:
-        return [()]
+    own = tuple(s.truth_slope for s in sites)
     if case.config.recipe is None:
         if len(sites) > B.KINK_MAX_ENUMERATED:
             raise CaseRejected(
@@ -203,8 +182,9 @@ def kink_choices(case: Case, sites: list[KinkSite]) -> list[tuple[int, ...]]:
                 f"than KINK_MAX_ENUMERATED={B.KINK_MAX_ENUMERATED}): the example cannot be "
                 "judged"
             )
-        return list(choices(sites))
+        return [own] + [c for c in itertools.product((0, 1), repeat=len(sites)) if c != own]
     if len(sites) > B.FP8_KINK_MAX_SITES:
-        return [tuple(s.truth_slope for s in sites)]
+        return [own]
     most = 2 if len(sites) <= B.FP8_KINK_PAIRS_UP_TO else 1
-    return list(switched(sites, most))
+    picks = [p for k in range(1, most + 1) for p in itertools.combinations(range(len(sites)), k)]
+    return [own] + [tuple(1 - v if i in p else v for i, v in enumerate(own)) for p in picks]
