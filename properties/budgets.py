@@ -374,11 +374,9 @@ def check_error_budget(
     element_floor: torch.Tensor | None = None,
     floor_magnitude: float | None = None,
 ) -> float:
-    """Tier 2: ``actual`` against the float64 ``truth``, relative to ``naive``'s own error.
-
-    ``dtype`` sets the floor's rounding step (default: ``actual``'s, e.g. float32 for a bf16
-    module's ``main_grad``), ``module_dtype`` the multiplier (default: ``dtype``);
-    ``naive_error`` replaces ``max|naive - truth|`` (the relu kink's candidate truths);
+    """Tier 2: ``actual`` against the float64 ``truth``, relative to ``naive``'s own error;
+    ``dtype`` sets the floor's rounding step (default: ``actual``'s), ``module_dtype`` the
+    multiplier (default: ``dtype``); ``naive_error`` replaces ``max|naive - truth|``;
     ``element_floor`` (truth's shape) adds to the budget per element; ``floor_magnitude`` as in
     :func:`_floor`; ``note`` ends a failure message. Returns worst error / budget or raises."""
     if not check_same_presence(name, actual, truth):
@@ -432,7 +430,6 @@ def check_fp8_budget(
     naive_truth: torch.Tensor | None = None,
 ) -> float:
     """Both gates of :class:`Fp8Budget`; returns the larger ratio or raises naming the gate.
-
     ``fp8_eps``: the coarsest FP8 format's epsilon on the tensor's way; ``samples``: the
     independent quantizations its statistics average over (default: its element count);
     ``bound``: how far two correct FP8 runs can be apart, per element (each gate also admits the

@@ -179,7 +179,6 @@ def _check_parametrize(backend: Backend, case: Case) -> CheckResult:
     with torch.no_grad():
         original.mul_(0.5)  # the forward sees 2 * original: exactly the case's value
     backend.parametrize(run.module, name, _Twice())
-    leaves_left = [n for n in run.gemm_names if n != name]
     xgrads: list[torch.Tensor | None] = []
     for d in data:
         x = d.fresh_input()
@@ -191,7 +190,7 @@ def _check_parametrize(backend: Backend, case: Case) -> CheckResult:
                 return t.result  # a main_grad belongs to a leaf: refused, naming the weight
             raise
         xgrads.append(clone_of(x.grad))
-    queued = len(data) if case.delay and leaves_left else 0
+    queued = len(data) if case.delay and set(run.gemm_names) - {name} else 0
     t.equal(f"{what}pending_wgrad_count after the backwards", run.pending(), queued)
     label = f"{what}parametrizations.{name}.original.grad"
     arrived = clone_of(original.grad)
@@ -214,13 +213,6 @@ def _check_parametrize(backend: Backend, case: Case) -> CheckResult:
 
 
 # ---- tensor hooks and post-accumulate hooks ------------------------------------------------
-def _mask(run: ModuleRun, case: Case, name: str, index: int) -> torch.Tensor:
-    p = run.params[name]
-    g = generator(case.seed, 30_000 + index)
-    keep = torch.rand(p.shape, generator=g, dtype=torch.float64) < 0.5
-    return keep.to(dtype=p.dtype, device=p.device)
-
-
 class _Recorder:
     """What the hooks of one check saw, by parameter, with the call (phase) they ran in."""
 
@@ -279,7 +271,9 @@ def _check_tensor_hook(backend: Backend, case: Case) -> CheckResult:
         return p18_mask_hook
 
     for j, name in enumerate(names):
-        run.params[name].register_hook(make_hook(name, _mask(run, case, name, j)))
+        p, g = run.params[name], generator(case.seed, 30_000 + j)
+        mask = torch.rand(p.shape, generator=g, dtype=torch.float64) < 0.5
+        p.register_hook(make_hook(name, mask.to(dtype=p.dtype, device=p.device)))
     fused_hooked = [n for n in names if run.uses_main_grad(n)]
     try:
         xgrads, _ = rec.drive(run, data, case.delay)
@@ -570,8 +564,7 @@ def _check_differentiating(backend: Backend, case: Case) -> CheckResult:
         first = {k[len("first order ") :]: v for k, v in got.items() if k.startswith("first")}
         _judge_first_order(t, one, first, f"{what}first order: ", keep=not_fused)
     if has_relu_kink(one) and kink_sites(one):
-        # The generic budgets of second order and Jacobians cannot take the relu kink's
-        # candidate truths: such an example is not judged (see :mod:`.kink`).
+        # Second-order and Jacobian budgets take no candidate truths (docs/budgets.md).
         raise CaseRejected("relu pre-activations within rounding distance of 0 (P18, unjudged)")
     wide = [dataclasses.replace(d, x=d.x.double(), dy=d.dy.double()) for d in data]
     naive_got, truth_got = procedure(naive, data, case), procedure(truth, wide, case)

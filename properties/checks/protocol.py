@@ -1,12 +1,8 @@
-"""P18's module-protocol kinds (SPEC §2, "Every module is a well-behaved ``torch.nn.Module``"),
-through the :class:`~.backends.Backend` API; :mod:`.fidelity` dispatches them with the autograd
-kinds. n/a on a backend whose modules are the adapter's own
-(:meth:`~.backends.Backend.module_protocol_reason`). Each case names one kind (``case.variant``):
-placement under torch's default device and dtype, ``reset_parameters`` (after meta and
-``to_empty()``, and refused with entries queued), ``repr``, no output view, and copies by
-``pickle``, ``torch.save``, ``deepcopy`` and ``to_empty`` that compute bitwise what the original
-computes (docs/harness.md lists what each checks). ``.grad`` and ``main_grad`` are not part of a
-copy (``Parameter``'s ``deepcopy`` drops them, as for ``torch.nn.Linear``).
+"""P18's module-protocol kinds (SPEC §2, "Every module is a well-behaved ``torch.nn.Module``";
+docs/harness.md lists what each checks), dispatched by :mod:`.fidelity`; n/a on a backend whose
+modules are the adapter's own (:meth:`~.backends.Backend.module_protocol_reason`). A copy does
+not carry ``.grad`` or ``main_grad`` (``Parameter``'s ``deepcopy`` drops them, as for
+``torch.nn.Linear``).
 """
 
 from __future__ import annotations

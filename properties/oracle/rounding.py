@@ -367,11 +367,10 @@ class _Replay:
                 site = sum_gamma(rows + 1, u32) * (prev.v.abs() + g.v.abs())
                 summed = Bounded(prev.v + g.v, prev.s + g.s + _worst(site))
                 self.slots[name] = ar.store(summed, u32)
-            elif prev is None:
-                self.slots[name] = ar.store(g)
             else:
                 g = ar.store(g)
-                self.slots[name] = ar.store(Bounded(prev.v + g.v, prev.s + g.s))
+                summed = g if prev is None else ar.store(Bounded(prev.v + g.v, prev.s + g.s))
+                self.slots[name] = summed
 
     def record(self, i: int, y: Bounded, dx: Bounded) -> None:
         lead = self.case.micro_batches[i].lead_shape
