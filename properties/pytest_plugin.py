@@ -1,14 +1,7 @@
-"""pytest plugin: run splitgrad's conformance suite against any implementation, in its own CI.
-
-Installed with splitgrad (a ``pytest11`` entry point), so in a project with SPEC §2's API:
-
-    pytest --pyargs splitgrad.properties --splitgrad-backend module:mypkg -n auto \\
-        --junitxml=conformance.xml
-
-collects ``test_conformance.py``: one test per cell of the session ``splitgrad verify`` runs,
-under the same ids (``test_property[P4-Linear-bfloat16-none]``). Each process opens the session
-once from the read-only options, so ``pytest-xdist`` can spread the tests. Only options are
-registered at start-up: torch and hypothesis are imported when the suite is asked for.
+"""pytest plugin (a ``pytest11`` entry point): ``pytest --pyargs splitgrad.properties
+--splitgrad-backend module:mypkg`` collects ``test_conformance.py``, the cells of the session
+``splitgrad verify`` runs under the same ids (docs/harness.md). Only options are registered at
+start-up: torch and hypothesis are imported when the suite is asked for.
 """
 
 from __future__ import annotations
@@ -51,8 +44,8 @@ def pytest_addoption(parser) -> None:
 
 
 def options_of(config) -> dict[str, str]:
-    """The suite's options as strings, keyed without the ``--splitgrad-`` prefix. Hypothesis'
-    own ``--hypothesis-profile`` / ``--hypothesis-seed`` fill in a profile / seed not given."""
+    """The suite's options as strings by name; hypothesis' own ``--hypothesis-profile`` and
+    ``--hypothesis-seed`` fill in a profile and seed not given."""
     out = {name: str(config.getoption(f"--splitgrad-{name}") or "") for name in _OPTIONS}
     for key, theirs in (("profile", "hypothesis_profile"), ("seed", "hypothesis_seed")):
         if not out[key]:
@@ -62,8 +55,7 @@ def options_of(config) -> dict[str, str]:
 
 
 def session_options(config):
-    """The suite's :class:`~.front.session.Options` from its ``--splitgrad-*`` options (a bad
-    value stops the run with a usage error naming the option)."""
+    """The suite's :class:`~.front.session.Options` (a bad value is a usage error naming it)."""
     import pytest
 
     from .front.session import LIST_OPTIONS, OptionError, Options
@@ -125,8 +117,7 @@ def suite_requested(config) -> bool:
 
 
 def pytest_configure(config) -> None:
-    """Check the suite's options and read ``--splitgrad-xfails`` once, before collection (a bad
-    value or file is a usage error naming the option, and the line)."""
+    """Check the suite's options and read ``--splitgrad-xfails`` once, before collection."""
     if suite_requested(config):
         session_options(config)
     path = config.getoption("--splitgrad-xfails", default="")
@@ -171,8 +162,7 @@ def _backend_location(name: str) -> str:
 
 
 def pytest_report_header(config) -> list[str]:
-    """The backend under test, device, hypothesis profile and seed, torch's version (only in a
-    run that asks for the suite)."""
+    """The backend under test, device, profile, seed and torch's version, when the suite runs."""
     if not suite_requested(config):
         return []
     import torch

@@ -1,6 +1,5 @@
-"""splitgrad's conformance suite as pytest tests (``pytest --pyargs splitgrad.properties``, options
-from :mod:`splitgrad.properties.pytest_plugin`): the cells, ids and API gaps of the session that
-``splitgrad verify`` runs. Cells listed in ``--splitgrad-xfails`` are strict expected failures."""
+"""splitgrad's conformance suite as pytest tests (:mod:`splitgrad.properties.pytest_plugin`): the
+cells, ids and API gaps of ``splitgrad verify``'s session; ``--splitgrad-xfails`` are strict."""
 
 from __future__ import annotations
 

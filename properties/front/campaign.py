@@ -1,8 +1,6 @@
-"""Run a property over hypothesis-drawn cases and summarise it as one table cell (property,
-module kind, dtype, FP8 recipe family, forced fast path, autocast dtype): examples, the worst
-error/budget ratio and, on failure, the shrunk case, the message and a command line that replays
-it. pytest and ``splitgrad verify`` both use it, so a red CI row and a red ``verify`` row say
-the same thing.
+"""Run a property over hypothesis-drawn cases and summarise it as one table cell: examples, the
+worst error/budget ratio and, on failure, the shrunk case, the message and a replay command.
+pytest and ``splitgrad verify`` both use it, so a red CI row and a red ``verify`` row agree.
 """
 
 from __future__ import annotations
@@ -35,8 +33,6 @@ from ..checks.registry import (
 from ..checks.results import CheckResult
 from .plan import cell_id
 
-__all__ = ["CellResult", "run_cell", "run_case", "repro_command", "api_gaps", "deterministic"]
-
 PASS, FAIL, DEVIATION, NA, ERROR = "pass", "FAIL", "deviates", "n/a", "ERROR"
 #: The backend lacks part of SPEC's API that the property needs (reported once, not a FAIL).
 BLOCKED = "blocked"
@@ -51,11 +47,9 @@ NONDETERMINISTIC = (
 
 @contextlib.contextmanager
 def deterministic(enabled: bool = True) -> Iterator[None]:
-    """Run the block (every example, in a campaign or a replay) with torch's deterministic mode on
-    (``enabled``) or off, restoring the caller's mode afterwards. On, uninitialized memory is
-    filled with NaN, so a read of memory nothing wrote fails every run instead of passing where
-    the allocator hands back zeros; ``warn_only``: a correct implementation may use an op without
-    a deterministic kernel, and the budgets do not rely on a fixed summation order."""
+    """Run the block with torch's deterministic mode on (``enabled``) or off, then restore it.
+    On, uninitialized memory is filled with NaN, so a read of it fails every run; ``warn_only``:
+    an op may lack a deterministic kernel, and no budget relies on a fixed summation order."""
     before = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
@@ -95,11 +89,9 @@ class CellResult:
     path: str = "default"
     budget_ratio: float | None = None
     bitwise: int = 0
-    #: The failure did not repeat when hypothesis replayed its case (see :data:`NONDETERMINISTIC`).
     nondeterministic: bool = False
     #: ``case`` is hypothesis' shrunk one (not an enumerated example, which it runs as given).
     shrunk: bool = True
-    #: The ``torch.autocast`` dtype every forward of the cell ran under (``None``: none).
     autocast: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -111,16 +103,15 @@ class CellResult:
 
     @property
     def test_id(self) -> str:
-        """The id of the cell (:func:`.plan.cell_id`), as its planned cell's."""
+        """:func:`.plan.cell_id` of the cell."""
         return cell_id(
             self.property_id, self.kind, self.dtype, self.recipe, self.path, self.autocast
         )
 
     @property
     def ratio_text(self) -> str:
-        """The worst/budget column: the worst error/budget ratio (``bitwise;`` first when the
-        property also compared bitwise), ``0 (bitwise)`` when every comparison was bitwise, or
-        what was checked for properties that compare no numbers (P9-P11)."""
+        """The worst/budget column: the worst ratio (``bitwise;`` first when the property also
+        compared bitwise), ``0 (bitwise)``, or what P9-P11 checked."""
         if self.status in (NA, BLOCKED):
             return "-"
         if self.worst_ratio is not None and math.isinf(self.worst_ratio):
@@ -147,17 +138,16 @@ class CellResult:
 
 
 def repro_command(backend: Backend, property_id: str, case: Case) -> str:
-    """One shell command that replays ``case`` for ``property_id`` on ``backend`` under the
-    campaign's conditions: backend, forced path, device, this process's thread count (a reduction
-    may split differently on more threads) and the case itself, as JSON."""
+    """The shell command that replays ``case`` under the campaign's conditions, down to this
+    process's thread count (a reduction may split differently on more threads)."""
     args = [*backend.cli_args(), "--device", case.config.device]
     args += ["--threads", str(torch.get_num_threads()), "--property", property_id]
     return shlex.join(["splitgrad", "verify", *args, "--case", case.to_json()])
 
 
 def api_gaps(backend: Backend, properties, fp8: bool) -> dict[str, tuple[str, list[str]]]:
-    """The parts of SPEC's API ``backend`` lacks that matter to ``properties``: part -> (what is
-    missing, the properties it blocks); FP8 parts only when ``fp8`` (a recipe was asked for)."""
+    """part -> (what is missing, the ``properties`` it blocks) for the API ``backend`` lacks; FP8
+    parts only when ``fp8`` (a recipe was asked for)."""
     return {
         part: (why, [pid for pid in properties if pid in SPECS and blocked_by(pid, part, fp8)])
         for part, why in backend.missing_api().items()
@@ -175,8 +165,7 @@ def blocked_by(property_id: str, part: str, fp8: bool = False) -> bool:
 
 
 def blocking_gaps(backend: Backend, property_id: str, kind: str, fp8: bool) -> dict[str, str]:
-    """The parts of SPEC's API ``backend`` lacks that keep a ``kind`` cell of ``property_id``
-    from running at all: part -> what is missing."""
+    """part -> what is missing, for the API ``backend`` lacks that blocks a ``kind`` cell."""
     return {
         part: why
         for part, why in backend.missing_api().items()
@@ -223,10 +212,9 @@ def run_cell(
     fp8_asked: bool = True,
     autocast: str | None = None,
 ) -> CellResult:
-    """Check ``property_id`` for module ``kind`` in ``dtype`` (or any of ``dtypes``) on
-    ``backend`` over hypothesis-drawn cases, the FP8 recipe drawn from ``recipes`` (``None``:
-    high precision). Missing API the property needs makes the cell ``blocked`` (``n/a`` for FP8
-    parts unless ``fp8_asked``); a forced fast path that never ran, ``ERROR``."""
+    """Check ``property_id`` for module ``kind`` in ``dtype`` (or any of ``dtypes``) over drawn
+    cases, the FP8 recipe drawn from ``recipes`` (``None``: high precision). Missing API makes
+    the cell ``blocked`` (FP8 parts ``n/a`` unless ``fp8_asked``)."""
     fp8 = tuple(r for r in recipes if r is not None)
     label = recipe_label or (",".join(fp8) if fp8 else "none")
     cell = CellResult(property_id, kind, dtype, label, autocast=autocast)
@@ -266,8 +254,8 @@ def run_cell(
 
 def _drawn(backend: Backend, cell: CellResult, device, dtypes, recipes, fp8_asked: bool):
     """The arguments of :func:`.registry.case_strategy` and :func:`.registry.explicit_cases` for
-    ``cell`` (on a forced path: its own recipes and dtypes, at its size multiple; without the
-    parts of the API the backend lacks), or ``None`` when :func:`_skipped`."""
+    ``cell`` (a forced path's own recipes, dtypes and size multiple), or ``None`` when the cell
+    cannot run, filled in: ``blocked`` by missing API, or ``n/a``."""
     size_multiple = 1
     if isinstance(backend, ForcedPathBackend):
         path = backend.path
@@ -275,25 +263,6 @@ def _drawn(backend: Backend, cell: CellResult, device, dtypes, recipes, fp8_aske
         if path.recipes is not None:
             recipes = tuple(r for r in recipes if r in path.recipes) or (None,)
         dtypes = tuple(d for d in dtypes if d in path.dtypes) or (cell.dtype,)
-    if _skipped(backend, cell, device, dtypes, recipes, fp8_asked):
-        return None
-    spec = SPECS.get(cell.property_id)
-    without = {p for p in backend.missing_api() if spec is not None and p in spec.uses}
-    if backend.module_protocol_reason() is not None:
-        without.add(MODULE_PROTOCOL)  # said once in the backend's notes, not a gap
-    kw = {
-        "fused": None if backend.supports_fused else False,
-        "recipes": recipes,
-        "without": frozenset(without),
-        "size_multiple": size_multiple,
-        "autocast": cell.autocast,
-    }
-    return (cell.property_id, (cell.kind,), dtypes, (device,)), kw
-
-
-def _skipped(backend: Backend, cell: CellResult, device, dtypes, recipes, fp8_asked) -> bool:
-    """Fill ``cell`` and return True when it cannot run: ``blocked`` by missing API, or
-    ``n/a`` (the property does not apply, or the backend says it does not support it)."""
     pid, kind = cell.property_id, cell.kind
     fp8 = tuple(r for r in recipes if r is not None)
     blocked = blocking_gaps(backend, pid, kind, bool(fp8))
@@ -301,7 +270,7 @@ def _skipped(backend: Backend, cell: CellResult, device, dtypes, recipes, fp8_as
         only_fp8 = all(p in ("fp8", "fp8_quantizer") for p in blocked)
         cell.status = NA if only_fp8 and not fp8_asked else BLOCKED
         cell.message = "; ".join(blocked.values())
-        return True
+        return None
     low = cell.dtype in ("float32", "bfloat16", "float16", "float64")
     probe = ModuleConfig(
         kind=kind,
@@ -318,23 +287,25 @@ def _skipped(backend: Backend, cell: CellResult, device, dtypes, recipes, fp8_as
     why = why or backend.unsupported_reason(pid, probe)
     if why:
         cell.status, cell.message = NA, why
-    return bool(why)
+        return None
+    spec = SPECS.get(pid)
+    without = {p for p in backend.missing_api() if spec is not None and p in spec.uses}
+    if backend.module_protocol_reason() is not None:
+        without.add(MODULE_PROTOCOL)  # said once in the backend's notes, not a gap
+    kw = {
+        "fused": None if backend.supports_fused else False,
+        "recipes": recipes,
+        "without": frozenset(without),
+        "size_multiple": size_multiple,
+        "autocast": cell.autocast,
+    }
+    return (pid, (kind,), dtypes, (device,)), kw
 
 
-def _campaign(
-    backend: Backend,
-    property_id: str,
-    cell: CellResult,
-    seen: dict,
-    strategy,
-    profile: str,
-    examples: int | None,
-    seed: int | None,
-):
-    """The hypothesis test of one cell: runs the check on each case, counting examples (rejected
-    ones apart) and keeping the worst ratios in ``cell``; ``seen`` keeps the last case and the
-    first failure. A derandomized profile seeds its examples from the source text of
-    ``campaign`` below, decorators included: changing it changes every cell's drawn cases."""
+def _campaign(backend, property_id: str, cell, seen, strategy, profile, examples, seed):
+    """The hypothesis test of one cell, counting examples and keeping the worst ratios in
+    ``cell``; ``seen`` keeps the last case and the first failure. A derandomized profile seeds its
+    examples from the source text of ``campaign`` below, decorators included: leave it as is."""
 
     @_profile_settings(profile, examples, seeded=seed is not None)
     @given(case=strategy)
@@ -365,11 +336,16 @@ def _campaign(
 
 
 def _failed(cell: CellResult, backend: Backend, pid: str, case, exc, enumerated) -> None:
-    """Fill ``cell`` for a failure on ``case`` (hypothesis' shrunk one, or an enumerated case,
-    replayed here first): FAIL, a known deviation, or a nondeterministic FAIL."""
-    if case is not None and not _fails_again(backend, pid, case):
-        _nondeterministic(cell, backend, pid, (case, exc), exc)
-        return
+    """Fill ``cell`` for a failure on ``case`` (replayed here first, as ``--case`` would): FAIL,
+    a known deviation, or a nondeterministic FAIL."""
+    if case is not None:
+        try:
+            run_case(backend, pid, case)
+        except Exception:  # the same or another failure: the verdict stands
+            pass
+        else:
+            _nondeterministic(cell, backend, pid, (case, exc), exc)
+            return
     cell.case = case
     cell.shrunk = case not in enumerated  # hypothesis shrinks generated examples only
     cell.message = _describe(exc)
@@ -387,18 +363,9 @@ def _describe(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, AssertionError) else f"{type(exc).__name__}: {exc}"
 
 
-def _fails_again(backend: Backend, pid: str, case: Case) -> bool:
-    """Whether ``case`` fails once more, replayed as ``--case`` would (:func:`run_case`)."""
-    try:
-        run_case(backend, pid, case)
-    except Exception:  # the same or another failure: the verdict stands
-        return True
-    return False
-
-
 def _nondeterministic(cell: CellResult, backend: Backend, pid: str, failed, flaky) -> None:
-    """Fill ``cell`` for a failure hypothesis could not repeat: a ``FAIL`` (the same input gave
-    two verdicts), with the first failing case, its replay line and its first message."""
+    """Fill ``cell`` for a failure hypothesis could not repeat: a ``FAIL`` with the first failing
+    case, its replay line and its first message."""
     if failed is None:  # no example of ours failed: hypothesis' own replay misbehaved
         cell.status, cell.message = ERROR, f"hypothesis could not run the campaign: {flaky}"
         return

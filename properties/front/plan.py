@@ -1,9 +1,6 @@
 """Which cells a campaign runs (property x module x dtype x FP8 recipe family x forced path x
-autocast dtype): ``splitgrad verify`` and the pytest plugin both take their cells, and so their
-test ids, from :func:`plan_cells`. The default run is the high-precision campaign plus three
-slices at fewer examples per cell: FP8 (bf16, every recipe, :data:`FP8_SLICE_PROPERTIES`), each
-forced fast path that runs on the CPU (:data:`PATH_SLICE_PROPERTIES`), and float32 modules under
-a bf16 ``torch.autocast`` (SPEC §2, :data:`AUTOCAST_PROPERTIES`).
+autocast dtype), for ``splitgrad verify`` and the pytest plugin alike: the high-precision
+campaign plus, at fewer examples per cell, an FP8 slice, a forced-path slice and an autocast one.
 """
 
 from __future__ import annotations
@@ -16,19 +13,15 @@ from ..cases.case import AUTOCAST_DTYPES, LOW_PRECISION_DTYPES, RECIPE_FAMILIES,
 from ..checks.paths import IMPL_PATHS
 from ..checks.registry import SPECS, applicable
 
-__all__ = ["PlannedCell", "cell_id", "plan_cells"]
-
-# Drawn examples per cell, on top of its explicit cases (registry.explicit_cases: 4 boundary
-# cases, one per recipe, P10's enumeration): every differential example also runs the
-# reference as its yardstick and truth (docs/figures.md has what the default run costs).
+# Drawn examples per cell, on top of its explicit cases; every differential example also runs
+# the reference as its yardstick and truth (docs/figures.md has what the default run costs).
 DEFAULT_EXAMPLES = 36
 RECIPE_CHOICES = ("none", *RECIPE_FAMILIES, "all")
 PATH_CHOICES = ("none", *IMPL_PATHS, "all")
 # Drawn on top of the explicit case per recipe (10): 15 examples per FP8 cell.
 FP8_SLICE_EXAMPLES = 5
-# Properties whose finite dimensions are enumerated in full by their explicit cases draw at
-# most this many more (P10: ~70 enumerated misuse x fused x delay x is_first_microbatch; P18:
-# 25 enumerated substitution kinds x delay x fused, several runs and truths each).
+# Properties whose explicit cases enumerate their finite dimensions draw at most this many more
+# (P10: ~70 misuse x fused x delay x is_first_microbatch; P18: 25 substitutions x delay x fused).
 ENUMERATED_DRAWN = {"P10": 10, "P18": 10}
 FP8_SLICE_PROPERTIES = ("P1", "P2", "P3", "P4", "P6", "P10", "P12", "P13", "P17")
 FP8_SLICE_DTYPES = ("bfloat16",)
@@ -40,10 +33,8 @@ AUTOCAST_CHOICES = ("none", *AUTOCAST_DTYPES, "all")
 # The properties that run modules forward and backward in a training loop's way; the others
 # (misuse, memory, grouped-vs-linear, FP8 quantizers) do not change under autocast.
 AUTOCAST_PROPERTIES = ("P1", "P2", "P3", "P4", "P5", "P6", "P7", "P8", "P17")
-# The default run's slice: bf16 (the CPU's autocast dtype), drawn on top of the explicit cases.
 AUTOCAST_SLICE_EXAMPLES = 5
-# In the default run: reference and impl follow torch.autocast (SPEC §2); a package that does
-# not fails it (or lists the cells in its expected-failures file).
+# Reference and impl follow torch.autocast (SPEC §2); a package that does not fails the slice.
 AUTOCAST_IN_DEFAULT_RUN = True
 AUTOCAST_SLICE_DTYPES = ("bfloat16",)
 
@@ -51,9 +42,8 @@ AUTOCAST_SLICE_DTYPES = ("bfloat16",)
 def cell_id(
     property_id: str, kind: str, dtype: str, recipe: str, path: str, autocast: str | None
 ) -> str:
-    """The id of a cell, in verify's output and JUnit and as the pytest plugin's
-    ``test_property[...]`` parameter: ``P4-Linear-bfloat16-none`` (``-path=NAME`` appended for a
-    forced path, ``-autocast=DTYPE`` for a cell under torch.autocast)."""
+    """A cell's id in verify's output, JUnit and pytest: ``P4-Linear-bfloat16-none``, then
+    ``-path=NAME`` for a forced path and ``-autocast=DTYPE`` under torch.autocast."""
     base = f"{property_id}-{kind}-{dtype}-{recipe}"
     if path != "default":
         base += f"-path={path}"
@@ -62,9 +52,8 @@ def cell_id(
 
 @dataclasses.dataclass(frozen=True)
 class PlannedCell:
-    """One cell: ``recipes`` are the FP8 recipe names drawn (``(None,)``: high precision),
-    ``recipe_label`` names them in the table, ``examples`` is ``None`` for the profile's
-    count, ``path`` the forced fast path (``"default"``: the implementation's own choice)."""
+    """One cell: ``recipes`` are the FP8 recipes drawn (``(None,)``: high precision), named
+    ``recipe_label``; ``examples`` ``None``: the profile's count."""
 
     property_id: str
     kind: str
@@ -114,11 +103,9 @@ def plan_cells(
     examples: int | None = DEFAULT_EXAMPLES,
     autocasts: Sequence[str] | None = None,
 ) -> list[PlannedCell]:
-    """The cells of a campaign. ``recipes`` (:data:`RECIPE_CHOICES`), ``impl_paths``
-    (:data:`PATH_CHOICES`) and ``autocasts`` (:data:`AUTOCAST_CHOICES`) each replace the default
-    run by full cells of what they name (``["none"]``: without that slice); empty or ``None``:
-    the default run, whose forced-path and autocast slices only come without ``recipes`` (and,
-    for autocast, without ``impl_paths``)."""
+    """The cells of a campaign. ``recipes``, ``impl_paths`` and ``autocasts`` each replace the
+    default run by full cells of what they name (``["none"]``: without that slice); empty or
+    ``None``: the default run, whose forced-path and autocast slices need no ``recipes``."""
     only_autocast = autocasts and "none" not in autocasts
     slices = [] if only_autocast else _slices(dtypes, properties, recipes, impl_paths, examples)
     slices += _autocast_slices(properties, recipes, impl_paths, examples, autocasts)

@@ -1,7 +1,5 @@
-"""One conformance session, built from options: what ``splitgrad verify`` and the pytest plugin
-both run. :class:`Options` is what a user chose; :meth:`Session.open` loads the backend and plans
-the cells, which both front-ends run with the same ids through :meth:`Session.run`, reporting
-the same gaps in the backend's API (:attr:`Session.gaps`).
+"""One conformance session, what ``splitgrad verify`` and the pytest plugin both run:
+:class:`Options` chosen, :meth:`Session.open` loads the backend and plans the cells.
 """
 
 from __future__ import annotations
@@ -20,13 +18,9 @@ from ..checks.registry import PROPERTIES
 from .campaign import NA, CellResult, api_gaps, run_cell
 from .plan import AUTOCAST_CHOICES, PATH_CHOICES, RECIPE_CHOICES, PlannedCell, plan_cells
 
-__all__ = ["Options", "OptionError", "Session", "LIST_OPTIONS", "DEFAULT_DTYPES", "load_backend"]
-
-#: The dtypes a session checks when none are chosen.
 DEFAULT_DTYPES = ("float32", "bfloat16")
 
-#: The options that choose from a list, by flag: (field of :class:`Options`, what it may name,
-#: what one item is called).
+#: The list options by flag: (field of :class:`Options`, what it may name, what one is called).
 LIST_OPTIONS = {
     "module": ("modules", KINDS, "module"),
     "dtype": ("dtypes", DTYPES, "dtype"),
@@ -38,26 +32,11 @@ LIST_OPTIONS = {
 
 
 class OptionError(ValueError):
-    """An option names nothing the harness knows (the message says what, and what would do);
-    ``option`` is the option's name as a flag (``impl-path``)."""
+    """An option names nothing the harness knows; ``option`` is its flag (``impl-path``)."""
 
     def __init__(self, message: str, option: str = "") -> None:
         super().__init__(message)
         self.option = option
-
-
-def choose(values: Sequence[str] | None, allowed: Sequence[str], what: str) -> list[str]:
-    """The items of ``values`` (each may be comma-separated; repeats dropped, order kept), each
-    one of ``allowed`` (property ids in any case); raises :class:`OptionError` naming one that
-    is not, or when ``values`` were given but name nothing (``--module ""``)."""
-    items = [i.strip() for v in values or () for i in v.split(",")]
-    items = [i.upper() if what == "property" else i for i in items if i]
-    if values and not items:
-        raise OptionError(f"no {what} in {values[-1]!r}; expected one of {', '.join(allowed)}")
-    for item in items:
-        if item not in allowed:
-            raise OptionError(f"unknown {what} {item!r}; expected one of {', '.join(allowed)}")
-    return list(dict.fromkeys(items))
 
 
 def load_backend(name: str) -> Backend:
@@ -70,9 +49,8 @@ def load_backend(name: str) -> Backend:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """What a session checks. Empty choices and ``None`` mean the default: every module kind and
-    property, :data:`DEFAULT_DTYPES`, the default slices of :mod:`.plan`, the profile's example
-    count, the active profile, cpu (cuda for transformer_engine)."""
+    """What a session checks; empty choices and ``None`` mean the default (the default slices of
+    :mod:`.plan`, the active profile, cpu but for transformer_engine)."""
 
     backend: str = "impl"
     modules: tuple[str, ...] = ()
@@ -89,14 +67,21 @@ class Options:
 
     @classmethod
     def chosen(cls, lists: dict[str, Sequence[str] | None], **scalars) -> Options:
-        """Options whose list fields come from raw values by flag (``lists["module"] =
-        ["Linear,GroupedLinear"]``; :func:`choose`); an :class:`OptionError` names the flag."""
+        """Options with list fields from raw values by flag (``{"module": ["Linear,Linear"]}``):
+        comma-separated, repeats dropped, property ids in any case; an unknown name, or a value
+        that names nothing, is an :class:`OptionError`."""
         fields = {}
         for flag, (field, allowed, what) in LIST_OPTIONS.items():
-            try:
-                fields[field] = tuple(choose(lists.get(flag), allowed, what))
-            except OptionError as exc:
-                raise OptionError(str(exc), flag) from None
+            values = lists.get(flag)
+            items = [i.strip() for v in values or () for i in v.split(",")]
+            items = [i.upper() if what == "property" else i for i in items if i]
+            expected = f"expected one of {', '.join(allowed)}"
+            if values and not items:
+                raise OptionError(f"no {what} in {values[-1]!r}; {expected}", flag)
+            for item in items:
+                if item not in allowed:
+                    raise OptionError(f"unknown {what} {item!r}; {expected}", flag)
+            fields[field] = tuple(dict.fromkeys(items))
         return cls(**fields, **scalars)
 
     @property
@@ -106,10 +91,8 @@ class Options:
 
 @dataclasses.dataclass
 class Session:
-    """The backend, the planned ``cells`` and how each runs. ``forced``: the backend with each
-    forced path; ``unforceable``: forced paths the backend has no knob for, and why (their cells
-    are left out of ``cells``); ``fp8_asked``: FP8 counts as asked for (a recipe chosen, or a
-    planned cell on a forced FP8 path), so missing FP8 API is a gap rather than n/a."""
+    """The backend and its planned ``cells``. ``unforceable``: forced paths the backend has no
+    knob for, and why (their cells left out); ``fp8_asked``: missing FP8 API is a gap, not n/a."""
 
     options: Options
     backend: Backend
@@ -142,7 +125,6 @@ class Session:
         unforceable: dict[str, str] = {}
         cells = []
         for cell in planned:
-            # Forced paths need the implementation's knob: a backend without it has no such path.
             why_not = forced[cell.path].knob_missing(cell.kind) if cell.path != "default" else None
             if why_not:
                 unforceable.setdefault(cell.path, why_not)

@@ -29,8 +29,6 @@ from . import plan, workers, xfails
 from .campaign import BLOCKED, DEVIATION, ERROR, FAIL, NA, PASS, CellResult, blocking_gaps, run_case
 from .session import DEFAULT_DTYPES, LIST_OPTIONS, OptionError, Options, Session, load_backend
 
-__all__ = ["main", "build_parser", "format_table"]
-
 DESCRIPTION = """\
 Check a split-backward implementation against SPEC.md: a hypothesis campaign of the properties
 P1-P18, against the reference's float64 truth and against the implementation itself, printed as
@@ -84,8 +82,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _output_path(text: str) -> Path:
-    """argparse type: a file the run writes at its end, checked before it starts (a directory, or
-    a parent that does not exist, is refused; none is created)."""
+    """argparse type: a file the run writes at its end, checked before it starts."""
     path = Path(text)
     if not text or path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file path")
@@ -97,8 +94,7 @@ def _output_path(text: str) -> Path:
 
 
 def _xfails_file(path: str) -> dict[str, xfails.ExpectedFailure]:
-    """argparse type: the entries of an expected-failures file, read and checked while parsing
-    (a line that names no cell is a usage error before anything runs)."""
+    """argparse type: the entries of an expected-failures file, checked before anything runs."""
     try:
         return xfails.load_xfails(path)
     except xfails.XfailsFileError as exc:
@@ -183,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _options(args: argparse.Namespace) -> Options:
-    """The session's options (verify's defaults: the ``ci`` profile unless HYPOTHESIS_PROFILE is
-    set, :data:`~.plan.DEFAULT_EXAMPLES` unless ``--profile`` is given), or a usage error."""
+    """The session's options (profile ``ci`` unless HYPOTHESIS_PROFILE is set, and
+    :data:`~.plan.DEFAULT_EXAMPLES` unless ``--profile`` is given), or a usage error."""
     lists = {flag: getattr(args, flag.replace("-", "_")) for flag in LIST_OPTIONS}
     default_examples = None if args.profile else plan.DEFAULT_EXAMPLES
     try:
@@ -229,8 +225,7 @@ def _backend(options: Options):
 
 
 def _open_session(options: Options, backend) -> Session:
-    """The session, refusing (usage error) a forced path the backend has no knob for when only
-    forced paths were asked, and options that leave no cell to run."""
+    """The session, refusing options that leave no cell to run (say, only unforceable paths)."""
     session = Session.open(options, backend)
     asked = options.impl_paths
     if asked and session.unforceable and not any(c.path != "default" for c in session.cells):
@@ -259,7 +254,7 @@ def _cell_kind(cell) -> str:
 
 def _header(backend, device: str, profile: str, cells) -> str:
     """What the run is: backend, device, profile, and how many examples each kind of cell draws
-    after its explicit cases (naming the properties that draw fewer, such as P10 and P18)."""
+    (naming the properties that draw fewer)."""
     groups: dict[str, dict[str, list[str]]] = {}
     for c in cells:
         n = "the profile's" if c.examples is None else str(c.examples)
@@ -280,8 +275,7 @@ def _header(backend, device: str, profile: str, cells) -> str:
 
 
 def format_table(cells: list[CellResult]) -> str:
-    """The property x module x dtype table, with a recipe column when some cell runs FP8 and a
-    path column when some cell runs a forced fast path."""
+    """The property x module x dtype table (a recipe and a path column when some cell has one)."""
     fp8 = any(c.recipe != "none" for c in cells)
     paths = any(c.path != "default" for c in cells)
     optional = (("recipe",) if fp8 else ()) + (("path",) if paths else ())
@@ -314,8 +308,7 @@ class _Run:
 
 
 def _run_cells(session: Session, quiet: bool, fail_fast: bool) -> _Run:
-    """Run the session's cells in order (a bar on a terminal, a line per cell otherwise);
-    ``fail_fast`` stops at the first cell that fails."""
+    """Run the session's cells (a bar on a terminal, a line per cell otherwise)."""
     bar = not quiet and sys.stderr.isatty()
     planned, cells = session.cells, []
     start = time.perf_counter()
@@ -346,16 +339,6 @@ def _progress_bar(done: int, total: int, label: str) -> None:
         sys.stderr.write("\r" + " " * (width + 60) + "\r")
 
 
-def _print_header(session: Session) -> None:
-    backend = session.backend
-    print(_header(backend, session.device, session.profile, session.cells))
-    for note in backend.notes:
-        print(f"  note: {note}")
-    for what, blocked in session.gaps.values():
-        print(f"  missing API: {what}" + (f" (blocks {', '.join(blocked)})" if blocked else ""))
-    sys.stdout.flush()
-
-
 def _describe_case(case: Case) -> str:
     mbs = [(m.lead_shape, m.m_splits, m.is_first_microbatch) for m in case.micro_batches]
     return (
@@ -365,17 +348,6 @@ def _describe_case(case: Case) -> str:
         + (f"; frozen {list(case.frozen)}" if case.frozen else "")
         + (f"; asked {list(case.asked)}" if case.asked else "")
     )
-
-
-def _print_failures(run: _Run) -> None:
-    for c in run.with_status(FAIL, ERROR):
-        where = f" after {c.first_failure_at} example(s)" if c.first_failure_at else ""
-        print(f"\n{c.status} {c.test_id}{where}:")
-        print("  " + c.message.replace("\n", "\n  "))
-        if c.case is not None:
-            what = "shrunk case" if c.shrunk and not c.nondeterministic else "failing case"
-            print(f"  {what}: {_describe_case(c.case)}")
-            print(f"  reproduce: {c.repro}")
 
 
 def _print_deviations(run: _Run) -> None:
@@ -415,8 +387,23 @@ def _print_gaps(run: _Run, failed: bool) -> None:
         print(f"  {what}: {blocks}{also}{optional}")
 
 
-def _print_notes(run: _Run) -> None:
-    """Examples that could not be judged, forced paths the backend lacks, FP8 cells n/a."""
+def _report(run: _Run, xfail_notes: list[str], counted_xfails: bool) -> int:
+    """Print the results; returns the exit status."""
+    print(format_table(run.cells))
+    for line in xfail_notes:
+        print(f"note: {line}")
+    failed = run.with_status(FAIL, ERROR)
+    for c in failed:
+        where = f" after {c.first_failure_at} example(s)" if c.first_failure_at else ""
+        print(f"\n{c.status} {c.test_id}{where}:")
+        print("  " + c.message.replace("\n", "\n  "))
+        if c.case is not None:
+            what = "shrunk case" if c.shrunk and not c.nondeterministic else "failing case"
+            print(f"  {what}: {_describe_case(c.case)}")
+            print(f"  reproduce: {c.repro}")
+    _print_deviations(run)
+    _print_gaps(run, bool(failed))
+    # Examples that could not be judged, forced paths the backend lacks, FP8 cells n/a.
     rejected = [c for c in run.cells if c.rejected]
     if rejected:
         where = ", ".join(f"{c.test_id} ({c.rejected})" for c in rejected)
@@ -429,21 +416,9 @@ def _print_notes(run: _Run) -> None:
         print(f"\nnote: forced path {path} not run on {run.session.backend.name}: {why_not}")
     for why_na in sorted({c.message for c in run.with_status(NA) if c.recipe != "none"}):
         print(f"\nnote: FP8 cells n/a: {why_na}")
-
-
-def _report(run: _Run, xfail_notes: list[str], counted_xfails: bool) -> int:
-    """Print the results; returns the exit status (1 a cell failed, 2 API missing, else 0)."""
-    print(format_table(run.cells))
-    for line in xfail_notes:
-        print(f"note: {line}")
-    failed = bool(run.with_status(FAIL, ERROR))
-    _print_failures(run)
-    _print_deviations(run)
-    _print_gaps(run, failed)
-    _print_notes(run)
     blocked = run.with_status(BLOCKED)
     print(
-        f"\n{len(run.with_status(PASS))} passed, {len(run.with_status(FAIL, ERROR))} failed, "
+        f"\n{len(run.with_status(PASS))} passed, {len(failed)} failed, "
         f"{len(run.with_status(DEVIATION))} known deviations, {len(run.with_status(NA))} n/a"
         + (f", {len(run.with_status(xfails.XFAIL))} expected failures" if counted_xfails else "")
         + (f", {len(blocked)} blocked" if blocked else "")
@@ -453,8 +428,7 @@ def _report(run: _Run, xfail_notes: list[str], counted_xfails: bool) -> int:
 
 
 def _replay(args: argparse.Namespace, options: Options, backend) -> int:
-    """``--case``: one case on the backend (on one forced path at most) under the campaign's
-    conditions (:func:`.campaign.run_case`); ``--device``, when given, must be the case's."""
+    """``--case``: one case on the backend (on one forced path at most), as the campaign runs it."""
     paths = options.impl_paths
     if len(paths) > 1 or "all" in paths:
         raise _UsageError("--case replays on one --impl-path at most")
@@ -495,29 +469,8 @@ def _replay(args: argparse.Namespace, options: Options, backend) -> int:
     return 0
 
 
-#: The JUnit class of every cell: the pytest plugin's test module, so that both runners' reports
-#: name a cell alike (``test_property[P4-Linear-bfloat16-none]``).
+#: The JUnit class of every cell: the pytest plugin's module, so both runners name cells alike.
 JUNIT_CLASS = "splitgrad.properties.test_conformance"
-
-
-def _write_outputs(args: argparse.Namespace, run: _Run, paths) -> None:
-    session = run.session
-    if args.json:
-        payload = {
-            "backend": session.backend.name,
-            "device": session.device,
-            "profile": session.profile,
-            "examples_per_cell": session.options.examples,
-            "elapsed_s": round(run.elapsed, 3),
-            "notes": list(session.backend.notes),
-            "missing_api": {p: {"what": w, "blocks": b} for p, (w, b) in session.gaps.items()},
-            "cells": [c.as_dict() for c in run.cells],
-            "gemm_paths": paths.summary(),
-            "fast_paths_missed": gemm_paths.missed_fast_paths(),
-        }
-        args.json.write_text(json.dumps(payload, indent=2, default=str))
-    if args.junit:
-        _write_junit(args.junit, run)
 
 
 def _write_junit(path: Path, run: _Run) -> None:
@@ -576,21 +529,39 @@ def _main(argv: list[str], paths: gemm_paths.PathLog) -> int:
     if any(c.property_id == "P9" for c in session.cells) and not any(
         "P9" in blocked for _, blocked in session.gaps.values()
     ):
-        # P9's ``python -O`` subprocess starts now, to run while the first cells do.
+        # P9's ``python -O`` subprocess runs while the first cells do.
         start_optimized_constructor_results(session.backend.name)
-    _print_header(session)
+    print(_header(session.backend, session.device, session.profile, session.cells))
+    for note in session.backend.notes:
+        print(f"  note: {note}")
+    for what, blocked in session.gaps.values():
+        print(f"  missing API: {what}" + (f" (blocks {', '.join(blocked)})" if blocked else ""))
+    sys.stdout.flush()
     run = _run_cells(session, args.quiet, args.fail_fast)
     xfail_notes = xfails.apply_to_cells(run.cells, args.xfails)
     status = _report(run, xfail_notes, bool(args.xfails))
     if session.device == "cuda":
-        # The GEMM paths splitgrad.impl took, and any fast path the GPU refused where its
-        # capability says it runs.
         print("\nGEMM paths taken (splitgrad.impl; fast / fallback / forced / only):")
         for line in paths.lines() or ["(none recorded: no impl GEMM with a choice ran)"]:
             print(f"  {line}")
         for line in gemm_paths.missed_fast_paths():
             print(f"FAST PATH MISSED: {line}")
-    _write_outputs(args, run, paths)
+    if args.json:
+        payload = {
+            "backend": session.backend.name,
+            "device": session.device,
+            "profile": session.profile,
+            "examples_per_cell": session.options.examples,
+            "elapsed_s": round(run.elapsed, 3),
+            "notes": list(session.backend.notes),
+            "missing_api": {p: {"what": w, "blocks": b} for p, (w, b) in session.gaps.items()},
+            "cells": [c.as_dict() for c in run.cells],
+            "gemm_paths": paths.summary(),
+            "fast_paths_missed": gemm_paths.missed_fast_paths(),
+        }
+        args.json.write_text(json.dumps(payload, indent=2, default=str))
+    if args.junit:
+        _write_junit(args.junit, run)
     return status
 
 

@@ -1,9 +1,7 @@
-"""Run a campaign's cells on two cores, this process and one forked worker, reported in plan
-order. Cells that draw the same cases (one kind, dtype, recipe family, forced path and autocast
-dtype) stay together, so that :func:`~..oracle.truth.memo` keeps their truth; P9's stay here,
-where its ``python -O`` subprocess was started. Hypothesis draws some integers from the constants
-of the modules loaded so far, so a worker may draw other cases than one process would; each
-failure's reproduce line replays its case.
+"""Run a campaign's cells in this process and one forked worker, reported in plan order. Cells
+that draw the same cases stay together, so that :func:`~..oracle.truth.memo` keeps their truth;
+P9's stay here, where its ``python -O`` subprocess was started. A worker may draw other cases
+than one process would (hypothesis draws from loaded constants); reproduce lines still replay.
 """
 
 from __future__ import annotations
@@ -15,9 +13,6 @@ from typing import Any
 
 from splitgrad.impl import gemm_paths
 
-__all__ = ["default_jobs", "run_cells"]
-
-#: Properties whose cells run in this process (their setup lives here).
 _HOME_PROPERTIES = frozenset({"P9"})
 
 
@@ -71,9 +66,8 @@ def _worker(run: Callable[[Any], Any], cells: Sequence[Any], indices: list[int],
 def run_cells(
     run: Callable[[Any], Any], cells: Sequence[Any], jobs: int = 1
 ) -> Iterator[tuple[int, Any]]:
-    """``(index, run(cell))`` for every cell, in plan order; with ``jobs >= 2`` the cells are
-    shared with one forked worker (see the module docstring). Stopping the iteration early
-    stops the worker."""
+    """``(index, run(cell))`` for every cell in plan order, shared with a forked worker when
+    ``jobs >= 2``; stopping the iteration early stops the worker."""
     if jobs < 2 or len(cells) < 2:
         for i, cell in enumerate(cells):
             yield i, run(cell)

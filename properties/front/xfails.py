@@ -1,15 +1,6 @@
-"""Expected failures an outside team keeps in its own repository (``--xfails FILE`` for
-``splitgrad verify``, ``--splitgrad-xfails FILE`` for the pytest plugin): one cell id per line,
-bare or as pytest shows it, ``#`` starting the reason (on the line, or in the comment lines just
-above it)::
-
-    # our backward_dw() overwrites .grad
-    P4-Linear-bfloat16-none
-    test_conformance.py::test_property[P6-Linear-bfloat16-none]
-    test_api_complete                           # no hooks yet
-
-Strict: a listed cell that fails is an expected failure (XFAIL), one that passes a failure
-(``XPASS(strict)``). A line that names no cell of any run is an error, before anything runs.
+"""Expected failures an outside team keeps in its own repository (``--xfails FILE``,
+``--splitgrad-xfails FILE``; the file's format is in docs/harness.md): strict, a listed cell that
+passes fails as ``XPASS(strict)``, and a line that names no cell is an error before anything runs.
 """
 
 from __future__ import annotations
@@ -18,9 +9,6 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ExpectedFailure", "XfailsFileError", "parse_xfails", "load_xfails", "canonical_id"]
-
-#: The status :func:`apply_to_cells` gives a listed cell that failed.
 XFAIL = "xfail"
 #: The plugin's test of the backend's API, listable like a cell.
 API_COMPLETE = "test_api_complete"
@@ -50,8 +38,7 @@ class ExpectedFailure:
 
 
 def canonical_id(text: str) -> str:
-    """The id of the cell ``text`` names: the id itself (``P4-Linear-bfloat16-none``), or as
-    pytest shows it (``test_property[...]``, with the file's node id in front or not), or
+    """The id of the cell ``text`` names, bare or as pytest shows it (``test_property[...]``), or
     ``test_api_complete``; raises :class:`XfailsFileError` saying what is wrong with it."""
     from .plan import cell_id
 
@@ -103,8 +90,7 @@ def _check_names(raw, property_id, kind, dtype, recipe, path, autocast) -> None:
 
 def parse_xfails(text: str, source: str = "<xfails>") -> dict[str, ExpectedFailure]:
     """The entries of an expected-failures file's ``text`` by canonical id; raises
-    :class:`XfailsFileError` naming ``source``, the line and the id that names no cell, or a
-    cell listed twice."""
+    :class:`XfailsFileError` naming ``source`` and the line of a bad or repeated entry."""
     out: dict[str, ExpectedFailure] = {}
     pending: list[str] = []  # the comment block just above the next entry
     for number, line in enumerate(text.splitlines(), start=1):
@@ -137,9 +123,8 @@ def load_xfails(path: str | Path) -> dict[str, ExpectedFailure]:
 
 
 def apply_to_cells(cells: list[Any], expected: dict[str, ExpectedFailure]) -> list[str]:
-    """Judge ``splitgrad verify``'s finished cells against the expected failures, in place: a
-    listed cell that failed, errored or deviated becomes :data:`XFAIL`; one that passed becomes a
-    ``FAIL`` saying ``XPASS(strict)`` (n/a and blocked cells stay). Returns a line per change."""
+    """Judge verify's finished cells in place: a listed cell that failed, errored or deviated
+    becomes :data:`XFAIL`, one that passed a ``FAIL`` (``XPASS(strict)``); a line per change."""
     from .campaign import DEVIATION, ERROR, FAIL, PASS
 
     notes = []
