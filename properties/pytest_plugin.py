@@ -107,13 +107,13 @@ def suite_requested(config) -> bool:
     if any(a.startswith("--splitgrad-") for a in args):
         return True
     here = os.path.dirname(os.path.abspath(__file__))
-    for a in config.args:
-        a = str(a).split("::", 1)[0]
-        if a.startswith("splitgrad.properties") or os.path.abspath(a) == here:
-            return True
-        if os.path.basename(a) == "test_conformance.py":
-            return True
-    return False
+    paths = [str(a).split("::", 1)[0] for a in config.args]
+    return any(
+        a.startswith("splitgrad.properties")
+        or os.path.abspath(a) == here
+        or os.path.basename(a) == "test_conformance.py"
+        for a in paths
+    )
 
 
 def pytest_configure(config) -> None:
@@ -150,14 +150,12 @@ def _backend_location(name: str) -> str:
     target = {"impl": "splitgrad.impl", "reference": "splitgrad.reference"}.get(name)
     if name.startswith(("module:", "class:")):
         target = name.split(":", 2)[1]
-    if not target:
-        return ""
     try:
-        spec = importlib.util.find_spec(target)
+        spec = importlib.util.find_spec(target) if target else None
     except (ImportError, ValueError) as exc:
         return f"not importable: {type(exc).__name__}: {exc}"
     if spec is None:
-        return "not importable: no such module"
+        return "not importable: no such module" if target else ""
     return spec.origin or ", ".join(spec.submodule_search_locations or ())
 
 

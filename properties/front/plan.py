@@ -44,9 +44,7 @@ def cell_id(
 ) -> str:
     """A cell's id in verify's output, JUnit and pytest: ``P4-Linear-bfloat16-none``, then
     ``-path=NAME`` for a forced path and ``-autocast=DTYPE`` under torch.autocast."""
-    base = f"{property_id}-{kind}-{dtype}-{recipe}"
-    if path != "default":
-        base += f"-path={path}"
+    base = f"{property_id}-{kind}-{dtype}-{recipe}" + (f"-path={path}" if path != "default" else "")
     return base if autocast is None else f"{base}-autocast={autocast}"
 
 
@@ -113,9 +111,9 @@ def plan_cells(
     for s in slices:
         path = IMPL_PATHS.get(s.path)
         for pid in s.properties:
-            if SPECS[pid].fp8_only and s.label == "none":
-                if len(properties) > 1 or s.path != "default":
-                    continue  # P13 needs FP8: only listed when asked for alone
+            fp8_only = SPECS[pid].fp8_only and s.label == "none"
+            if fp8_only and (len(properties) > 1 or s.path != "default"):
+                continue  # P13 needs FP8: only listed when asked for alone
             for kind in kinds:
                 if not applicable(pid, kind) or (path is not None and not path.applies(kind)):
                     continue

@@ -201,10 +201,9 @@ def _options(args: argparse.Namespace) -> Options:
             f"--autocast {','.join(autocasts)} runs float32 modules under torch.autocast, so "
             f"--dtype {','.join(dtypes)} would be ignored; leave --dtype out"
         )
-    if args.examples is not None and args.examples < 1:
-        raise _UsageError(f"--examples must be at least 1, got {args.examples}")
-    if args.threads < 1:
-        raise _UsageError(f"--threads must be at least 1, got {args.threads}")
+    for flag, value in (("examples", args.examples), ("threads", args.threads)):
+        if value is not None and value < 1:
+            raise _UsageError(f"--{flag} must be at least 1, got {value}")
     return options
 
 
@@ -339,17 +338,6 @@ def _progress_bar(done: int, total: int, label: str) -> None:
         sys.stderr.write("\r" + " " * (width + 60) + "\r")
 
 
-def _describe_case(case: Case) -> str:
-    mbs = [(m.lead_shape, m.m_splits, m.is_first_microbatch) for m in case.micro_batches]
-    return (
-        f"{case.config.label()}; micro-batches {mbs}"
-        + (f"; schedule {list(case.schedule)}" if case.schedule else "")
-        + (f"; variant {case.variant}" if case.variant else "")
-        + (f"; frozen {list(case.frozen)}" if case.frozen else "")
-        + (f"; asked {list(case.asked)}" if case.asked else "")
-    )
-
-
 def _print_deviations(run: _Run) -> None:
     """The deviations that showed, and the declared ones a property that ran did not show."""
     deviating = run.with_status(DEVIATION)
@@ -399,7 +387,15 @@ def _report(run: _Run, xfail_notes: list[str], counted_xfails: bool) -> int:
         print("  " + c.message.replace("\n", "\n  "))
         if c.case is not None:
             what = "shrunk case" if c.shrunk and not c.nondeterministic else "failing case"
-            print(f"  {what}: {_describe_case(c.case)}")
+            case = c.case
+            mbs = [(m.lead_shape, m.m_splits, m.is_first_microbatch) for m in case.micro_batches]
+            print(
+                f"  {what}: {case.config.label()}; micro-batches {mbs}"
+                + (f"; schedule {list(case.schedule)}" if case.schedule else "")
+                + (f"; variant {case.variant}" if case.variant else "")
+                + (f"; frozen {list(case.frozen)}" if case.frozen else "")
+                + (f"; asked {list(case.asked)}" if case.asked else "")
+            )
             print(f"  reproduce: {c.repro}")
     _print_deviations(run)
     _print_gaps(run, bool(failed))

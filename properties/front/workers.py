@@ -1,8 +1,7 @@
 """Run a campaign's cells in this process and one forked worker, reported in plan order. Cells
-that draw the same cases stay together, so that :func:`~..oracle.truth.memo` keeps their truth;
-P9's stay here, where its ``python -O`` subprocess was started. A worker may draw other cases
-than one process would (hypothesis draws from loaded constants); reproduce lines still replay.
-"""
+that draw the same cases stay together (:func:`~..oracle.truth.memo` keeps their truth), P9's
+here, where its ``python -O`` subprocess started. A worker may draw other cases than one process
+would (hypothesis draws from loaded modules' constants); each reproduce line still replays."""
 
 from __future__ import annotations
 
@@ -12,8 +11,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from splitgrad.impl import gemm_paths
-
-_HOME_PROPERTIES = frozenset({"P9"})
 
 
 def default_jobs(device: str = "cpu") -> int:
@@ -40,7 +37,7 @@ def _split(cells: Sequence[Any]) -> tuple[list[int], list[int]]:
     for i, cell in enumerate(cells):
         group = (cell.kind, cell.dtype, cell.recipe_label, cell.path, cell.autocast)
         groups.setdefault(group, []).append(i)
-    home = [i for i, c in enumerate(cells) if c.property_id in _HOME_PROPERTIES]
+    home = [i for i, c in enumerate(cells) if c.property_id == "P9"]
     load = [sum(_cost(cells[i]) for i in home), 0.0]
     sides: list[list[int]] = [list(home), []]
     for indices in sorted(groups.values(), key=lambda ix: -sum(_cost(cells[i]) for i in ix)):

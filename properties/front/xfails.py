@@ -40,7 +40,10 @@ class ExpectedFailure:
 def canonical_id(text: str) -> str:
     """The id of the cell ``text`` names, bare or as pytest shows it (``test_property[...]``), or
     ``test_api_complete``; raises :class:`XfailsFileError` saying what is wrong with it."""
-    from .plan import cell_id
+    from ..cases.case import AUTOCAST_DTYPES, DTYPES, KINDS
+    from ..checks.paths import IMPL_PATHS
+    from ..checks.registry import PROPERTIES, applicable
+    from .plan import RECIPE_CHOICES, cell_id
 
     raw = text.strip()
     item = raw.rsplit("::", 1)[-1]
@@ -59,16 +62,7 @@ def canonical_id(text: str) -> str:
             f"{raw!r} is not a cell id: expected {_GRAMMAR} (as splitgrad verify and pytest "
             "print it), or test_api_complete"
         )
-    _check_names(raw, *parts, path, autocast)
-    return item
-
-
-def _check_names(raw, property_id, kind, dtype, recipe, path, autocast) -> None:
-    from ..cases.case import AUTOCAST_DTYPES, DTYPES, KINDS
-    from ..checks.paths import IMPL_PATHS
-    from ..checks.registry import PROPERTIES, applicable
-    from .plan import RECIPE_CHOICES
-
+    property_id, kind, dtype, recipe = parts
     given = (
         ("property", property_id, PROPERTIES),
         ("kind", kind, KINDS),
@@ -86,6 +80,7 @@ def _check_names(raw, property_id, kind, dtype, recipe, path, autocast) -> None:
         raise XfailsFileError(f"{raw!r}: {property_id} does not apply to {kind}, no such cell")
     if path != "default" and not IMPL_PATHS[path].applies(kind):
         raise XfailsFileError(f"{raw!r}: forced path {path} does not apply to {kind}")
+    return item
 
 
 def parse_xfails(text: str, source: str = "<xfails>") -> dict[str, ExpectedFailure]:
