@@ -217,15 +217,10 @@ def fp8_step(v: torch.Tensor, fmt: str, scale_inv: float) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Budget:
-    """Two gates, both must hold (``t`` the high-precision float64 truth, ``n`` the naive FP8
-    reference, ``a`` the implementation; docs/budgets.md says why each)::
-
-        max|a - t|        <= multiplier * max|n - t|
-                             + (floor_steps * eps(dtype) + small) * max|t|
-        ||a - t|| / ||t|| <= norm_multiplier * ||n - t|| / ||t||
-                             + norm_floor_steps * eps(dtype) + small
-        small = small_tensor_steps * eps(fp8 format) / sqrt(independent quantizations)
-    """
+    """Two gates, both must hold (docs/budgets.md, FP8): element-wise, ``max|a - t| <=
+    multiplier * max|n - t| + (floor_steps * eps(dtype) + small) * max|t|``; whole tensor,
+    ``||a - t|| / ||t|| <= norm_multiplier * ||n - t|| / ||t|| + norm_floor_steps * eps + small``;
+    ``small = small_tensor_steps * eps(fp8) / sqrt(independent quantizations)``."""
 
     kind: str
     multiplier: float

@@ -619,19 +619,16 @@ def _fit(case: Case, variant: str, targets: tuple[str, ...]) -> Case:
 
 @st.composite
 def p18_cases(draw, kinds, dtypes, devices, recipes):
-    """1-2 micro-batches, a substitution kind from :data:`VARIANTS`, and its targets: a
-    non-empty subset of the parameters (``functional_call``, ``post_accumulate_hook``), one
-    or two (``tensor_hook``), one (``parametrize``; ``tensor_hook_wrong_size``: a GEMM
-    parameter); GEMM weights first, so that shrinking goes to them."""
+    """1-2 micro-batches, a substitution kind from :data:`VARIANTS`, and up to
+    :data:`_TARGETED` of its parameters (at least one); GEMM weights first, so that shrinking
+    goes to them."""
     case = draw(cases(kinds, dtypes, devices, n_micro_batches=(1, 2), recipes=recipes))
     variant = draw(st.sampled_from(VARIANTS))
     names = _ordered(case, variant)
-    most = _TARGETED.get(variant, 0)
-    if most == 0:
-        targets: tuple[str, ...] = ()
-    else:
+    targets: tuple[str, ...] = ()
+    if variant in _TARGETED:
         order = draw(st.permutations(names))
-        count = draw(st.integers(1, min(most or len(names), len(names))))
+        count = draw(st.integers(1, min(_TARGETED[variant] or len(names), len(names))))
         targets = tuple(n for n in names if n in order[:count])
     return _fit(case, variant, targets)
 

@@ -133,16 +133,14 @@ def tensor_of(run: AccuracyRun | None, name: str) -> torch.Tensor | None:
 def compare_outputs(t: Tracker, got: AccuracyRun, cand: AccuracyRun, j: Judging) -> None:
     """P1's comparisons: every micro-batch's output (:data:`~.budgets.OUTPUT`)."""
     for i in range(min(len(got.outputs), len(j.naive.outputs), len(cand.outputs))):
-        name = f"output[micro-batch {i}]"
-        judge(t, j, name, got.outputs[i], cand, B.OUTPUT)
+        judge(t, j, f"output[micro-batch {i}]", got.outputs[i], cand, B.OUTPUT)
 
 
 def compare_dgrads(t: Tracker, got: AccuracyRun, cand: AccuracyRun, j: Judging) -> None:
     """P2's comparisons of ``got`` against one candidate truth: every input gradient
     (:data:`~.budgets.DGRAD`) and norm-parameter gradient (:data:`~.budgets.NORM_GRAD`)."""
     for i in range(min(len(got.xgrads), len(j.naive.xgrads), len(cand.xgrads))):
-        name = f"inp.grad[micro-batch {i}]"
-        judge(t, j, name, got.xgrads[i], cand, B.DGRAD)
+        judge(t, j, f"inp.grad[micro-batch {i}]", got.xgrads[i], cand, B.DGRAD)
     for key in sorted(cand.norm):
         judge(t, j, key, got.norm.get(key), cand, B.NORM_GRAD)
 
