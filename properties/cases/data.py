@@ -17,22 +17,6 @@ import torch
 
 from .case import DY_LAYOUTS, GATED, Case, MicroBatch, ModuleConfig
 
-__all__ = [
-    "ParamSpec",
-    "param_specs",
-    "make_state",
-    "MicroBatchData",
-    "make_micro_batch",
-    "make_micro_batches",
-    "make_main_grads",
-    "make_grad_prefill",
-    "generator",
-    "gemm_weight_names",
-    "gemm_bias_names",
-    "role_of",
-    "with_layout",
-]
-
 GEMM_WEIGHT, GEMM_BIAS, NORM = "gemm_weight", "gemm_bias", "norm"
 
 

@@ -43,18 +43,6 @@ from .case import (  # noqa: F401 (re-exported: the campaign names them from her
     torch_dtype,
 )
 
-__all__ = [
-    "sizes",
-    "seeds",
-    "m_splits",
-    "module_configs",
-    "with_autocast",
-    "micro_batches",
-    "schedules",
-    "cases",
-    "boundary_cases",
-]
-
 
 @functools.cache
 def _sampled_from(values: tuple) -> st.SearchStrategy:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["MISUSES", "INPUT_ONLY_MODES", "Misuse", "PartialBackward", "Variant", "parse_variant"]
-
 #: P10's misuses (:func:`~.misuse.misuses` says which apply to a module).
 MISUSES = (
     "bad_last_dim",

@@ -32,15 +32,6 @@ from ..cases.strategies import RECIPES, Case, cases, make_recipe
 from .results import CheckResult, PropertyViolation, Tracker
 from .runner import ModuleRun
 
-__all__ = [
-    "P13_VALUES",
-    "check_p13",
-    "p13_cases",
-    "quantizer_operands",
-    "check_quantizers",
-    "check_histories",
-]
-
 # Value patterns P13's quantizer operands are drawn with (see the module docstring).
 P13_VALUES = ("randn", "specials", "outliers")
 
@@ -90,13 +81,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(torch.uint8)
 
 
-def _compare_quantized(t: Tracker, label: str, got: Any, want: Any) -> None:
-    t.equal(f"{label}: fp8 dtype", got.data.dtype, want.data.dtype)
-    t.bitwise(f"{label}: fp8 bytes", _bits(got.data), _bits(want.data))
-    # As fp32: an E8M0 scale converts exactly (it is a power of two).
-    t.bitwise(f"{label}: scale_inv", got.scale_inv.to(torch.float32), want.scale_inv)
-
-
 def _compare_state(t: Tracker, label: str, got: Any, want: Any) -> None:
     t.bitwise(f"{label}: amax_history", got.amax_history, want.amax_history)
     t.bitwise(f"{label}: scale", got.scale, want.scale)
@@ -121,7 +105,11 @@ def check_quantizers(backend: Backend, case: Case, t: Tracker) -> None:
             got_state, want_state = states.get(role, (None, None))
             want = ref.quantize(x, recipe, role, axis, state=want_state)
             got = test.quantize(x, recipe, role, axis, state=got_state)
-            _compare_quantized(t, f"{label} {role} axis={axis} ({case.config.recipe})", got, want)
+            what = f"{label} {role} axis={axis} ({case.config.recipe})"
+            t.equal(f"{what}: fp8 dtype", got.data.dtype, want.data.dtype)
+            t.bitwise(f"{what}: fp8 bytes", _bits(got.data), _bits(want.data))
+            # As fp32: an E8M0 scale converts exactly (it is a power of two).
+            t.bitwise(f"{what}: scale_inv", got.scale_inv.to(torch.float32), want.scale_inv)
             if delayed:
                 _compare_state(t, f"{label} {role} after quantizing", got_state, want_state)
         if delayed:

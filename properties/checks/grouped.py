@@ -21,8 +21,6 @@ from ..oracle.truth import judge_steps, truth_runs
 from .results import CheckResult, Tracker
 from .runner import AccuracyRun, ModuleRun, Snapshot, clone_of, fb_steps
 
-__all__ = ["check_p12"]
-
 
 def check_p12(backend: Backend, case: Case) -> CheckResult:
     """P12: ``GroupedLinear(n)`` against ``n`` ``Linear``\\ s with the same weights on

@@ -33,8 +33,6 @@ from ..oracle.truth import judge_steps
 from .results import CheckResult, PropertyViolation, Tracker
 from .runner import AccuracyRun, ModuleRun, Snapshot, Step, clone_of, fb_steps
 
-__all__ = ["check_p17", "p17_cases", "MODES", "parse_variant"]
-
 MODES = INPUT_ONLY_MODES
 INPUT = "inp"
 
@@ -58,10 +56,10 @@ def _param(key: str) -> str:
 
 @dataclasses.dataclass
 class _Partial:
-    """One P17 example under way: ``run`` gets the partial backward at micro-batch ``index``,
-    ``twin`` never runs that micro-batch; ``entries`` counts the queued (or hooked) entries,
-    ``xgrads`` the input gradients, ``returned`` what autograd.grad gave back; ``before`` is
-    (snapshot, pending entries, hook calls) before the partial micro-batch's forward."""
+    """One P17 example under way: ``run`` gets the partial backward at micro-batch ``index``;
+    ``entries`` counts the queued (or hooked) entries, ``xgrads`` the input gradients,
+    ``returned`` what autograd.grad gave back; ``before`` is (snapshot, pending entries, hook
+    calls) before the partial micro-batch's forward."""
 
     backend: Backend
     case: Case
@@ -69,7 +67,6 @@ class _Partial:
     index: int
     t: Tracker
     run: ModuleRun
-    twin: ModuleRun
     entries: int = 0
     xgrads: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
     returned: dict[str, torch.Tensor | None] = dataclasses.field(default_factory=dict)
@@ -88,8 +85,8 @@ def check_p17(backend: Backend, case: Case) -> CheckResult:
     mode, index = parse_variant(case)
     data = make_micro_batches(case)
     run = ModuleRun(backend, case, delay=case.delay, prefill_grads=True)
-    twin = ModuleRun(backend, case, delay=case.delay, prefill_grads=True)
-    p = _Partial(backend, case, mode, index, Tracker(), run, twin, xgrads=[None] * len(data))
+    twin = ModuleRun(backend, case, delay=case.delay, prefill_grads=True)  # skips `index`
+    p = _Partial(backend, case, mode, index, Tracker(), run, xgrads=[None] * len(data))
     unknown = p.asked - set(run.params) - {INPUT}
     if unknown:
         raise ValueError(f"P17 case asks for unknown tensors {sorted(unknown)}")
@@ -105,7 +102,17 @@ def check_p17(backend: Backend, case: Case) -> CheckResult:
             x = d.fresh_input()
             y = run.forward(x, d.spec.m_splits, d.spec.is_first_microbatch)
             (_by_autograd_grad if mode == "grad" else _by_backward_inputs)(p, d, x, y)
-    _after_draining(p)
+    # After draining: every entry ran its hooks once; what was not asked equals the twin's.
+    run.drain()
+    twin.drain()
+    p.t.equal("pending_wgrad_count after draining", run.pending(), 0)
+    calls = run.hook_count * p.entries
+    p.t.equal(f"hook calls over the run ({p.what})", len(run.hook_calls), calls)
+    final, skipped = run.all_snapshot(), twin.all_snapshot()
+    for key in sorted(final):
+        if mode == "grad" or _param(key) not in p.asked:
+            where = f"{key} after draining, vs a twin that never ran micro-batch {index}"
+            p.t.bitwise(f"{where} ({p.what})", final[key], skipped.get(key))
     _judge_asked(p)
     return p.t.result
 
@@ -153,20 +160,6 @@ def _by_backward_inputs(p: _Partial, d, x: torch.Tensor, y: torch.Tensor) -> Non
     was = {k: before[k] for k in untouched}
     t.bitwise_all(f"{what}: changed by the backward: ", untouched, was)
     p.entries += 1 if p.asked_gemm else 0
-
-
-def _after_draining(p: _Partial) -> None:
-    """Every entry ran its hooks once; what was not asked equals the twin's, bitwise."""
-    run, t, what = p.run, p.t, p.what
-    run.drain()
-    p.twin.drain()
-    t.equal("pending_wgrad_count after draining", run.pending(), 0)
-    t.equal(f"hook calls over the run ({what})", len(run.hook_calls), run.hook_count * p.entries)
-    final, skipped = run.all_snapshot(), p.twin.all_snapshot()
-    twin = f"vs a twin that never ran micro-batch {p.index} ({what})"
-    for key in sorted(final):
-        if p.mode == "grad" or _param(key) not in p.asked:
-            t.bitwise(f"{key} after draining, {twin}", final[key], skipped.get(key))
 
 
 def _judge_asked(p: _Partial) -> None:

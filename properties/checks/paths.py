@@ -1,14 +1,9 @@
-"""Fast paths that are the default only on a GPU, forced on the CPU and fuzzed there.
-
-On a CPU-only CI a GPU fast path is never taken by default, so a bug in it would pass every
-check. Where the path also *runs* on the CPU, :class:`ForcedPathBackend` forces it through the
-implementation's own knob on every module it builds, and the same strategies and checks run
-against it (``splitgrad verify --impl-path``; the default run and the pytest plugin include a
-slice of each). It counts the calls of the aten operator only the path calls: a cell in which
-the path never ran is an error, not a pass (:func:`forced_path_error`). Each path's limits are
-its kernel's: ``torch._grouped_mm`` (default on sm90 CUDA in bf16) takes no float64 and wants
-16-byte rows (drawn so by construction); the CPU's ``torch._scaled_mm`` (FP8 GEMMs, default on
-CUDA) refuses the block-scaled recipes; ``recompute`` is a memory knob, off by default.
+"""Fast paths that are the default only on a GPU, forced on the CPU (docs/harness.md, "forced
+fast paths"): :class:`ForcedPathBackend` sets the implementation's own knob on every module it
+builds and counts the aten operator only the path calls, and :func:`forced_path_error` makes a
+cell in which it never ran an error, not a pass. Each path's limits are its kernel's:
+``torch._grouped_mm`` takes no float64 and wants 16-byte rows (drawn so by construction), the
+CPU's ``torch._scaled_mm`` refuses the block-scaled recipes.
 """
 
 from __future__ import annotations
@@ -23,8 +18,6 @@ import torch
 from ..backends import Backend, BackendUnavailable
 from ..cases.case import KINDS, RECIPE_FAMILIES, Case, MicroBatch, ModuleConfig
 from ..cases.data import make_micro_batches, make_state
-
-__all__ = ["ImplPath", "IMPL_PATHS", "ForcedPathBackend", "forced_path_error"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +96,7 @@ def _inner(name: str, counted: bool = False) -> Callable[..., Any]:
         with _OperatorCounter(self) if counting else contextlib.nullcontext():
             return getattr(self.inner, name)(*args, **kwargs)
 
-    method.__name__ = method.__qualname__ = name
+    method.__name__ = name
     return method
 
 
@@ -234,7 +227,6 @@ class ForcedPathBackend(Backend):
     fp8_state = _inner("fp8_state")
     fp8_quantizer = _inner("fp8_quantizer")
     constructor = _inner("constructor")
-    supports_ub_bulk_wgrad = _inner("supports_ub_bulk_wgrad")
     forward = _inner("forward", counted=True)
     backward = _inner("backward", counted=True)
     grad = _inner("grad", counted=True)
