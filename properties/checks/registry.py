@@ -51,7 +51,6 @@ from .split import (
 __all__ = [
     "PROPERTIES",
     "CHECKS",
-    "REQUIRES",
     "PropertySpec",
     "SPECS",
     "CellOptions",
@@ -256,8 +255,6 @@ SPECS: dict[str, PropertySpec] = {
 CHECKS: dict[str, Callable[[Backend, Case], CheckResult]] = {
     pid: s.check for pid, s in SPECS.items()
 }
-#: API parts each property needs (see :data:`~.backends.API_PARTS`).
-REQUIRES: dict[str, frozenset[str]] = {pid: s.needs for pid, s in SPECS.items()}
 
 
 def _spec_of(property_id: str) -> PropertySpec:
