@@ -67,6 +67,7 @@ from ._torch_private import (
 )
 from .accumulate import check_no_tensor_hooks
 from .fp8 import MX_BLOCK, TILE, Float8BlockScaling, MXFP8BlockScaling, Recipe, fp8_active_recipe
+from .parallel import divide, mark_parallel_parameter, resolve_tensor_parallel
 
 __all__ = [
     "ACCUMULATE",
@@ -319,6 +320,11 @@ class ModuleContract(torch.nn.Module):
         self.ub_bulk_wgrad = check_flag("ub_bulk_wgrad", ub_bulk_wgrad)
         self._gemm_weight_names: list[str] = []
         self._gemm_bias_names: list[str] = []
+        # Tensor parallelism (SPEC §9, :mod:`.parallel`): off until a constructor sets it.
+        self.tp_group, self.tp_size, self.parallel_mode = None, 1, None
+        self.sequence_parallel, self.wgrad_gather, self._tp = False, "backward", None
+        # name -> (partition_dim or None, sequence_parallel): the attributes of §9.
+        self._parallel_marks: dict[str, tuple[int | None, bool]] = {}
         # FP8 delayed-scaling state (amax histories and scales) of this module, by tensor role
         # ("input", "fc1.grad_output", ...).
         self.fp8_states: dict = {}
@@ -357,6 +363,25 @@ class ModuleContract(torch.nn.Module):
             param.skip_backward_post_hook = True
         self.register_parameter(name, param)
 
+    def _add_sharded_linear(self, in_features: int, out_features: int) -> None:
+        """``weight`` and ``bias`` of a ``Linear`` / ``LayerNormLinear`` with global sizes
+        ``in_features``, ``out_features``: the rank's rows (column) or columns (row) of them,
+        with their §9 attributes; ``in_features`` / ``out_features`` become the rank's sizes."""
+        mode, tp = self.parallel_mode, self.tp_size
+        if mode == "column":
+            out_features = divide("out_features", out_features, tp)
+        elif mode == "row":
+            in_features = divide("in_features", in_features, tp)
+        self.in_features, self.out_features = in_features, out_features
+        self._add_gemm_weight("weight", self._new_tensor(out_features, in_features))
+        self._add_gemm_bias("bias", out_features)
+        if mode == "column":
+            self._mark_parallel("weight", 0)
+            self._mark_parallel("bias", 0)
+        elif mode == "row":
+            self._mark_parallel("weight", 1)
+            self._mark_parallel("bias", None, sp=True)
+
     def _add_norm_parameters(self, features: int) -> None:
         """``layer_norm_weight`` (gamma, or ``gamma - 1`` when zero-centred) and, for LayerNorm,
         ``layer_norm_bias``."""
@@ -366,13 +391,51 @@ class ModuleContract(torch.nn.Module):
         else:
             self.register_parameter("layer_norm_bias", None)
 
+    def _set_tensor_parallel(
+        self,
+        *,
+        tp_group: object,
+        tp_size: object,
+        parallel_mode: object,
+        sequence_parallel: object,
+        wgrad_gather: object,
+        communicates: bool = True,
+    ) -> None:
+        """Validate and keep the TP options (SPEC §9, :func:`.parallel.resolve_tensor_parallel`),
+        before any parameter is created."""
+        self.tp_size, self.parallel_mode, self.sequence_parallel, self._tp = (
+            resolve_tensor_parallel(
+                tp_group=tp_group,
+                tp_size=tp_size,
+                parallel_mode=parallel_mode,
+                sequence_parallel=sequence_parallel,
+                wgrad_gather=wgrad_gather,
+                communicates=communicates,
+            )
+        )
+        self.tp_group, self.wgrad_gather = tp_group, wgrad_gather
+
+    def _mark_parallel(self, name: str, partition_dim: int | None, sp: bool = False) -> None:
+        """Give parameter ``name`` Megatron's TP attributes (:func:`.parallel.
+        mark_parallel_parameter`), now and after every ``_apply`` that replaces it."""
+        if partition_dim is None and not (sp and self.sequence_parallel):
+            return
+        self._parallel_marks[name] = (partition_dim, sp and self.sequence_parallel)
+        param = self._own_parameter(name)
+        if param is not None:
+            mark_parallel_parameter(param, *self._parallel_marks[name])
+
     def _apply(self, fn, recurse=True):
         # A conversion that creates new Parameter objects (to_empty from meta, a device move
-        # torch cannot do in place) drops their attributes: mark the deferred ones again.
+        # torch cannot do in place) drops their attributes: mark them again.
         out = super()._apply(fn, recurse)
         if self.delay_wgrad_compute:
             for name in self._gemm_weight_names + self._gemm_bias_names:
                 self._own_parameter(name).skip_backward_post_hook = True
+        for name, marks in self._parallel_marks.items():
+            param = self._own_parameter(name)
+            if param is not None:
+                mark_parallel_parameter(param, *marks)
         return out
 
     def _own_parameter(self, name: str) -> torch.Tensor | None:
@@ -435,6 +498,11 @@ class ModuleContract(torch.nn.Module):
         ("fuse_wgrad_accumulation", False),
         ("delay_wgrad_compute", False),
         ("ub_bulk_wgrad", False),
+        ("tp_size", 1),
+        ("parallel_mode", None),
+        ("set_parallel_mode", False),
+        ("sequence_parallel", False),
+        ("wgrad_gather", "backward"),
     )
 
     # ---- validation (§5) ----------------------------------------------------------------
@@ -615,6 +683,11 @@ class LinearContract(ModuleContract):
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
         ub_bulk_wgrad: bool = False,
+        tp_group: object = None,
+        tp_size: int = 1,
+        parallel_mode: str | None = None,
+        sequence_parallel: bool = False,
+        wgrad_gather: str = "backward",
     ) -> None:
         check_positive("in_features", in_features)
         check_positive("out_features", out_features)
@@ -626,9 +699,14 @@ class LinearContract(ModuleContract):
             delay_wgrad_compute=delay_wgrad_compute,
             ub_bulk_wgrad=ub_bulk_wgrad,
         )
-        self.in_features, self.out_features = in_features, out_features
-        self._add_gemm_weight("weight", self._new_tensor(out_features, in_features))
-        self._add_gemm_bias("bias", out_features)
+        self._set_tensor_parallel(
+            tp_group=tp_group,
+            tp_size=tp_size,
+            parallel_mode=parallel_mode,
+            sequence_parallel=sequence_parallel,
+            wgrad_gather=wgrad_gather,
+        )
+        self._add_sharded_linear(in_features, out_features)
         self.reset_parameters()
 
     _size_names = ("in_features", "out_features")
@@ -649,6 +727,9 @@ class _NormContract(ModuleContract):
         self.eps, self.normalization = float(eps), normalization
         self.zero_centered_gamma = check_flag("zero_centered_gamma", zero_centered_gamma)
         self._add_norm_parameters(features)
+        # Under SP the norm runs on the rank's tokens: its gradients are partial sums.
+        self._mark_parallel("layer_norm_weight", None, sp=True)
+        self._mark_parallel("layer_norm_bias", None, sp=True)
 
 
 class LayerNormLinearContract(_NormContract):
@@ -672,10 +753,21 @@ class LayerNormLinearContract(_NormContract):
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
         ub_bulk_wgrad: bool = False,
+        tp_group: object = None,
+        tp_size: int = 1,
+        parallel_mode: str | None = None,
+        sequence_parallel: bool = False,
+        wgrad_gather: str = "backward",
     ) -> None:
         check_positive("in_features", in_features)
         check_positive("out_features", out_features)
         _check_choice("normalization", normalization, NORMALIZATIONS)
+        if parallel_mode == "row":
+            raise ValueError(
+                "LayerNormLinear does not take parallel_mode='row': its norm needs every feature "
+                "of a token, and a row-parallel layer's input holds a slice of them; use "
+                "parallel_mode='column', or a norm followed by Linear(parallel_mode='row')"
+            )
         super().__init__(
             bias=bias,
             params_dtype=params_dtype,
@@ -684,10 +776,15 @@ class LayerNormLinearContract(_NormContract):
             delay_wgrad_compute=delay_wgrad_compute,
             ub_bulk_wgrad=ub_bulk_wgrad,
         )
-        self.in_features, self.out_features = in_features, out_features
+        self._set_tensor_parallel(
+            tp_group=tp_group,
+            tp_size=tp_size,
+            parallel_mode=parallel_mode,
+            sequence_parallel=sequence_parallel,
+            wgrad_gather=wgrad_gather,
+        )
         self._set_norm_options(in_features, eps, normalization, zero_centered_gamma)
-        self._add_gemm_weight("weight", self._new_tensor(out_features, in_features))
-        self._add_gemm_bias("bias", out_features)
+        self._add_sharded_linear(in_features, out_features)
         self.reset_parameters()
 
     _size_names = ("in_features", "out_features")
@@ -720,6 +817,11 @@ class LayerNormMLPContract(_NormContract):
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
         ub_bulk_wgrad: bool = False,
+        tp_group: object = None,
+        tp_size: int = 1,
+        set_parallel_mode: bool = False,
+        sequence_parallel: bool = False,
+        wgrad_gather: str = "backward",
     ) -> None:
         check_positive("hidden_size", hidden_size)
         check_positive("ffn_hidden_size", ffn_hidden_size)
@@ -733,14 +835,39 @@ class LayerNormMLPContract(_NormContract):
             delay_wgrad_compute=delay_wgrad_compute,
             ub_bulk_wgrad=ub_bulk_wgrad,
         )
+        self.set_parallel_mode = check_flag("set_parallel_mode", set_parallel_mode)
+        self._set_tensor_parallel(
+            tp_group=tp_group,
+            tp_size=tp_size,
+            parallel_mode="column" if self.set_parallel_mode else None,
+            sequence_parallel=sequence_parallel,
+            wgrad_gather=wgrad_gather,
+        )
+        # The fc1 column / fc2 row pair is one parallel mode of its own (shown as
+        # set_parallel_mode, not parallel_mode).
+        self.parallel_mode = None
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.activation = activation
+        self.size_per_partition = divide("ffn_hidden_size", ffn_hidden_size, self.tp_size)
+        if self.tp_size > 1 and not self.set_parallel_mode:
+            raise ValueError(
+                f"LayerNormMLP with tp_size={self.tp_size} needs set_parallel_mode=True (fc1 "
+                "column-parallel, fc2 row-parallel): without it fc2's output would be a partial "
+                "sum that nothing reduces"
+            )
         self._set_norm_options(hidden_size, eps, normalization, zero_centered_gamma)
-        fc1_out = 2 * ffn_hidden_size if activation in GATED_ACTIVATIONS else ffn_hidden_size
+        ffn = self.size_per_partition
+        # Gated: the rank's rows of the gate and of the up projection, one after the other.
+        fc1_out = 2 * ffn if activation in GATED_ACTIVATIONS else ffn
         self._add_gemm_weight("fc1_weight", self._new_tensor(fc1_out, hidden_size))
         self._add_gemm_bias("fc1_bias", fc1_out)
-        self._add_gemm_weight("fc2_weight", self._new_tensor(hidden_size, ffn_hidden_size))
+        self._add_gemm_weight("fc2_weight", self._new_tensor(hidden_size, ffn))
         self._add_gemm_bias("fc2_bias", hidden_size)
+        if self.set_parallel_mode:
+            self._mark_parallel("fc1_weight", 0)
+            self._mark_parallel("fc1_bias", 0)
+            self._mark_parallel("fc2_weight", 1)
+            self._mark_parallel("fc2_bias", None, sp=True)
         self.reset_parameters()
 
     _size_names = ("hidden_size", "ffn_hidden_size")
@@ -756,7 +883,7 @@ class LayerNormMLPContract(_NormContract):
     def _check_fp8_shapes(self, recipe: Recipe, rows: int) -> None:
         fc1_out = self.fc1_weight.shape[0]
         check_fp8_gemm_shape(recipe, "fc1", rows, self.hidden_size, fc1_out)
-        check_fp8_gemm_shape(recipe, "fc2", rows, self.ffn_hidden_size, self.hidden_size)
+        check_fp8_gemm_shape(recipe, "fc2", rows, self.size_per_partition, self.hidden_size)
 
 
 class GroupedLinearContract(ModuleContract):
@@ -777,6 +904,9 @@ class GroupedLinearContract(ModuleContract):
         device: torch.device | str | None = None,
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
+        tp_group: object = None,
+        tp_size: int = 1,
+        parallel_mode: str | None = None,
     ) -> None:
         check_positive("num_gemms", num_gemms)
         check_positive("in_features", in_features)
@@ -788,11 +918,32 @@ class GroupedLinearContract(ModuleContract):
             fuse_wgrad_accumulation=fuse_wgrad_accumulation,
             delay_wgrad_compute=delay_wgrad_compute,
         )
+        # SPEC §9: shapes only; the MoE dispatch does the communication.
+        self._set_tensor_parallel(
+            tp_group=tp_group,
+            tp_size=tp_size,
+            parallel_mode=parallel_mode,
+            sequence_parallel=False,
+            wgrad_gather="backward",
+            communicates=False,
+        )
+        if self.tp_size > 1 and self.use_bias:
+            raise ValueError(
+                f"GroupedLinear with tp_size={self.tp_size} takes no bias (got bias=True): a "
+                "sharded expert's bias would be added on every rank"
+            )
+        if self.parallel_mode == "column":
+            out_features = divide("out_features", out_features, self.tp_size)
+        elif self.parallel_mode == "row":
+            in_features = divide("in_features", in_features, self.tp_size)
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         for i, w in enumerate(self._group_weight_tensors(num_gemms, out_features, in_features)):
             self._add_gemm_weight(f"weight{i}", w)
         for i in range(num_gemms):
             self._add_gemm_bias(f"bias{i}", out_features)
+        if self.parallel_mode is not None:
+            for i in range(num_gemms):
+                self._mark_parallel(f"weight{i}", 0 if self.parallel_mode == "column" else 1)
         self.reset_parameters()
 
     _size_names = ("num_gemms", "in_features", "out_features")
