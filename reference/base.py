@@ -78,6 +78,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from . import accumulate as acc
+from .collectives import operand
 from . import functional as F
 from .contract import (
     ACCUMULATE,
@@ -259,7 +260,10 @@ class SplitBackwardModule(ModuleContract):
         ``(to_w, to_b, dy, x, fp8)`` in order, ``dW = dy^T x`` to the weight's target and
         ``db = sum(dy)`` to the bias's (``None``: no bias), each where the module writes it
         (:attr:`Target.written`); no entry when it writes none. ``overwrite``: the
-        ``is_first_microbatch`` flag of the forward, under fused accumulation."""
+        ``is_first_microbatch`` flag of the forward, under fused accumulation. Under tensor
+        parallelism (SPEC §9) a GEMM may carry a sixth item, the ``dy`` its bias gradient sums
+        (a row layer's local ``dy``, when ``dy`` is the gathered one), and ``dy`` or ``x`` may
+        be a :class:`.collectives.GatherInW` shard, gathered when the entry runs."""
         weights = [to_w for to_w, *_ in gemms if to_w.written]
         biases = [to_b for _, to_b, *_ in gemms if to_b is not None and to_b.written]
         if not weights and not biases:
@@ -268,11 +272,11 @@ class SplitBackwardModule(ModuleContract):
         def wgrad_closure():
             self._begin_wgrad(weights)
             writes = []
-            for to_w, to_b, dy, x, fp8 in gemms:
+            for to_w, to_b, dy, x, fp8, *bias_dy in gemms:
                 if to_w.written:
-                    writes.append(self._weight_write(to_w, dy, x, fp8))
+                    writes.append(self._weight_write(to_w, operand(dy), operand(x), fp8))
                 if to_b is not None and to_b.written:
-                    writes.append(self._bias_write(to_b, dy))
+                    writes.append(self._bias_write(to_b, bias_dy[0] if bias_dy else dy))
             return writes
 
         self._submit_wgrad(WgradEntry(wgrad_closure, overwrite))
@@ -310,7 +314,7 @@ class SplitBackwardModule(ModuleContract):
             return None
         if fp8 is not None:
             return fp8.wgrad(dtype)
-        return F.linear_wgrad(dy, x)
+        return F.linear_wgrad(operand(dy), operand(x))
 
     def _bias_write(self, target: Target, dy: torch.Tensor) -> GradWrite:
         """The gradient of one GEMM bias, always to ``.grad``."""

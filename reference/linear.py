@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from . import collectives as C
 from . import functional as F
 from .base import SplitBackwardModule, detached, no_forward_ad, remember_params
 from .contract import LinearContract, autocast_off, without_autocast
 from .fp8_gemm import FP8Gemm, update_delayed_scaling
+from .parallel import check_tp_backward, check_tp_forward, output_shape
 
 __all__ = ["Linear"]
 
@@ -36,10 +38,21 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(x, weight, bias, module, overwrite, fp8, autocast):
         weight, bias = _gemm_operands(autocast, fp8, weight, bias)
+        tp, mode = module._tp, module.parallel_mode
+        if tp is not None and mode == "column" and tp.sequence_parallel:
+            x = C.gather_rows(x, tp)  # SPEC §9: the GEMM sees every rank's tokens
+        # A row layer adds its (whole) bias after its output is reduced.
+        row = tp is not None and mode == "row"
+        gemm_bias = None if row else bias
         if fp8 is None:
-            return F.linear_fwd(x, weight, bias)
-        y = fp8.fprop(x, weight, bias)
-        update_delayed_scaling(module, fp8.recipe, ("input", "weight"))
+            y = F.linear_fwd(x, weight, gemm_bias)
+        else:
+            y = fp8.fprop(x, weight, gemm_bias)
+            update_delayed_scaling(module, fp8.recipe, ("input", "weight"))
+        if row:
+            y = C.reduce_rows(y, tp)
+            if bias is not None:
+                y = y + bias
         return y
 
     @staticmethod
@@ -57,21 +70,35 @@ class _LinearFunction(torch.autograd.Function):
     @without_autocast
     def backward(ctx, dy):
         module: Linear = ctx.module
+        tp, mode = module._tp, module.parallel_mode
+        if tp is not None:
+            check_tp_backward(module)
         fp8, (to_w, to_b) = module._route(ctx)
         differentiable = torch.is_grad_enabled()
         need_x = ctx.needs_input_grad[0]
+        sp = tp is not None and tp.sequence_parallel
+        # SPEC §9, row + SP: dgrad and wgrad need every rank's tokens of dy; the bias
+        # gradient sums this rank's (a partial sum, reduced by the framework).
+        dy_w = C.gather_rows(dy, tp) if sp and mode == "row" else dy
         x = weight = None
         if fp8 is None:
             x, weight = ctx.saved_tensors
             if not differentiable:  # otherwise the formulas below are on the graph
                 x, weight = detached((x, weight))
             weight, _ = _gemm_operands(ctx.autocast, None, weight, None)
-            dx = F.linear_dgrad(dy, weight) if need_x else None
+            dx = F.linear_dgrad(dy_w, weight) if need_x else None
         else:
-            dx = fp8.dgrad(dy, need_x)
+            dx = fp8.dgrad(dy_w, need_x)
             update_delayed_scaling(module, fp8.recipe, ("grad_output",))
-        module._submit_gemm_wgrads([(to_w, to_b, dy, x, fp8)], ctx.overwrite)
-        dw = module._returned_weight_grad(to_w, ctx.weight_dtype, dy, x, fp8)
+        if tp is not None and mode == "column" and need_x:
+            dx = C.reduce_rows(dx, tp)  # each rank's dx is its output columns' share
+        if sp:  # the full-sequence wgrad operand: now, or inside backward_dw()
+            if mode == "column" and x is not None:
+                x = C.GatherInW(x, tp) if tp.gather_in_backward_dw else C.gather_rows(x, tp)
+            elif mode == "row" and tp.gather_in_backward_dw:
+                dy_w = C.GatherInW(dy, tp)
+        module._submit_gemm_wgrads([(to_w, to_b, dy_w, x, fp8, dy)], ctx.overwrite)
+        dw = module._returned_weight_grad(to_w, ctx.weight_dtype, dy_w, x, fp8)
         return dx, dw, module._returned_bias_grad(to_b, dy), None, None, None, None
 
 
@@ -89,6 +116,8 @@ class Linear(LinearContract, SplitBackwardModule):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.in_features)
+        if self._tp is not None:
+            check_tp_forward(self, inp, recipe, scatters=self.parallel_mode == "row")
         weight, bias = self.weight, self.bias
         self._check_forward_params(recipe, [("weight", weight)])
         fp8 = _fp8_gemm(self, recipe, x.shape[0])
@@ -96,4 +125,7 @@ class Linear(LinearContract, SplitBackwardModule):
         autocast = self.autocast_dtype()
         with autocast_off(x.device.type):
             y = _LinearFunction.apply(x, weight, bias, self, overwrite, fp8, autocast)
+        if self._tp is not None and inp.dim() != 2:
+            sp_rows = "gather" if self.parallel_mode == "column" else "scatter"
+            return y.reshape(output_shape(inp, self.out_features, self._tp, sp_rows))
         return y if inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.out_features)

@@ -55,6 +55,9 @@ __all__ = [
     "divide",
     "mark_parallel_parameter",
     "check_sequence_split",
+    "check_tp_forward",
+    "check_tp_backward",
+    "output_shape",
 ]
 
 PARALLEL_MODES = (None, "column", "row")
@@ -161,6 +164,63 @@ def mark_parallel_parameter(param: torch.Tensor, partition_dim: int | None, sp: 
         param.partition_stride = 1
     if sp:
         param.sequence_parallel = True
+
+
+def check_tp_forward(
+    module: torch.nn.Module, inp: torch.Tensor, recipe: object, scatters: bool
+) -> None:
+    """What a TP module's forward checks before any collective (``module._tp`` is set):
+    :func:`check_sequence_split` under SP, and that an FP8 recipe is not combined with
+    ``wgrad_gather="backward_dw"`` (an FP8 entry holds the quantized copy of the gathered
+    operand, quantized once with the group's amax; gathering it in W is not implemented)."""
+    from ._torch_private import functorch_active
+
+    if functorch_active():
+        raise RuntimeError(_not_differentiable(module, "run under a torch.func transform"))
+    tp = module._tp
+    if not tp.sequence_parallel:
+        return
+    check_sequence_split(module, inp, scatters)
+    if recipe is not None and tp.wgrad_gather == "backward_dw":
+        raise ValueError(
+            f"{type(module).__name__} with wgrad_gather='backward_dw' does not run under FP8 "
+            f"({type(recipe).__name__}): its entry would hold the quantized gathered operand "
+            "anyway; use wgrad_gather='backward'"
+        )
+
+
+def check_tp_backward(module: torch.nn.Module) -> None:
+    """At the start of a TP module's backward: a backward that is differentiated itself
+    (``create_graph=True``) is refused, naming the module."""
+    from .routing import differentiated
+
+    if differentiated():
+        raise RuntimeError(_not_differentiable(module, "be differentiated twice"))
+
+
+def _not_differentiable(module: torch.nn.Module, what: str) -> str:
+    from .contract import qualified_name
+
+    return (
+        f"{qualified_name(module)} with tensor parallelism (tp_size={module.tp_size}) cannot "
+        f"{what}: its collectives are outside autograd"
+    )
+
+
+def output_shape(inp: torch.Tensor, features: int, tp: TensorParallel | None, sp_rows: str) -> tuple:
+    """The shape of a module's output with ``features`` features for input ``inp``: ``inp``'s
+    leading dimensions, with dim 0 times ``tp.size`` when SP gathered the rows (``sp_rows ==
+    "gather"``, a column layer) or divided by it when SP scattered them (``"scatter"``, a row
+    layer); unchanged otherwise (``""``)."""
+    if inp.dim() == 1:
+        return (features,)
+    dim0 = inp.shape[0]
+    if tp is not None and tp.sequence_parallel:
+        if sp_rows == "gather":
+            dim0 *= tp.size
+        elif sp_rows == "scatter":
+            dim0 //= tp.size
+    return (dim0, *inp.shape[1:-1], features)
 
 
 def check_sequence_split(module: torch.nn.Module, inp: torch.Tensor, scatters: bool) -> None:
