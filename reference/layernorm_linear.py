@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from . import collectives as C
 from . import functional as F
 from .base import SplitBackwardModule, detached, no_forward_ad, remember_params
 from .contract import LayerNormLinearContract, autocast_off, without_autocast
 from .fp8_gemm import update_delayed_scaling
 from .linear import _fp8_gemm, _gemm_operands
 from .norm import norm_bwd, norm_fwd
+from .parallel import check_tp_backward, check_tp_forward, output_shape
 
 __all__ = ["LayerNormLinear"]
 
@@ -31,9 +33,13 @@ class _LayerNormLinearFunction(torch.autograd.Function):
     def forward(x, ln_weight, ln_bias, weight, bias, module, overwrite, fp8, autocast):
         ln_out, stats = _normed(module, x, ln_weight, ln_bias, autocast)
         weight, bias = _gemm_operands(autocast, fp8, weight, bias)
+        tp = module._tp
+        # SPEC §9, column + SP: the norm runs on this rank's tokens, the GEMM on all of them
+        # (the shard is what is saved; the backward gathers it again).
+        gemm_in = C.gather_rows(ln_out, tp) if tp is not None and tp.sequence_parallel else ln_out
         if fp8 is None:
-            return (F.linear_fwd(ln_out, weight, bias), ln_out, *stats)
-        y = fp8.fprop(ln_out, weight, bias)
+            return (F.linear_fwd(gemm_in, weight, bias), ln_out, *stats)
+        y = fp8.fprop(gemm_in, weight, bias)
         update_delayed_scaling(module, fp8.recipe, ("input", "weight"))
         return (y, ln_out, *stats)
 
@@ -55,6 +61,8 @@ class _LayerNormLinearFunction(torch.autograd.Function):
     @without_autocast
     def backward(ctx, dy, *_):
         module: LayerNormLinear = ctx.module
+        if module._tp is not None:
+            check_tp_backward(module)
         fp8, (to_lnw, to_lnb, to_w, to_b) = module._route(ctx)
         x, ln_weight, ln_bias, ln_out, weight, *stats = ctx.saved_tensors
         if torch.is_grad_enabled():  # recompute, so that the formulas below are on the graph
@@ -70,6 +78,14 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         else:
             d_ln_out = fp8.dgrad(dy, need_norm_grads)
             update_delayed_scaling(module, fp8.recipe, ("grad_output",))
+        tp = module._tp
+        if tp is not None:
+            if need_norm_grads:  # SPEC §9: summed over the ranks' output columns
+                d_ln_out = C.reduce_rows(d_ln_out, tp)
+            if tp.sequence_parallel and ln_out is not None:  # the wgrad's operand: all tokens
+                ln_out = C.GatherInW(ln_out, tp) if tp.gather_in_backward_dw else (
+                    C.gather_rows(ln_out, tp)
+                )
         if need_norm_grads:
             dx, d_lnw, d_lnb = norm_bwd(module, d_ln_out, x, ln_weight, stats)
         module._submit_gemm_wgrads([(to_w, to_b, dy, ln_out, fp8)], ctx.overwrite)
@@ -96,6 +112,8 @@ class LayerNormLinear(LayerNormLinearContract, SplitBackwardModule):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.in_features)
+        if self._tp is not None:
+            check_tp_forward(self, inp, recipe, scatters=False)
         weight = self.weight
         self._check_forward_params(recipe, [("weight", weight)])
         fp8 = _fp8_gemm(self, recipe, x.shape[0])
@@ -104,4 +122,6 @@ class LayerNormLinear(LayerNormLinearContract, SplitBackwardModule):
         params = (self.layer_norm_weight, self.layer_norm_bias, weight, self.bias)
         with autocast_off(x.device.type):
             y = _LayerNormLinearFunction.apply(x, *params, self, overwrite, fp8, autocast)[0]
+        if self._tp is not None and inp.dim() != 2:
+            return y.reshape(output_shape(inp, self.out_features, self._tp, "gather"))
         return y if inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.out_features)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import collectives as C
 from . import functional as F
 from .base import SplitBackwardModule, detached, no_forward_ad, remember_params
 from .contract import LayerNormMLPContract, autocast_off, without_autocast
@@ -11,6 +12,7 @@ from .fp8_gemm import FP8Gemm, update_delayed_scaling
 from .layernorm_linear import _normed
 from .linear import _gemm_operands
 from .norm import norm_bwd
+from .parallel import check_tp_backward, check_tp_forward
 
 __all__ = ["LayerNormMLP"]
 
@@ -22,9 +24,26 @@ def _mlp_forward(module, x, ln_weight, ln_bias, w1, b1, w2, b2, autocast):
     ln_out, stats = _normed(module, x, ln_weight, ln_bias, autocast)
     w1, b1 = _gemm_operands(autocast, None, w1, b1)
     w2, b2 = _gemm_operands(autocast, None, w2, b2)
-    fc1_out = F.linear_fwd(ln_out, w1, b1)
+    fc1_out = F.linear_fwd(_fc1_input(module, ln_out), w1, b1)
     act_out = F.activation_fwd(fc1_out, module.activation)
-    return F.linear_fwd(act_out, w2, b2), ln_out, fc1_out, act_out, stats
+    if module._tp is None:
+        return F.linear_fwd(act_out, w2, b2), ln_out, fc1_out, act_out, stats
+    y = _fc2_output(module, F.linear_fwd(act_out, w2, None), b2)
+    return y, ln_out, fc1_out, act_out, stats
+
+
+def _fc1_input(module, ln_out: torch.Tensor) -> torch.Tensor:
+    """SPEC §9, fc1 column-parallel: under SP the norm ran on this rank's tokens, fc1 runs on
+    all of them (the shard is what is saved; the backward gathers it again)."""
+    tp = module._tp
+    return C.gather_rows(ln_out, tp) if tp is not None and tp.sequence_parallel else ln_out
+
+
+def _fc2_output(module, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """SPEC §9, fc2 row-parallel: the ranks' partial outputs summed (reduce-scattered along
+    the tokens under SP), then the whole bias added."""
+    y = C.reduce_rows(partial, module._tp)
+    return y if bias is None else y + bias
 
 
 class _LayerNormMLPFunction(torch.autograd.Function):
@@ -46,9 +65,12 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         ln_out, stats = _normed(module, x, ln_weight, ln_bias, autocast)
         _, b1 = _gemm_operands(autocast, fp8, w1, b1)
         _, b2 = _gemm_operands(autocast, fp8, w2, b2)
-        fc1_out = fc1_fp8.fprop(ln_out, w1, b1)
+        fc1_out = fc1_fp8.fprop(_fc1_input(module, ln_out), w1, b1)
         act_out = F.activation_fwd(fc1_out, module.activation)
-        y = fc2_fp8.fprop(act_out, w2, b2)
+        if module._tp is None:
+            y = fc2_fp8.fprop(act_out, w2, b2)
+        else:
+            y = _fc2_output(module, fc2_fp8.fprop(act_out, w2, None), b2)
         update_delayed_scaling(module, fc1_fp8.recipe, ("input", "weight"))
         return (y, ln_out, fc1_out, act_out, *stats)
 
@@ -72,6 +94,9 @@ class _LayerNormMLPFunction(torch.autograd.Function):
     @without_autocast
     def backward(ctx, dy, *_):
         module: LayerNormMLP = ctx.module
+        tp = module._tp
+        if tp is not None:
+            check_tp_backward(module)
         fp8, (to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2) = module._route(ctx)
         x, ln_weight, ln_bias, w1, b1, w2, b2, ln_out, fc1_out, act_out, *stats = ctx.saved_tensors
         if torch.is_grad_enabled():  # recompute, so that the formulas below are on the graph
@@ -83,6 +108,10 @@ class _LayerNormMLPFunction(torch.autograd.Function):
                 (x, ln_weight, w1, w2, ln_out, fc1_out, act_out, *stats)
             )
         fc1_fp8, fc2_fp8 = fp8 if fp8 is not None else (None, None)
+        sp = tp is not None and tp.sequence_parallel
+        # SPEC §9, fc2 row + SP: its dgrad and wgrad need every rank's tokens of dy; its bias
+        # gradient sums this rank's (a partial sum, reduced by the framework).
+        dy_local, dy = dy, (C.gather_rows(dy, tp) if sp else dy)
         need_x = ctx.needs_input_grad[0]
         need_norm_grads = need_x or to_lnw.needed or to_lnb.needed
         need_d_fc1 = need_norm_grads or to_w1.needed or to_b1.needed
@@ -100,11 +129,23 @@ class _LayerNormMLPFunction(torch.autograd.Function):
                 d_fc1_out = F.activation_bwd(d_act, fc1_out, module.activation)
                 d_ln_out = fc1_fp8.dgrad(d_fc1_out, need_norm_grads)
             update_delayed_scaling(module, fc1_fp8.recipe, ("grad_output",))
+        if tp is not None and need_norm_grads:  # fc1 column: summed over the ranks' rows of W1
+            d_ln_out = C.reduce_rows(d_ln_out, tp)
         if need_norm_grads:
             dx, d_lnw, d_lnb = norm_bwd(module, d_ln_out, x, ln_weight, stats)
+        dy_w2 = dy
+        if sp:  # the full-sequence wgrad operands: now, or inside backward_dw()
+            if tp.gather_in_backward_dw:
+                dy_w2 = C.GatherInW(dy_local, tp)
+                ln_out = None if ln_out is None else C.GatherInW(ln_out, tp)
+            elif ln_out is not None:
+                ln_out = C.gather_rows(ln_out, tp)
 
         # One entry: fc2's gradients, then fc1's.
-        gemms = [(to_w2, to_b2, dy, act_out, fc2_fp8), (to_w1, to_b1, d_fc1_out, ln_out, fc1_fp8)]
+        gemms = [
+            (to_w2, to_b2, dy_w2, act_out, fc2_fp8, dy_local),
+            (to_w1, to_b1, d_fc1_out, ln_out, fc1_fp8),
+        ]
         module._submit_gemm_wgrads(gemms, ctx.overwrite)
         w1_dtype, w2_dtype = ctx.weight_dtypes
         return (
@@ -114,7 +155,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
             module._returned_weight_grad(to_w1, w1_dtype, d_fc1_out, ln_out, fc1_fp8),
             module._returned_bias_grad(to_b1, d_fc1_out),
             module._returned_weight_grad(to_w2, w2_dtype, dy, act_out, fc2_fp8),
-            module._returned_bias_grad(to_b2, dy),
+            module._returned_bias_grad(to_b2, dy_local),
             *([None] * 4),
         )
 
@@ -136,6 +177,8 @@ class LayerNormMLP(LayerNormMLPContract, SplitBackwardModule):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         x, recipe = self._check_input(inp, self.hidden_size)
+        if self._tp is not None:
+            check_tp_forward(self, inp, recipe, scatters=False)
         w1, w2 = self.fc1_weight, self.fc2_weight
         self._check_forward_params(recipe, [("fc1_weight", w1), ("fc2_weight", w2)])
         fp8 = None
