@@ -274,7 +274,8 @@ class SplitBackwardModule(ModuleContract):
             writes = []
             for to_w, to_b, dy, x, fp8, *bias_dy in gemms:
                 if to_w.written:
-                    writes.append(self._weight_write(to_w, operand(dy), operand(x), fp8))
+                    dy_w, x_w = operand(dy, self), operand(x, self)
+                    writes.append(self._weight_write(to_w, dy_w, x_w, fp8))
                 if to_b is not None and to_b.written:
                     writes.append(self._bias_write(to_b, bias_dy[0] if bias_dy else dy))
             return writes
@@ -314,7 +315,7 @@ class SplitBackwardModule(ModuleContract):
             return None
         if fp8 is not None:
             return fp8.wgrad(dtype)
-        return F.linear_wgrad(operand(dy), operand(x))
+        return F.linear_wgrad(operand(dy, self), operand(x, self))
 
     def _bias_write(self, target: Target, dy: torch.Tensor) -> GradWrite:
         """The gradient of one GEMM bias, always to ``.grad``."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .parallel import TensorParallel
+from .parallel import TensorParallel, check_gather_order
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -64,10 +64,12 @@ class GatherInW:
     def __init__(self, shard: torch.Tensor, tp: TensorParallel) -> None:
         self.shard, self.tp = shard, tp
 
-    def gathered(self) -> torch.Tensor:
+    def gathered(self, module: torch.nn.Module) -> torch.Tensor:
+        check_gather_order(module, self.shard.device, _all_gather)
         return gather_rows(self.shard, self.tp)
 
 
-def operand(t: torch.Tensor | GatherInW | None) -> torch.Tensor | None:
-    """A wgrad operand as a tensor: gathered now if the entry kept only the shard."""
-    return t.gathered() if isinstance(t, GatherInW) else t
+def operand(t: torch.Tensor | GatherInW | None, module: torch.nn.Module) -> torch.Tensor | None:
+    """A wgrad operand of ``module``'s entry as a tensor: gathered now (after checking that
+    every rank gathers for the same entry) if the entry kept only the shard."""
+    return t.gathered(module) if isinstance(t, GatherInW) else t

@@ -67,7 +67,7 @@ from ._torch_private import (
 )
 from .accumulate import check_no_tensor_hooks
 from .fp8 import MX_BLOCK, TILE, Float8BlockScaling, MXFP8BlockScaling, Recipe, fp8_active_recipe
-from .parallel import divide, mark_parallel_parameter, resolve_tensor_parallel
+from .parallel import divide, mark_parallel_parameter, resolve_tensor_parallel, serial_number
 
 __all__ = [
     "ACCUMULATE",
@@ -414,6 +414,9 @@ class ModuleContract(torch.nn.Module):
             )
         )
         self.tp_group, self.wgrad_gather = tp_group, wgrad_gather
+        if self._tp is not None:
+            # Names this module across ranks, to check that they gather in the same order.
+            self._tp_serial, self._w_gathers = serial_number(tp_group), 0
 
     def _mark_parallel(self, name: str, partition_dim: int | None, sp: bool = False) -> None:
         """Give parameter ``name`` Megatron's TP attributes (:func:`.parallel.
@@ -666,11 +669,20 @@ class ModuleContract(torch.nn.Module):
                 hook()
 
 
-class LinearContract(ModuleContract):
+class _TorchLinear(torch.nn.Linear):
+    """``torch.nn.Linear`` as a base whose ``__init__`` creates nothing: the contract creates
+    the parameters (``ModuleContract.__init__``'s ``super().__init__()`` lands here)."""
+
+    def __init__(self) -> None:
+        torch.nn.Module.__init__(self)
+
+
+class LinearContract(ModuleContract, _TorchLinear):
     """``Linear(in_features, out_features, *, bias=True, params_dtype=None,
     device=None, fuse_wgrad_accumulation=False, delay_wgrad_compute=False,
     ub_bulk_wgrad=False)``: parameters ``weight`` (out_features, in_features) and ``bias``
-    (out_features)."""
+    (out_features). A ``torch.nn.Linear`` subclass (as torchao's ``Float8Linear``), so that
+    torch's DTensor tensor-parallel styles, which check for one, accept it (SPEC §9)."""
 
     def __init__(
         self,

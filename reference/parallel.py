@@ -43,6 +43,7 @@ them over the group.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,8 @@ __all__ = [
     "check_tp_forward",
     "check_tp_backward",
     "output_shape",
+    "serial_number",
+    "check_gather_order",
 ]
 
 PARALLEL_MODES = (None, "column", "row")
@@ -238,3 +241,44 @@ def check_sequence_split(module: torch.nn.Module, inp: torch.Tensor, scatters: b
             f"{type(module).__name__} with sequence_parallel=True reduce-scatters its output "
             f"along dim 0, whose size {inp.shape[0]} is not divisible by tp_size={tp.size}"
         )
+
+
+# One counter per TP group (by its ranks): every rank builds its model's modules in the same
+# order, so the n-th TP module built on a group has the same number on every rank.
+_SERIALS: dict[tuple[int, ...], itertools.count] = {}
+
+
+def serial_number(group: object) -> int:
+    """The next TP module's number on ``group``: the same on every rank of it."""
+    key = tuple(dist.get_process_group_ranks(group))
+    return next(_SERIALS.setdefault(key, itertools.count()))
+
+
+def check_gather_order(module: torch.nn.Module, device: torch.device, all_gather) -> None:
+    """Inside ``backward_dw()`` with ``wgrad_gather="backward_dw"``, before gathering a shard:
+    every rank must be gathering for the same module and the same entry, or the gather would
+    pair one module's shard with another's (a wrong gradient when the shapes agree, a hang or
+    an error when they do not). Each rank's (module number, gather count) is all-gathered —
+    one 16-byte collective — and a difference raises ``RuntimeError`` naming both on every
+    rank, before the shard's collective and before anything is written (the entry stays
+    queued). ``all_gather(out, inp, group)``: the package's all-gather."""
+    tp = module._tp
+    done = module._w_gathers
+    module._w_gathers = done + 1
+    tag = torch.tensor([module._tp_serial, done], dtype=torch.int64, device=device)
+    tags = torch.empty(2 * tp.size, dtype=torch.int64, device=device)
+    all_gather(tags, tag, group=tp.group)
+    tags = tags.view(tp.size, 2).tolist()
+    if all(t == tags[tp.rank] for t in tags):
+        return
+    module._w_gathers = done  # this gather did not happen
+    others = ", ".join(
+        f"rank {r}: module #{s} gather #{n}" for r, (s, n) in enumerate(tags) if r != tp.rank
+    )
+    raise RuntimeError(
+        f"{type(module).__name__} (TP module #{module._tp_serial} of its group) with "
+        f"wgrad_gather='backward_dw': this rank (rank {tp.rank} of the group) gathers for its "
+        f"gather #{done} inside backward_dw(), but the other ranks are at {others}. Every rank "
+        "of the TP group must run its backward_dw() calls in the same order; nothing was "
+        "written and the entry stays queued"
+    )

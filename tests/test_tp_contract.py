@@ -164,3 +164,39 @@ def _size_one_changes_nothing(rank: int, world: int, lib_name: str) -> int:
 @pytest.mark.parametrize("lib_name", PACKAGES)
 def test_tp_size_one_changes_nothing(lib_name):
     assert all(n > 0 for n in run_ranks(_size_one_changes_nothing, 1, lib_name, timeout_s=60))
+
+
+def _w_out_of_order(rank: int, world: int, lib_name: str) -> list[str]:
+    """wgrad_gather="backward_dw": two same-shaped layers whose W steps two ranks run in
+    opposite orders. Their gathers would pair one layer's shard with the other's (a silently
+    wrong gradient, since the shapes agree); instead every rank raises, naming both, and the
+    entries stay queued."""
+    lib = importlib.import_module(lib_name)
+    g = dist.group.WORLD
+    kw = dict(tp_group=g, parallel_mode="column", sequence_parallel=True,
+              delay_wgrad_compute=True, wgrad_gather="backward_dw")
+    a, b = lib.Linear(8, 8, **kw), lib.Linear(8, 8, **kw)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    (a(x).sum() + b(x).sum()).backward()
+    first, second = (a, b) if rank == 0 else (b, a)
+    try:
+        first.backward_dw()
+        return ["no error"]
+    except RuntimeError as e:
+        message = str(e)
+    # Nothing written, both entries still queued; in the same order the W steps then work.
+    state = [a.weight.grad is None, b.weight.grad is None, a.pending_wgrad_count,
+             b.pending_wgrad_count]
+    a.backward_dw()
+    b.backward_dw()
+    return [message, state, a.weight.grad is not None and b.weight.grad is not None]
+
+
+@pytest.mark.parametrize("lib_name", PACKAGES)
+def test_backward_dw_order_mismatch_raises_on_every_rank(lib_name):
+    for rank, (message, state, written) in enumerate(
+        run_ranks(_w_out_of_order, 2, lib_name, timeout_s=120)
+    ):
+        assert "same order" in message and f"rank {1 - rank}: module #" in message
+        assert state == [True, True, 1, 1]
+        assert written
