@@ -35,8 +35,9 @@ What it refuses (nothing is changed when it raises; every check runs before the 
 
 A model with no ``torch.nn.Linear`` (or none that ``module_filter_fn`` accepts) is returned
 unchanged with a ``UserWarning`` naming its type. Layers that already are a splitgrad
-``Linear`` are not ``torch.nn.Linear`` and are left as they are, so converting twice changes
-nothing the second time. ``torch.nn.MultiheadAttention``'s ``out_proj`` is left as it is: the
+``Linear`` (of either package) are ``torch.nn.Linear`` subclasses, so that torch's DTensor
+tensor-parallel styles take them, but they are not converted again: they are left as they are,
+so converting twice changes nothing the second time. ``torch.nn.MultiheadAttention``'s ``out_proj`` is left as it is: the
 attention reads its weight and bias without calling it, so a converted one would never run (and
 would mark its weight as deferred). A layer registered under several parents is swapped
 everywhere for one new module; the filter sees it once, at its first fqn in ``named_modules()``
@@ -52,6 +53,7 @@ from collections.abc import Callable
 import torch
 
 from ._torch_private import module_hooks_registered
+from .contract import ModuleContract
 
 __all__ = ["make_convert_linears"]
 
@@ -70,6 +72,11 @@ def _allowed_options(linear_cls: type) -> set[str] | None:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
     return {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _is_torch_linear(module: torch.nn.Module) -> bool:
+    """A ``torch.nn.Linear`` to convert: not one that already is a splitgrad module."""
+    return isinstance(module, torch.nn.Linear) and not isinstance(module, ModuleContract)
 
 
 def _check_options(linear_cls: type, options: dict) -> None:
@@ -168,7 +175,7 @@ def _convert(
 ) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert_linears: model must be a torch.nn.Module, got {model!r}")
-    if isinstance(model, torch.nn.Linear):
+    if _is_torch_linear(model):
         raise TypeError(
             f"convert_linears: model is itself a {type(model).__name__}, which cannot be replaced "
             f"in place; build {linear_cls.__module__}.{linear_cls.__name__} directly, or pass a "
@@ -187,7 +194,7 @@ def _convert(
     found = 0
     # Pre-order, every occurrence: named_modules() order for the filter, all slots for the swap.
     for fqn, child in model.named_modules(remove_duplicate=False):
-        if not fqn or not isinstance(child, torch.nn.Linear):
+        if not fqn or not _is_torch_linear(child):
             continue
         parent_fqn, _, name = fqn.rpartition(".")
         parent = model.get_submodule(parent_fqn)

@@ -158,7 +158,8 @@ def test_subclass_without_its_own_forward_is_converted(lib):
 
 
 def test_package_linears_are_left_alone_and_a_second_conversion_warns(lib):
-    assert not issubclass(lib.Linear, torch.nn.Linear)
+    # torch.nn.Linear subclasses (for torch's DTensor TP styles), yet never converted again
+    assert issubclass(lib.Linear, torch.nn.Linear)
     model = _mlp()
     lib.convert_linears(model, delay_wgrad_compute=True)
     layers = list(model)
