@@ -296,7 +296,7 @@ class SplitBackwardModule(ModuleContract):
         leaf = target.leaf
         if fp8 is not None:
             out_dtype = leaf.main_grad.dtype if fused else leaf.dtype
-            return GradWrite(target, fp8.wgrad(out_dtype), fused)
+            return GradWrite(target, fp8.wgrad(out_dtype, self), fused)
         if fused:
             return GradWrite(target, F.linear_wgrad_fp32(dy, x, leaf.main_grad.dtype), True)
         return GradWrite(target, F.linear_wgrad(dy, x), False)
@@ -314,7 +314,7 @@ class SplitBackwardModule(ModuleContract):
         if not target.returned:
             return None
         if fp8 is not None:
-            return fp8.wgrad(dtype)
+            return fp8.wgrad(dtype, self)
         return F.linear_wgrad(operand(dy, self), operand(x, self))
 
     def _bias_write(self, target: Target, dy: torch.Tensor) -> GradWrite:

@@ -24,7 +24,7 @@ from .parallel import TensorParallel, check_gather_order
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-__all__ = ["gather_rows", "scatter_rows", "reduce", "reduce_rows", "GatherInW", "operand"]
+__all__ = ["gather_rows", "scatter_rows", "reduce", "reduce_rows", "GatherInW", "operand", "gather_in_w"]
 
 
 def gather_rows(t: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -73,3 +73,8 @@ def operand(t: torch.Tensor | GatherInW | None, module: torch.nn.Module) -> torc
     """A wgrad operand of ``module``'s entry as a tensor: gathered now (after checking that
     every rank gathers for the same entry) if the entry kept only the shard."""
     return t.gathered(module) if isinstance(t, GatherInW) else t
+
+
+def gather_in_w(shard: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+    """:meth:`GatherInW.gathered` for a shard held elsewhere (an FP8 copy kept as a shard)."""
+    return GatherInW(shard, module._tp).gathered(module)

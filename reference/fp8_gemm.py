@@ -114,7 +114,49 @@ class FP8Gemm:
         self.w_col = None
         return dx
 
-    def wgrad(self, out_dtype: torch.dtype) -> torch.Tensor:
-        """``deq(q(dy))^T @ deq(q(x))`` (column-wise copies) rounded to ``out_dtype``."""
+    def wgrad(self, out_dtype: torch.dtype, module: torch.nn.Module | None = None) -> torch.Tensor:
+        """``deq(q(dy))^T @ deq(q(x))`` (column-wise copies) rounded to ``out_dtype``; a copy
+        kept as a shard (:meth:`quantize_in_w`) is gathered and quantized first."""
         cdt = torch.promote_types(self.compute_dtype, out_dtype)
-        return torch.mm(self.dy_col.dequantize(cdt).t(), self.x_col.dequantize(cdt)).to(out_dtype)
+        dy_col, x_col = (
+            c.quantized(module) if isinstance(c, _QuantizeInW) else c
+            for c in (self.dy_col, self.x_col)
+        )
+        return torch.mm(dy_col.dequantize(cdt).t(), x_col.dequantize(cdt)).to(out_dtype)
+
+    def quantize_in_w(self, operand: str, shard: torch.Tensor, gather) -> None:
+        """SPEC §9, ``wgrad_gather="backward_dw"``: drop the column-wise copy of ``operand``
+        (``"x"`` or ``"dy"``), quantized from the gathered tensor a moment ago, and keep this
+        rank's high-precision ``shard`` instead; the wgrad gathers it again (``gather(shard,
+        module)``) and quantizes it the same way: with the scale used just now (delayed
+        scaling; recording no amax), or from the data itself (the other recipes), so the bytes
+        are the same. Call it before the delayed-scaling update that follows the quantization."""
+        role = "input" if operand == "x" else "grad_output"
+        state = self.states.get(role)
+        scale = None if state is None else state.scale.clone()
+        setattr(self, f"{operand}_col", _QuantizeInW(shard, gather, self.recipe, role, scale))
+
+
+class _FixedScale:
+    """A delayed-scaling state for quantizing again with a scale already used: it records
+    nothing (the amax was recorded when the tensor was first quantized)."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        self.scale = scale
+
+    def record(self, amax: torch.Tensor) -> None:
+        pass
+
+
+class _QuantizeInW:
+    """A column-wise FP8 copy kept as a high-precision shard until the wgrad runs."""
+
+    def __init__(self, shard, gather, recipe, role, scale) -> None:
+        self.shard, self.gather, self.recipe, self.role, self.scale = (
+            shard, gather, recipe, role, scale
+        )
+
+    def quantized(self, module: torch.nn.Module) -> QuantizedTensor:
+        full = self.gather(self.shard, module)
+        state = None if self.scale is None else _FixedScale(self.scale)
+        return quantize(full, self.recipe, self.role, axis=0, state=state)

@@ -40,6 +40,8 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         if fp8 is None:
             return (F.linear_fwd(gemm_in, weight, bias), ln_out, *stats)
         y = fp8.fprop(gemm_in, weight, bias)
+        if gemm_in is not ln_out and tp.gather_in_backward_dw:
+            fp8.quantize_in_w("x", ln_out, C.gather_in_w)
         update_delayed_scaling(module, fp8.recipe, ("input", "weight"))
         return (y, ln_out, *stats)
 

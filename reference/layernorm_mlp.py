@@ -65,7 +65,10 @@ class _LayerNormMLPFunction(torch.autograd.Function):
         ln_out, stats = _normed(module, x, ln_weight, ln_bias, autocast)
         _, b1 = _gemm_operands(autocast, fp8, w1, b1)
         _, b2 = _gemm_operands(autocast, fp8, w2, b2)
-        fc1_out = fc1_fp8.fprop(_fc1_input(module, ln_out), w1, b1)
+        fc1_in = _fc1_input(module, ln_out)
+        fc1_out = fc1_fp8.fprop(fc1_in, w1, b1)
+        if fc1_in is not ln_out and module._tp.gather_in_backward_dw:
+            fc1_fp8.quantize_in_w("x", ln_out, C.gather_in_w)
         act_out = F.activation_fwd(fc1_out, module.activation)
         if module._tp is None:
             y = fc2_fp8.fprop(act_out, w2, b2)
@@ -125,6 +128,8 @@ class _LayerNormMLPFunction(torch.autograd.Function):
                 d_ln_out = F.linear_dgrad(d_fc1_out, w1)
         else:
             d_act = fc2_fp8.dgrad(dy, need_d_fc1)
+            if sp and tp.gather_in_backward_dw:
+                fc2_fp8.quantize_in_w("dy", dy_local, C.gather_in_w)
             if need_d_fc1:
                 d_fc1_out = F.activation_bwd(d_act, fc1_out, module.activation)
                 d_ln_out = fc1_fp8.dgrad(d_fc1_out, need_norm_grads)

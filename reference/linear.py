@@ -39,6 +39,7 @@ class _LinearFunction(torch.autograd.Function):
     def forward(x, weight, bias, module, overwrite, fp8, autocast):
         weight, bias = _gemm_operands(autocast, fp8, weight, bias)
         tp, mode = module._tp, module.parallel_mode
+        shard = x
         if tp is not None and mode == "column" and tp.sequence_parallel:
             x = C.gather_rows(x, tp)  # SPEC §9: the GEMM sees every rank's tokens
         # A row layer adds its (whole) bias after its output is reduced.
@@ -48,6 +49,8 @@ class _LinearFunction(torch.autograd.Function):
             y = F.linear_fwd(x, weight, gemm_bias)
         else:
             y = fp8.fprop(x, weight, gemm_bias)
+            if shard is not x and tp.gather_in_backward_dw:
+                fp8.quantize_in_w("x", shard, C.gather_in_w)
             update_delayed_scaling(module, fp8.recipe, ("input", "weight"))
         if row:
             y = C.reduce_rows(y, tp)
@@ -89,6 +92,8 @@ class _LinearFunction(torch.autograd.Function):
             dx = F.linear_dgrad(dy_w, weight) if need_x else None
         else:
             dx = fp8.dgrad(dy_w, need_x)
+            if dy_w is not dy and tp.gather_in_backward_dw:
+                fp8.quantize_in_w("dy", dy, C.gather_in_w)
             update_delayed_scaling(module, fp8.recipe, ("grad_output",))
         if tp is not None and mode == "column" and need_x:
             dx = C.reduce_rows(dx, tp)  # each rank's dx is its output columns' share

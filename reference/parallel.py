@@ -172,10 +172,8 @@ def mark_parallel_parameter(param: torch.Tensor, partition_dim: int | None, sp: 
 def check_tp_forward(
     module: torch.nn.Module, inp: torch.Tensor, recipe: object, scatters: bool
 ) -> None:
-    """What a TP module's forward checks before any collective (``module._tp`` is set):
-    :func:`check_sequence_split` under SP, and that an FP8 recipe is not combined with
-    ``wgrad_gather="backward_dw"`` (an FP8 entry holds the quantized copy of the gathered
-    operand, quantized once with the group's amax; gathering it in W is not implemented)."""
+    """What a TP module's forward checks before any collective (``module._tp`` is set): no
+    ``torch.func`` transform, and :func:`check_sequence_split` under SP."""
     from ._torch_private import functorch_active
 
     if functorch_active():
@@ -184,12 +182,6 @@ def check_tp_forward(
     if not tp.sequence_parallel:
         return
     check_sequence_split(module, inp, scatters)
-    if recipe is not None and tp.wgrad_gather == "backward_dw":
-        raise ValueError(
-            f"{type(module).__name__} with wgrad_gather='backward_dw' does not run under FP8 "
-            f"({type(recipe).__name__}): its entry would hold the quantized gathered operand "
-            "anyway; use wgrad_gather='backward'"
-        )
 
 
 def check_tp_backward(module: torch.nn.Module) -> None:
