@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -83,6 +84,7 @@ __all__ = [
     "qualified_name",
     "check_not_under_ddp",
     "check_fp8_gemm_shape",
+    "is_dtensor",
     "AUTOCAST_DTYPES",
     "autocast_off",
     "without_autocast",
@@ -270,6 +272,13 @@ def check_not_under_ddp(module: ModuleContract) -> None:
         )
 
 
+def is_dtensor(tensor: object) -> bool:
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (imports nothing: none
+    exists unless that module was loaded)."""
+    loaded = sys.modules.get("torch.distributed.tensor")
+    return loaded is not None and isinstance(tensor, loaded.DTensor)
+
+
 # ---- the module contract --------------------------------------------------------------------
 
 
@@ -426,6 +435,23 @@ class ModuleContract(torch.nn.Module):
         self._parallel_marks[name] = (partition_dim, sp and self.sequence_parallel)
         param = self._own_parameter(name)
         if param is not None:
+            mark_parallel_parameter(param, *self._parallel_marks[name])
+
+    def register_parameter(self, name: str, param: torch.nn.Parameter | None) -> None:
+        # torch's parallelize_module (DTensor TP styles) registers new Parameter objects in
+        # place of the module's: they carry what the module's own carried (SPEC §4, §9).
+        if param is not None and getattr(self, "_tp", None) is not None and is_dtensor(param):
+            raise ValueError(
+                f"{type(self).__name__} built with tp_group / parallel_mode={self.parallel_mode!r} "
+                f"communicates itself; a DTensor {name} (torch's parallelize_module) would shard "
+                "it twice: use one of the two"
+            )
+        super().register_parameter(name, param)
+        if param is None or "_parallel_marks" not in self.__dict__:
+            return  # the constructor marks the parameters it creates
+        if self.delay_wgrad_compute and name in self._gemm_weight_names + self._gemm_bias_names:
+            param.skip_backward_post_hook = True
+        if name in self._parallel_marks:
             mark_parallel_parameter(param, *self._parallel_marks[name])
 
     def _apply(self, fn, recurse=True):
@@ -625,7 +651,18 @@ class ModuleContract(torch.nn.Module):
     ) -> None:
         """Called by the forward, before anything runs: FP8 does not run under ``torch.func``
         transforms, and under fused accumulation a weight that is not a leaf has no
-        ``main_grad`` its gradient could go to."""
+        ``main_grad`` its gradient could go to. Neither runs on DTensor weights (torch's
+        tensor-parallel styles): FP8 would take amaxes and scales of the global tensor, and
+        ``main_grad`` would have to be a DTensor of the same layout."""
+        if (recipe is not None or self.fuse_wgrad_accumulation) and any(
+            is_dtensor(w) for _, w in weights
+        ):
+            what = "an FP8 recipe" if recipe is not None else "fuse_wgrad_accumulation=True"
+            raise RuntimeError(
+                f"{qualified_name(self)} with {what} does not run on DTensor weights (torch's "
+                "parallelize_module): use it without, or build the module with tp_group and "
+                "parallel_mode instead of a DTensor plan (SPEC §9)"
+            )
         if recipe is not None and functorch_active():
             raise RuntimeError(
                 f"{qualified_name(self)} under FP8 does not support torch.func transforms "
