@@ -95,3 +95,16 @@ def test_zero_bubble_pipeline_losses_match_torchs_own_split():
 def test_pipeline_rejects_too_few_micro_batches():
     with pytest.raises(ValueError, match="at least the 4 stages of the V, got 2"):
         llama_pipeline.run(microbatches=2)
+
+
+def test_tensor_parallel_plan_on_converted_llama_is_bitwise():
+    """examples/llama_tensor_parallel.py (SPEC §9): torchtitan's TP + SP plan of torch's DTensor
+    styles on the converted, delayed Llama and on the torch.nn one: losses and every gradient
+    bitwise equal for 2 AdamW steps on 2 gloo ranks, and within the tp-model budget of the
+    float64 truth in one process."""
+    import llama_tensor_parallel
+
+    lines = llama_tensor_parallel.run(sequence_parallel=True, steps=2)
+    assert lines[0].startswith("15 linears converted, plan on 2 ranks, sequence_parallel=True")
+    assert lines[1].startswith("step 0:") and lines[1].endswith("21 gradients bitwise")
+    assert float(lines[-1].rsplit(" ", 1)[1]) <= 1.0
