@@ -110,6 +110,13 @@ class LayerNormLinear(LayerNormLinearContract, SplitBackwardModule):
     the variance / mean square, ``zero_centered_gamma`` stores ``gamma - 1``.
     Backward writes dx and the norm-parameter gradients; ``dW = dy^T norm(x)`` and
     ``db = sum(dy)`` are the deferrable part (see :mod:`.base`).
+
+    Tensor parallel (SPEC §9): column only (``parallel_mode="row"`` is refused: the norm needs
+    every feature). Under SP the norm runs on this rank's tokens and ``ln_out`` is gathered for
+    the GEMM (the shard is saved); backward ``d_ln_out = reduce_rows(dy @ W_r)`` (reduce-scattered
+    under SP, all-reduced otherwise) feeds the norm backward, so under SP the norm parameters'
+    gradients are partial sums (``sequence_parallel=True``); the wgrad operand ``ln_out`` is
+    gathered again as :class:`.linear.Linear`'s ``x`` is.
     """
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:

@@ -178,6 +178,15 @@ class LayerNormMLP(LayerNormMLPContract, SplitBackwardModule):
     backward. One deferrable entry per backward covers ``dW2 = dy^T act_out``, ``db2 = sum(dy)``,
     ``dW1 = d_fc1^T ln_out``, ``db1 = sum(d_fc1)``, written in that order; a frozen fc weight is
     skipped while the other one still gets its gradient.
+
+    Tensor parallel (SPEC §9, ``set_parallel_mode=True``): fc1 column-parallel (the rank's
+    ``size_per_partition`` rows; gated: its rows of the gate, then its rows of the up
+    projection), fc2 row-parallel. Forward: norm (on this rank's tokens under SP), ``ln_out``
+    gathered under SP, fc1, activation, ``reduce_rows(act_out @ W2_r^T) + b2``. Backward: ``dy``
+    gathered under SP; ``db2 = sum`` of this rank's ``dy`` rows (a partial sum under SP);
+    ``d_ln_out = reduce_rows(d_fc1 @ W1_r)`` into the norm backward. The wgrad operands that
+    need every token (fc2's ``dy``, fc1's ``ln_out``) are gathered in ``backward()`` or, with
+    ``wgrad_gather="backward_dw"``, inside ``backward_dw()``.
     """
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:

@@ -117,6 +117,22 @@ class Linear(LinearContract, SplitBackwardModule):
     now or, with ``delay_wgrad_compute=True``, at ``backward_dw()`` (see :mod:`.base`: the
     gradients go to the tensors this forward used; only leaves are deferred).
     ``ub_bulk_wgrad=True`` with delay raises ``ValueError``; without delay it changes nothing.
+
+    Tensor parallel (SPEC §9, options in :mod:`.parallel`, collectives in :mod:`.collectives`;
+    ``in_features`` / ``out_features`` are then the rank's sizes), in the order they run:
+
+    * column: forward — under SP ``x = gather_rows(x)`` (the shard is saved), ``y = x @ W_r^T +
+      b_r``; backward — ``dx = reduce_rows(dy @ W_r)`` (all-reduce, or reduce-scatter under SP),
+      then under SP the wgrad operand ``x`` gathered again (in ``backward()``, or inside
+      ``backward_dw()`` with ``wgrad_gather="backward_dw"``).
+    * row: forward — ``y = reduce_rows(x @ W_r^T) + b`` (the bias whole, after the sum);
+      backward — under SP ``dy_full = gather_rows(dy)``, ``dx = dy_full @ W_r``,
+      ``dW = dy_full^T x`` (``dy`` gathered again inside ``backward_dw()`` in that mode),
+      ``db = sum(dy)`` over this rank's rows only (a partial sum under SP: the bias carries
+      ``sequence_parallel=True``).
+    * FP8: the gathered operand is quantized whole (one amax for the group); with
+      ``wgrad_gather="backward_dw"`` the entry keeps the high-precision shard and the scale,
+      and quantizes the gathered tensor again to the same bytes.
     """
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
