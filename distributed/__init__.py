@@ -12,6 +12,9 @@ only the public module API of SPEC §2-§4 (reference, impl, or any conforming p
   ``backward_dw()`` hides the dispatch all-to-all, see :mod:`.expert_parallel`;
 * :func:`use_weight_grad_store` — hand deferred entries to DualPipe's ``WeightGradStore`` (or
   any store with ``enabled`` and ``put``), see :mod:`.weight_grad_store`;
+* :func:`allreduce_sequence_parallel_grads` — sum the sequence-parallel gradients over the
+  tensor-parallel group once per step (``GradientReducer(..., tp_group=...)`` does it itself),
+  see :mod:`.tensor_parallel`;
 * :func:`run_ranks` — spawn local ranks that fail instead of hanging, see :mod:`.launch`.
 
 torch's ``DistributedDataParallel`` cannot see gradients written by ``backward_dw()`` or into
@@ -23,6 +26,11 @@ from .expert_parallel import ExpertParallelMoE, all_to_all
 from .launch import RankFailure, run_ranks
 from .modules import SplitModule, is_split_module, split_modules
 from .pipeline import DWBuilder, WStepRunner, dw_builder, in_shape_inference
+from .tensor_parallel import (
+    SequenceParallelParam,
+    allreduce_sequence_parallel_grads,
+    sequence_parallel_parameters,
+)
 from .weight_grad_store import StoreEntry, WeightGradStoreHandle, use_weight_grad_store
 
 __all__ = [
@@ -42,4 +50,7 @@ __all__ = [
     "use_weight_grad_store",
     "WeightGradStoreHandle",
     "StoreEntry",
+    "allreduce_sequence_parallel_grads",
+    "sequence_parallel_parameters",
+    "SequenceParallelParam",
 ]

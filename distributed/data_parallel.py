@@ -18,11 +18,12 @@ that reason). :class:`GradientReducer` takes DDP's place, composed of:
   (:mod:`.reducer_fsdp`), every other parameter left to FSDP2.
 
 :meth:`GradientReducer.finish` waits for every reduction (with a timeout), writes the averages
-back, and raises ``RuntimeError`` if a gradient was never produced, was produced again after its
-reduction had started (a micro-batch not marked as non-final, or a ``backward_dw()`` after the
-last one), or was changed while it was being reduced. Call it before the optimizer step; it is a
-no-op when the step is already finished (a pipeline stage's gradient scaling finishes it, see
-:mod:`.pipeline`).
+back, sums the sequence-parallel gradients over the tensor-parallel group when given one
+(:mod:`.reducer_tp`), and raises ``RuntimeError`` if a gradient was never produced, was
+produced again after its reduction had started (a micro-batch not marked as non-final, or a
+``backward_dw()`` after the last one), or was changed while it was being reduced. Call it
+before the optimizer step; it is a no-op when the step is already finished (a pipeline stage's
+gradient scaling finishes it, see :mod:`.pipeline`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from .reducer_allreduce import AllReduceBuckets, Bucket, make_buckets
 from .reducer_finality import FinalityTracker, Owner, Step, call_weakly
 from .reducer_fsdp import FsdpReduceScatter
 from .reducer_params import ReducedParam, collect_params
+from .reducer_tp import SequenceParallelSum
 
 __all__ = ["GradientReducer", "reducer_of"]
 
@@ -66,6 +68,11 @@ class GradientReducer:
         ignore: parameters (or their names in ``module``) that this reducer leaves alone, e.g.
             the experts of an expert-parallel layer.
         timeout: how long :meth:`finish` waits for one bucket before raising.
+        tp_group: the tensor-parallel group (SPEC §9): :meth:`finish` also sums over it, after
+            the data-parallel reduction, the gradients of the parameters it reduces that are
+            partial sums per rank under sequence parallelism (``sequence_parallel=True``), as
+            :func:`~splitgrad.distributed.allreduce_sequence_parallel_grads` does; ``None``
+            (default): no such sum.
     """
 
     def __init__(
@@ -77,6 +84,7 @@ class GradientReducer:
         bucket_cap_mb: float = 25.0,
         ignore: Iterable[str | torch.nn.Parameter] = (),
         timeout: datetime.timedelta = datetime.timedelta(minutes=5),
+        tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("GradientReducer needs torch.distributed to be initialized")
@@ -107,6 +115,7 @@ class GradientReducer:
         self.num_microbatches = num_microbatches
         self.timeout = timeout
         self._params, fsdp_own = collect_params(module, ignore, layout)
+        self._tp_sum = SequenceParallelSum(module, tp_group, self._params, fsdp_own)
         self._buckets = make_buckets(self._params, bucket_cap_mb)
         self._next_bucket = 0
         self._step = Step()
@@ -125,6 +134,12 @@ class GradientReducer:
             self._backend = FsdpReduceScatter(layout, self._params, fsdp_own, self._finality)
             self._backend.attach(self._owners)
         _REDUCERS[module] = self
+
+    @property
+    def sequence_parallel_names(self) -> list[str]:
+        """The parameters whose gradients :meth:`finish` sums over ``tp_group`` (empty without
+        one)."""
+        return self._tp_sum.names
 
     @property
     def bucket_names(self) -> list[list[str]]:
@@ -207,6 +222,7 @@ class GradientReducer:
             with torch.no_grad():
                 for bucket in self._buckets[: self._next_bucket]:
                     self._backend.complete(bucket, self.timeout, errors)
+                self._tp_sum.run()
         finally:
             self._reset()
         errors += self._backend.left_unreduced()

@@ -11,8 +11,9 @@ public hook for either side, so this module reaches into its private objects (``
 private modules are reached through :mod:`._torch_private`:
 
 * :func:`describe` maps each sharded parameter of a model to its ``FSDPParam`` and group, and
-  refuses what the reducer does not handle (HSDP/replicate meshes, CPU offload, parameters that
-  are already DTensors of another mesh, a custom reduce-scatter);
+  refuses what the reducer does not handle (HSDP/replicate meshes, CPU offload, a custom
+  reduce-scatter); parameters that were DTensors before ``fully_shard`` (tensor parallel on
+  another mesh dimension, torchtitan's 2-D layout) are served: see :mod:`.reducer_fsdp`;
 * :func:`wrap_post_backward` runs a callback around a group's ``post_backward``, so delayed
   gradients are kept out of FSDP2's own reduce-scatter;
 * :class:`ReduceScatter` reduce-scatters unsharded gradients into the sharded ``param.grad``
@@ -138,11 +139,6 @@ def describe(model: torch.nn.Module) -> FsdpLayout:
             for fp in group.fsdp_params:
                 if getattr(fp, "offload_to_cpu", False):
                     raise ValueError(f"{where}: CPU offload is not supported by GradientReducer")
-                if getattr(fp, "is_dtensor", False):
-                    raise ValueError(
-                        f"{where}: parameters that were DTensors before fully_shard (tensor "
-                        "parallel) are not supported by GradientReducer"
-                    )
                 params[id(fp.sharded_param)] = fp
                 group_of[id(fp.sharded_param)] = group
                 unsharded = _torch_private.unsharded_param(fp)

@@ -11,8 +11,11 @@ same order. Launches overlap the rest of the backward and the remaining ``backwa
 Without ``fully_shard``, :class:`AllReduceBuckets` flattens a bucket and all-reduces it
 asynchronously; ``finish()`` waits, averages over the process group and writes the averages back
 into ``.grad`` (or ``main_grad``), reporting a gradient that was changed while it was being
-reduced. Under ``fully_shard`` a bucket is one delayed module's parameters and
-:mod:`.reducer_fsdp` reduce-scatters it instead.
+reduced. A DTensor parameter (torch's tensor-parallel styles, the data-parallel group being
+another dimension of the mesh) is reduced through its local shard, after its gradient is brought
+to the parameter's own placements (a ``Partial`` one, a sequence-parallel norm's, is summed over
+the tensor-parallel mesh first, as FSDP2 does). Under ``fully_shard`` a bucket is one delayed
+module's parameters and :mod:`.reducer_fsdp` reduce-scatters it instead.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from .modules import gradient_tensor
 from .reducer_finality import Owner, Step
 from .reducer_params import ReducedParam
+from .tensor_parallel import is_dtensor
 
 __all__ = ["Bucket", "make_buckets", "AllReduceBuckets"]
 
@@ -43,9 +47,11 @@ class Bucket:
     flat: torch.Tensor | None = None
     grads: list[torch.Tensor] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+    # what the collective reads and writes for each gradient (a DTensor's local shard)
+    locals: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     def reset(self) -> None:
-        self.work, self.flat, self.grads, self.versions = None, None, [], []
+        self.work, self.flat, self.grads, self.versions, self.locals = None, None, [], [], []
 
     def log_launch(self, step: Step, **extra) -> None:
         """Record in ``step.launch_log`` that this bucket's collective starts now."""
@@ -118,10 +124,15 @@ class AllReduceBuckets:
                 self.step.errors.append(f"{st.name}: final but no gradient was written")
                 g = torch.zeros_like(st.param)
                 st.param.grad = g
+            elif is_dtensor(g) and g.placements != st.param.placements:
+                with torch.no_grad():
+                    g = g.redistribute(st.param.device_mesh, st.param.placements)
+                st.param.grad = g
             grads.append(g)
         bucket.grads = grads
-        bucket.versions = [g._version for g in grads]
-        bucket.flat = torch.cat([g.detach().reshape(-1) for g in grads])
+        bucket.locals = [g.to_local() if is_dtensor(g) else g for g in grads]
+        bucket.versions = [t._version for t in bucket.locals]
+        bucket.flat = torch.cat([t.detach().reshape(-1) for t in bucket.locals])
         bucket.work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
         bucket.log_launch(self.step)
 
@@ -131,12 +142,14 @@ class AllReduceBuckets:
         bucket.wait(bucket.work.wait, timeout, "all-reduce")
         bucket.flat.div_(self.world_size)
         offset = 0
-        for st, g, version in zip(bucket.params, bucket.grads, bucket.versions):
+        for st, g, local, version in zip(
+            bucket.params, bucket.grads, bucket.locals, bucket.versions
+        ):
             now = gradient_tensor(st.param, st.main_grad)
-            if now is not g or g._version != version:
+            if now is not g or local._version != version:
                 errors.append(f"{st.name}: changed while its reduction was in flight")
-            n = g.numel()
-            g.copy_(bucket.flat[offset : offset + n].view_as(g))
+            n = local.numel()
+            local.copy_(bucket.flat[offset : offset + n].view_as(local))
             offset += n
 
     def on_pass_done(self, owner: Owner) -> None:

@@ -23,9 +23,15 @@ one, unless told the reduction is deferred (``set_is_last_backward(False)``, as
 ``PipelineStage`` does before calling FSDP2's post-backward at its REDUCE_GRAD step); and a
 gradient FSDP2 left unreduced on an unsharded parameter.
 
+Parameters that were DTensors before ``fully_shard`` (torch's tensor-parallel styles on the
+other dimension of a 2-D mesh, torchtitan's layout) are reduced as FSDP2 reduces them: the
+gradient ``backward_dw()`` wrote (a DTensor on the tensor-parallel mesh) is brought to the
+parameter's own placements (a ``Partial`` one is summed over the tensor-parallel mesh), and its
+local shard is reduce-scattered over the data-parallel group.
+
 Refused (``ValueError``): fused accumulation, HSDP and replicate meshes, CPU offload,
-tensor-parallel DTensor parameters, parameters no ``fully_shard`` manages, and a model with no
-delayed module (FSDP2 alone suffices). ``bucket_cap_mb`` does not apply.
+parameters no ``fully_shard`` manages, and a model with no delayed module (FSDP2 alone
+suffices). ``bucket_cap_mb`` does not apply.
 """
 
 from __future__ import annotations
@@ -36,10 +42,13 @@ import functools
 import weakref
 from collections.abc import Iterator
 
+import torch
+
 from . import _torch_private, fsdp
 from .reducer_allreduce import Bucket
 from .reducer_finality import FinalityTracker, Owner
 from .reducer_params import ReducedParam
+from .tensor_parallel import is_dtensor
 
 __all__ = ["FsdpReduceScatter"]
 
@@ -144,7 +153,7 @@ class FsdpReduceScatter:
                 step.errors.append(f"{st.name}: final but no gradient was written")
                 continue
             fps.append(st.fsdp)
-            grads.append(g)
+            grads.append(_local_grad(st.fsdp, g))
         group = self.layout.group_of[id(bucket.params[0].param)]
         bucket.work = fsdp.ReduceScatter(fps, grads, group) if fps else None
         bucket.log_launch(step, collective="reduce_scatter")
@@ -192,6 +201,18 @@ class FsdpReduceScatter:
         for st in self.params:
             st.accumulated = None
         self.passes.clear()
+
+
+def _local_grad(fsdp_param, grad: torch.Tensor) -> torch.Tensor:
+    """What FSDP2's post-backward reduce-scatters for ``grad``: itself, or for a tensor-parallel
+    (DTensor) parameter its local shard, once in the unsharded parameter's placements."""
+    if not is_dtensor(grad):
+        return grad
+    placements = _torch_private.unsharded_param(fsdp_param).placements
+    if grad.placements != placements:
+        with torch.no_grad():
+            grad = grad.redistribute(placements=placements)
+    return grad.to_local()
 
 
 def _call_weakly_around(backend: weakref.ref, group, delayed: list, run) -> None:
