@@ -271,6 +271,20 @@ def data_parallel_tolerance(dtype: torch.dtype, naive_error: float, truth_max: f
     return DATA_PARALLEL_MULTIPLIER * naive_error + floor
 
 
+# ---- tensor parallel (P19) -------------------------------------------------------------------
+# Below float64 P19 judges with the budgets above, its naive run the reference under the same TP.
+TENSOR_PARALLEL_FLOAT64 = ErrorBudget(
+    "tensor_parallel_float64",
+    0.0,
+    2.0**12,
+    "a float64 TP run against the float64 single-process truth, which has no naive run to "
+    "measure: both sum the same terms in different orders (per-rank partial sums, then the "
+    "collective's), at most ~1e-12 of max|truth| for the few hundred terms P19 reduces, through "
+    "a norm backward too; a missing reduction or a gather along the wrong dimension is off by "
+    "O(max|truth|)",
+)
+
+
 # ---- tier 3: finite differences in float64 (torch.autograd.gradcheck's defaults) -------------
 GRADCHECK_EPS = 1e-6
 GRADCHECK_ATOL = 1e-5

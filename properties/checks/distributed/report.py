@@ -24,6 +24,8 @@ class DistributedReport:
     failures: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     tracker: Tracker = dataclasses.field(default_factory=Tracker)
+    #: Why the package cannot be checked at all (a check it does not support): n/a, no failure.
+    not_supported: str | None = None
 
     @property
     def result(self) -> CheckResult:
