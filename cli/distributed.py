@@ -1,5 +1,5 @@
-"""``splitgrad distributed``: the harness's P14-P16 (:mod:`splitgrad.properties.checks.distributed`)
-against a package, each check on its own gloo ranks."""
+"""``splitgrad distributed``: the harness's P14-P16 and P19 (:mod:`splitgrad.properties.checks.
+distributed`) against a package, each check on its own gloo ranks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 from splitgrad.bench.options import positive_float
 from splitgrad.properties.checks import distributed as harness
 
-_CHECKS = ("p14", "p15", "p16", "p16-pp")
+_CHECKS = ("p14", "p15", "p16", "p16-pp", "p19")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,13 +32,15 @@ def _parser() -> argparse.ArgumentParser:
         "--check",
         default=",".join(_CHECKS),
         help="comma-separated subset of p14 (expert parallel), p15 (pipeline schedules), p16 "
-        "(data parallel), p16-pp (2 stages x 2 replicas) (default: all)",
+        "(data parallel), p16-pp (2 stages x 2 replicas), p19 (tensor and sequence parallel, "
+        "on 2 and 4 ranks) (default: all)",
     )
     p.add_argument(
         "--world-size",
         type=int,
         default=None,
-        help="pipeline ranks for p15 (default: 2); p14 and p16 run on 2 ranks and p16-pp on 4",
+        help="pipeline ranks for p15 (default: 2); p14 and p16 run on 2 ranks, p16-pp on 4, p19 "
+        "on 2 and 4",
     )
     p.add_argument(
         "--schedules",
@@ -50,6 +52,14 @@ def _parser() -> argparse.ArgumentParser:
         default="none",
         help="comma-separated FP8 recipes for p15: none, delayed, current, mxfp8, block "
         "(default: none)",
+    )
+    p.add_argument(
+        "--profile",
+        choices=harness.TP_PROFILES,
+        default="ci",
+        help="p19's matrix: ci (every module, SP, fused, bias and dtype; FP8 recipes with fused "
+        "and bias alternating, Float8BlockScaling on 2 ranks) or nightly (every combination, two "
+        "seeds) (default: ci)",
     )
     p.add_argument(
         "--timeout",
@@ -87,9 +97,15 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...], tuple]:
         if fixed:
             raise ValueError(
                 f"--world-size {args.world_size} sets p15's pipeline ranks only, but {fixed} "
-                "run on fixed worlds (p14 and p16: 2 ranks, p16-pp: 4); use --check p15 with it"
+                "run on fixed worlds (p14 and p16: 2 ranks, p16-pp: 4, p19: 2 and 4); use --check "
+                "p15 with it"
             )
-    harness.preload_library(args.backend)
+    try:
+        harness.preload_library(args.backend)
+    except ValueError:
+        # p19 alone on a backend that is no package (torch-split): it reports "not supported"
+        if checks != ["p19"] or not harness.not_a_package(args.backend):
+            raise
     return checks, schedules, recipes
 
 
@@ -115,6 +131,9 @@ def _runs(args: argparse.Namespace, schedules: tuple[str, ...], recipes: tuple) 
             harness.check_pipeline_data_parallel(backend, timeout_s=timeout),
             harness.check_pipeline_data_parallel(backend, timeout_s=timeout, fully_shard=True),
         ),
+        "p19": lambda: harness.check_tensor_parallel(
+            backend, profile=args.profile, timeout_s=timeout
+        ),
     }
 
 
@@ -138,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:7s} ERROR  {type(exc).__name__}: {exc}")
             continue
         took = time.perf_counter() - start
+        if report.not_supported:
+            print(f"{name:7s} n/a    {report.name}: not supported: {report.not_supported}")
+            continue
         status = "pass" if report.ok else "FAIL"
         failed |= not report.ok
         print(

@@ -45,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ... import budgets as B
+from ...backends import BACKEND_NAMES, LibraryBackend, get_backend
 from ...backends.library import keywords
 from .library import load_library
 from .model import RECIPES
@@ -842,13 +843,24 @@ def _compare_replicas(report: DistributedReport, case: TPCase, ranks: list[dict]
 
 
 # ---- support and the check ----------------------------------------------------------------------
+def not_a_package(lib_name: str) -> bool:
+    """Whether ``lib_name`` names a backend of the harness that is no package of modules
+    (``torch-split``: PyPI's generic split on ``torch.nn`` twins, which has no TP options)."""
+    return lib_name in BACKEND_NAMES and not isinstance(get_backend(lib_name), LibraryBackend)
+
+
 def tp_support(lib_name: str) -> str | None:
-    """Why P19 cannot run on the package ``lib_name`` names (``None``: it can): no package of
-    modules (``torch-split``), or modules without §9's options."""
-    try:
-        lib = load_library(lib_name)
-    except Exception as exc:  # the reason the package cannot be loaded is the answer
-        return f"{type(exc).__name__}: {exc}"
+    """Why P19 cannot run on the package ``lib_name`` names (``None``: it can): a backend that
+    is no package of modules, or modules without §9's options. A package that cannot be
+    imported raises what importing it raised."""
+    if not_a_package(lib_name):
+        return f"backend {lib_name!r} is no package of modules with SPEC §9's options"
+    if lib_name == "transformer_engine":
+        return (
+            "TransformerEngine's modules run on CUDA over NCCL; P19 runs gloo ranks on the CPU "
+            "(the cases TE's own tests leave unchecked: TransformerEngineBackend.notes)"
+        )
+    lib = load_library(lib_name)
     missing = []
     for kind, option in (
         ("Linear", "parallel_mode"),
@@ -884,7 +896,7 @@ def check_tensor_parallel(
     report = DistributedReport(f"P19 {lib_name} on {'/'.join(map(str, world_sizes))} ranks")
     why = tp_support(lib_name)
     if why is not None:
-        report.not_supported = f"{lib_name}: no tensor parallel modules ({why})"
+        report.not_supported = why
         return report
     per_world = {
         w: tp_cases(w, profile, kinds=kinds, dtypes=dtypes, recipes=recipes, sp=sp)
