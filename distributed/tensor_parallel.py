@@ -104,8 +104,8 @@ def _check_drained(model: torch.nn.Module) -> None:
     if pending:
         raise RuntimeError(
             "allreduce_sequence_parallel_grads: weight-gradient entries are still queued on "
-            f"{', '.join(pending)}: the gradients are not final; run backward_dw() for each "
-            "first (call this once per step, after the last backward_dw())"
+            f"modules {', '.join(pending)}: the gradients are not final; run backward_dw() for "
+            "each first (call this once per step, after the last backward_dw())"
         )
 
 
