@@ -26,6 +26,13 @@ autograd engine runs as usual (fake CPU tensors). Per module and mode, rank 0 of
 ``backward_dw()`` itself is not run here: in ``"backward_dw"`` mode it all-gathers, and the
 fake group delivers no data (the packages check the ranks' order with a gathered tag first).
 
+``python -m splitgrad.bench.tensor_parallel collectives [--markdown] [--packages impl]``
+
+Which collectives a delayed TP module issues in its forward, ``backward()`` and
+``backward_dw()``, in order, per module, sequence parallelism and ``wgrad_gather``: rank 0 of 2
+spawned gloo ranks, every ``c10d`` operator seen by a dispatch mode, its shapes named by
+distinct small sizes (s tokens per rank, S the sequence, h hidden, f ffn columns per rank).
+
 ``python -m splitgrad.bench.tensor_parallel time [--ranks 2] [--reps 20] [--wgrad-gathers ...]``
 
 A stack of ``LayerNormMLP`` layers (``set_parallel_mode=True``, sequence parallel, delayed)
@@ -47,12 +54,11 @@ import statistics
 import sys
 import time
 import types
-import warnings
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from splitgrad.impl._torch_compat import fake_tensor_mode, storage_key
+from splitgrad.impl._torch_compat import dispatch_mode_base, fake_tensor_mode, storage_key
 
 from . import ranks
 from .entry_memory import _LiveStorages
@@ -69,6 +75,8 @@ __all__ = [
     "measure",
     "memory_rows",
     "markdown",
+    "collective_rows",
+    "collectives_markdown",
     "TimingConfig",
     "run_timing",
     "timing_text",
@@ -158,12 +166,22 @@ def floor_bytes(kind: str, wgrad_gather: str, s: TPScale = TP_SCALE) -> int:
     return total
 
 
-def _build(lib, kind: str, s: TPScale, group, wgrad_gather: str) -> torch.nn.Module:
+def _build(
+    lib,
+    kind: str,
+    s: TPScale,
+    group,
+    wgrad_gather: str,
+    sp: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | None = None,
+) -> torch.nn.Module:
     kw = dict(
-        params_dtype=torch.bfloat16,
+        params_dtype=dtype,
+        device=device,
         delay_wgrad_compute=True,
         tp_group=group,
-        sequence_parallel=True,
+        sequence_parallel=sp,
         wgrad_gather=wgrad_gather,
     )
     if kind == "Linear column":
@@ -233,17 +251,35 @@ def _package(name: str):
     return importlib.import_module(f"splitgrad.{name}")
 
 
-def measure(package: str, kind: str, wgrad_gather: str, group, s: TPScale = TP_SCALE) -> dict:
-    """One row, on the fake group ``group`` (rank 0 of ``s.tp``), in a fake tensor mode."""
+def measure(
+    package: str,
+    kind: str,
+    wgrad_gather: str,
+    group,
+    s: TPScale = TP_SCALE,
+    device: str = "fake",
+) -> dict:
+    """One row, on the fake group ``group`` (rank 0 of ``s.tp``): on fake tensors
+    (``device="fake"``), or on real ones (``"cpu"``, ``"cuda"``: the collectives still move
+    nothing, the values of what they return are whatever the memory held; the GPU adds
+    ``allocated_bytes``, the allocator's growth over B less the gradients B wrote)."""
     lib = _package(package)
-    with fake_tensor_mode():
-        module = _build(lib, kind, s, group, wgrad_gather)
+    fake = device == "fake"
+    dev = torch.device("cpu" if fake else device)
+    with fake_tensor_mode() if fake else contextlib.nullcontext():
+        module = _build(lib, kind, s, group, wgrad_gather, device=dev)
         if module._tp is None or module._tp.size != s.tp:
             raise RuntimeError(f"{package} {kind}: built without tensor parallelism")
+        cuda = dev.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
         with _LiveStorages() as live:
-            x = torch.empty(*_input_shape(kind, s), dtype=torch.bfloat16, requires_grad=True)
-            y = module(x)
-            dy = torch.empty_like(y)
+            x = torch.empty(*_input_shape(kind, s), dtype=torch.bfloat16, device=dev)
+            if not fake:
+                x.normal_()
+            y = module(x.requires_grad_())
+            dy = torch.empty_like(y) if fake else torch.randn_like(y)
             y.backward(dy)
             del x, y, dy
             grads = tuple(p.grad for p in module.parameters() if p.grad is not None)
@@ -258,6 +294,10 @@ def measure(package: str, kind: str, wgrad_gather: str, group, s: TPScale = TP_S
             "shard_floor_bytes": floor_bytes(kind, "backward_dw", s),
             "pending": module.pending_wgrad_count,
         }
+        if cuda:
+            torch.cuda.synchronize()
+            written = sum(g.untyped_storage().nbytes() for g in grads)
+            row["allocated_bytes"] = torch.cuda.memory_allocated() - before - written
         del module
     return row
 
@@ -267,12 +307,13 @@ def memory_rows(
     packages: tuple[str, ...] = PACKAGES,
     kinds: tuple[str, ...] = TP_KINDS,
     gathers: tuple[str, ...] = GATHERS,
+    device: str = "fake",
 ) -> list[dict]:
     """Every (package, module, mode) row, on one fake group of ``s.tp`` ranks."""
-    with fake_process_group(s.tp) as group, warnings.catch_warnings():
-        # torch 2.13: the fake group's collectives warn that they are not real ones
-        warnings.simplefilter("ignore", UserWarning)
-        return [measure(p, k, g, group, s) for p in packages for k in kinds for g in gathers]
+    with fake_process_group(s.tp) as group:
+        return [
+            measure(p, k, g, group, s, device) for p in packages for k in kinds for g in gathers
+        ]
 
 
 def _mib(n: int) -> str:
@@ -295,6 +336,122 @@ def markdown(table: list[dict], s: TPScale = TP_SCALE) -> str:
             f"| {r['package']} | {r['module']} | {r['wgrad_gather']} | "
             f"{_mib(r['entry_bytes'])} | {_mib(r['held_bytes'])} | {_mib(r['floor_bytes'])} | "
             f"{r['held_bytes'] / r['floor_bytes']:.3f} | {in_w} |"
+        )
+    return "\n".join(lines)
+
+
+# ---- which collectives run where -------------------------------------------------------------
+
+#: Sizes of the collectives table's run (2 ranks): each dimension distinct, so that a shape names
+#: what it is: s tokens per rank, S = 2 s the sequence, h hidden, f ffn columns per rank.
+_C_TOKENS, _C_HIDDEN, _C_FFN = 3, 8, 20
+_C_SYMBOLS = {3: "s", 6: "S", 8: "h", 10: "f"}
+#: (module, sequence_parallel, wgrad_gather) rows of the collectives table.
+COLLECTIVE_CASES = tuple(
+    (kind, sp, gather)
+    for kind in TP_KINDS
+    for sp, gather in ((True, "backward"), (True, "backward_dw"), (False, "backward"))
+)
+
+
+class _CollectiveLog(dispatch_mode_base()):
+    """Every ``c10d`` operator called inside the block, in words."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d":
+            self.calls.append(_describe(func.__name__.split(".")[0], args))
+        return out
+
+
+def _dims(t: torch.Tensor) -> str:
+    try:
+        return "×".join(_C_SYMBOLS[n] for n in t.shape)
+    except KeyError:
+        raise RuntimeError(f"collectives table: unexpected shape {tuple(t.shape)}") from None
+
+
+def _describe(op: str, args) -> str:
+    """``all-gather s×h→S×h`` and the like; the 16-byte order check gather is ``order tag``."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a]
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if tensors and tensors[0].dtype == torch.int64:
+        return "order tag"
+    if op == "_allgather_base_":
+        return f"all-gather {_dims(tensors[1])}→{_dims(tensors[0])}"
+    if op == "_reduce_scatter_base_":
+        return f"reduce-scatter {_dims(tensors[1])}→{_dims(tensors[0])}"
+    if op == "allreduce_":
+        return f"all-reduce {_dims(tensors[0])}"
+    return op
+
+
+def _collectives_rank(rank: int, world: int, packages: tuple[str, ...]) -> list[dict]:
+    group = dist.group.WORLD
+    rows = []
+    for package in packages:
+        lib = _package(package)
+        for kind, sp, gather in COLLECTIVE_CASES:
+            torch.manual_seed(0)
+            s = TPScale(hidden=_C_HIDDEN, ffn=_C_FFN, tokens=2 * _C_TOKENS, tp=world)
+            module = _build(lib, kind, s, group, gather, sp, torch.float32)
+            rows_in, cols = _input_shape(kind, s)
+            if not sp and kind != "Linear row":
+                rows_in = s.tokens
+            x = torch.randn(rows_in, cols, requires_grad=True)
+            phases = {}
+            with _CollectiveLog() as log:
+                y = module(x)
+            phases["forward"] = log.calls
+            with _CollectiveLog() as log:
+                y.backward(torch.randn_like(y))
+            phases["backward"] = log.calls
+            with _CollectiveLog() as log:
+                module.backward_dw()
+            phases["backward_dw"] = log.calls
+            rows.append(
+                {
+                    "package": package,
+                    "module": kind,
+                    "sequence_parallel": sp,
+                    "wgrad_gather": gather,
+                    **phases,
+                }
+            )
+    return rows
+
+
+def collective_rows(packages: tuple[str, ...] = ("impl",), timeout_s: float = 300.0) -> list[dict]:
+    """Per package and :data:`COLLECTIVE_CASES` row, the collectives rank 0 of 2 spawned gloo
+    ranks issues in forward, ``backward()`` and ``backward_dw()`` of a delayed module, in order
+    (both ranks issue the same ones)."""
+    from splitgrad.distributed import run_ranks
+
+    per_rank = run_ranks(_collectives_rank, 2, packages, timeout_s=timeout_s)
+    if per_rank[0] != per_rank[1]:
+        raise RuntimeError("collectives table: the two ranks issued different collectives")
+    return per_rank[0]
+
+
+def collectives_markdown(table: list[dict]) -> str:
+    """The collectives table as Markdown (docs/tensor-parallel.md's)."""
+    lines = [
+        "2 ranks; s tokens per rank, S = 2 s the sequence, h hidden, f = ffn / tp "
+        "(LayerNormMLP: swiglu, whose fc1 has 2 f rows per rank); one delayed step",
+        "",
+        "| package | module | SP | wgrad_gather | forward | backward() | backward_dw() |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in table:
+        cells = ["; ".join(r[p]) or "—" for p in ("forward", "backward", "backward_dw")]
+        lines.append(
+            f"| {r['package']} | {r['module']} | {'yes' if r['sequence_parallel'] else 'no'} | "
+            f"{r['wgrad_gather'] if r['sequence_parallel'] else '—'} | " + " | ".join(cells) + " |"
         )
     return "\n".join(lines)
 
@@ -473,7 +630,8 @@ def timing_text(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``memory``: the table (``--markdown``); ``time``: the gloo (or torchrun) step times."""
+    """``memory``: the table (``--markdown``); ``collectives``: which collectives run in forward,
+    ``backward()`` and ``backward_dw()``; ``time``: the gloo (or torchrun) step times."""
     parser = argparse.ArgumentParser(
         prog="python -m splitgrad.bench.tensor_parallel",
         description="Tensor parallelism: entry memory at real scale (fake tensors) and the "
@@ -484,6 +642,9 @@ def main(argv: list[str] | None = None) -> int:
     mem.add_argument("--packages", default=",".join(PACKAGES))
     mem.add_argument("--markdown", action="store_true")
     mem.add_argument("--json", metavar="PATH")
+    col = sub.add_parser("collectives", help="collectives per phase (2 gloo ranks)")
+    col.add_argument("--packages", default="impl")
+    col.add_argument("--markdown", action="store_true")
     tim = sub.add_parser("time", help="step time of wgrad_gather='backward' vs 'backward_dw'")
     ranks.add_run_options(tim, "gloo", 600.0)
     defaults = TimingConfig()
@@ -492,11 +653,16 @@ def main(argv: list[str] | None = None) -> int:
     tim.add_argument("--dtype", choices=("float32", "bfloat16"), default=defaults.dtype)
     tim.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
-    if args.command == "memory":
+    if args.command in ("memory", "collectives"):
         packages = tuple(p for p in args.packages.split(",") if p)
         bad = [p for p in packages if p not in PACKAGES]
         if bad or not packages:
             parser.error(f"--packages: unknown {bad}; choose from {PACKAGES}")
+    if args.command == "collectives":
+        rows = collective_rows(packages)
+        print(collectives_markdown(rows) if args.markdown else json.dumps(rows, indent=2))
+        return 0
+    if args.command == "memory":
         table = memory_rows(packages=packages)
         print(markdown(table) if args.markdown else json.dumps(table, indent=2))
         if args.json:
