@@ -303,12 +303,13 @@ class SplitBackwardModule(ModuleContract):
 
     def _execute(
         self, closure: Callable[..., None], saved: tuple, written: tuple, hooked: bool | None = None
-    ) -> None:
+    ) -> list:
         """Run a wgrad closure with grad mode off. When a leaf it writes has hooks, its writes
         follow autograd's accumulator (:mod:`splitgrad.reference.accumulate`): every gradient
         is computed and passed through its leaf's tensor hooks first (so a hook that raises
-        leaves everything unwritten), then stored, then, for a deferred entry, each leaf's
-        post-accumulate hooks run (without delay autograd's own call on the leaf, which follows
+        leaves everything unwritten), then stored. Returns the leaves whose post-accumulate
+        hooks :meth:`backward_dw` runs next, after consuming the entry (a deferred entry's
+        hooked leaves; none without delay, where autograd's own call on the leaf, which follows
         the backward, runs them). ``written``: the (name, leaf) pairs the closure writes;
         ``hooked``: whether one has hooks, when the caller just looked."""
         # Grad mode set directly, and only when on (a backward already runs without it): the
@@ -324,7 +325,7 @@ class SplitBackwardModule(ModuleContract):
                         break
             if not hooked:
                 closure(*saved)
-                return
+                return []
             self._collected = []
             try:
                 closure(*saved)
@@ -349,9 +350,11 @@ class SplitBackwardModule(ModuleContract):
                     later()  # a main_grad write: fused weights have no tensor hooks
                 else:
                     acc.accumulate(leaf, value, own=not acc.has_hooks(leaf))
+        # A deferred entry's leaves get their post-accumulate hooks from backward_dw(), once
+        # the entry is consumed (a hook that raises must not leave it queued: SPEC §4).
         if self.delay_wgrad_compute:
-            for leaf in {id(leaf): leaf for leaf, _, _ in hooked}.values():
-                acc.run_post_accumulate_hooks(leaf)
+            return list({id(leaf): leaf for leaf, _, _ in hooked}.values())
+        return []
 
     def _submit_fp8_wgrad(
         self,
@@ -417,11 +420,14 @@ class SplitBackwardModule(ModuleContract):
         # (its backward runs with autocast off too), whatever context the caller is in.
         with autocast_off(self.fp8_device.type):
             if stream is not None and _on_cuda(entry):
-                self._run_on_side_stream(entry, stream)
+                written = self._run_on_side_stream(entry, stream)
             else:
-                self._execute(entry.closure, entry.saved, entry.params)
+                written = self._execute(entry.closure, entry.saved, entry.params)
+        # The gradients are written: the entry is consumed whatever the hooks below do.
         self._wgrad_store.pop_and_release()
         del entry
+        for leaf in written:
+            acc.run_post_accumulate_hooks(leaf)
         self._run_hooks()
 
     def _submit_wgrad(
@@ -445,13 +451,13 @@ class SplitBackwardModule(ModuleContract):
         if self._wgrad_hooks:
             self._run_hooks()
 
-    def _run_on_side_stream(self, entry: WgradEntry, stream: torch.cuda.Stream) -> None:
+    def _run_on_side_stream(self, entry: WgradEntry, stream: torch.cuda.Stream) -> list:
         """Run ``entry`` on ``stream`` with the event waits and allocator bookkeeping it
-        needs."""
+        needs; what :meth:`_execute` returns."""
         main = torch.cuda.current_stream(stream.device)
         stream.wait_stream(main)
         with torch.cuda.stream(stream):
-            self._execute(entry.closure, entry.saved, entry.params)
+            written = self._execute(entry.closure, entry.saved, entry.params)
         for t in entry.saved:
             if t is not None and t.is_cuda:
                 t.record_stream(stream)
@@ -461,6 +467,7 @@ class SplitBackwardModule(ModuleContract):
             if p.grad is not None and p.grad.is_cuda:
                 p.grad.record_stream(main)
         main.wait_stream(stream)
+        return written
 
 
 def _in_dtype_of(param: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor:

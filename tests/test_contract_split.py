@@ -114,6 +114,31 @@ def test_hooks_fire_in_order_once_per_entry(lib, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_raising_post_accumulate_hook_consumes_the_entry(lib, kind):
+    """SPEC §4: a hook that raises inside backward_dw() finds the gradients written and the
+    entry consumed, so nothing is written twice (impl once left the entry queued and a second
+    backward_dw() doubled the gradient)."""
+    plain, delayed = twin_pair(lib, kind, fused=False)
+    microbatch(plain, 4)
+    expected = snapshot(plain)
+    name = gemm_weight_names(delayed)[0]
+    param = dict(delayed.named_parameters())[name]
+
+    def raising(p):
+        raise ValueError("post-accumulate hook")
+
+    handle = param.register_post_accumulate_grad_hook(raising)
+    microbatch(delayed, 4)
+    with pytest.raises(ValueError, match="post-accumulate hook"):
+        delayed.backward_dw()
+    handle.remove()
+    assert delayed.pending_wgrad_count == 0
+    assert_same(snapshot(delayed), expected)
+    with pytest.raises(RuntimeError, match="nothing is pending"):
+        delayed.backward_dw()
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_hook_sees_written_gradients(lib, kind):
     """Hooks run after the entry's gradients are in place (a reduce hook reads them)."""
     plain, delayed = twin_pair(lib, kind, fused=False)
