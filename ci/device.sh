@@ -13,7 +13,11 @@
 #   env        the packages it needs importable (torch with CUDA, numpy, hypothesis, pytest,
 #              pytest-xdist); optional ones from ci/wheels/ (dualpipe) when missing
 #   install    pip install --no-build-isolation --no-deps -e . (else a PYTHONPATH tree)
-#   cuda-tests the cuda-marked tests, verbose, JUnit XML
+#   cuda-tests the cuda-marked tests, verbose, JUnit XML; for tensor parallelism (one GPU, so no
+#              real multi-rank NCCL): every TP module with a one-rank NCCL group is bitwise the
+#              module without options (tests/test_tp_cuda.py), and the TP code paths run on CUDA
+#              tensors over torch's fake process group, holding the fake-tensor bytes between B
+#              and W (tests/test_bench_tensor_parallel.py); docs/tensor-parallel.md#on-a-gpu
 #   trace      the cuda_trace tier (tests/test_cuda_trace.py) on this torch
 #   bench      splitgrad bench --device cuda (GEMM paths printed per module)
 #   memory     the queued-entry memory table on the GPU at real scale, against the fake-tensor
