@@ -7,6 +7,9 @@
   own split;
 * :mod:`.moe` — ``splitgrad moe``: the share of the expert-parallel dispatch all-to-all hidden
   behind ``backward_dw()``;
+* :mod:`.tensor_parallel` — what a queued entry holds per rank under tensor parallelism at real
+  scale (fake tensors, torch's fake process group), the collectives of each phase, and the step
+  time of the two ``wgrad_gather`` modes;
 * :mod:`.actions` — recording a schedule's F/B/I/W actions on one rank (also used by
   ``examples/llama_pipeline.py``); :mod:`.ranks` — spawned ranks or torchrun;
   :mod:`.options` — the commands' argument types.
