@@ -58,6 +58,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from splitgrad.distributed import _torch_private
 from splitgrad.impl._torch_compat import dispatch_mode_base, fake_tensor_mode, storage_key
 
 from . import ranks
@@ -69,7 +70,6 @@ __all__ = [
     "TP_SCALE",
     "TP_KINDS",
     "GATHERS",
-    "FAKE_PG_CHECKED_ON",
     "fake_process_group",
     "floor_bytes",
     "measure",
@@ -82,9 +82,6 @@ __all__ = [
     "timing_text",
     "main",
 ]
-
-#: The torch versions :func:`fake_process_group`'s private import was checked on.
-FAKE_PG_CHECKED_ON = ("2.13",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,30 +106,17 @@ PACKAGES = ("reference", "impl")
 def fake_process_group(world_size: int, rank: int = 0) -> Iterator[object]:
     """The default process group, for the block: torch's fake one, ``world_size`` ranks of which
     this process is ``rank``; its collectives return at once with the right shapes and move no
-    data. ``FakeStore``, and the ``"fake"`` backend that importing it registers, are private
-    (``torch.testing._internal.distributed.fake_pg``, checked on :data:`FAKE_PG_CHECKED_ON`):
-    when they moved, ``RuntimeError`` names the running torch. Refuses (``RuntimeError``) a
-    process whose default group is already initialized."""
+    data. Its store and backend are private torch, fenced in
+    :func:`splitgrad.distributed._torch_private.fake_store` (which names the torch versions it
+    was checked on and raises when they moved). Refuses (``RuntimeError``) a process whose
+    default group is already initialized."""
     if dist.is_initialized():
         raise RuntimeError(
             "fake_process_group: torch.distributed is already initialized in this process "
             f"(backend {dist.get_backend()!r}); the fake group needs a process of its own"
         )
-    try:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-    except ImportError as exc:
-        raise RuntimeError(
-            f"torch {torch.__version__}: torch.testing._internal.distributed.fake_pg.FakeStore "
-            f"is gone ({exc}); fake_process_group was checked on torch "
-            f"{', '.join(FAKE_PG_CHECKED_ON)}"
-        ) from None
-    if "fake" not in dist.Backend.backend_list:
-        raise RuntimeError(
-            f"torch {torch.__version__}: importing fake_pg registered no 'fake' backend "
-            f"(backends: {dist.Backend.backend_list}); checked on torch "
-            f"{', '.join(FAKE_PG_CHECKED_ON)}"
-        )
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    store = _torch_private.fake_store()
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=store)
     try:
         yield dist.group.WORLD
     finally:

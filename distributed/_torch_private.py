@@ -375,3 +375,25 @@ def post_accumulate_grad_hooks(tensor: torch.Tensor) -> list:
     """The hooks registered with ``tensor.register_post_accumulate_grad_hook``
     (``tensor._post_accumulate_grad_hooks``), in registration order."""
     return list((getattr(tensor, "_post_accumulate_grad_hooks", None) or {}).values())
+
+
+# ---- torch's fake process group (splitgrad.bench.tensor_parallel's measurements) ------------
+
+#: The torch versions :func:`fake_store` was checked on.
+FAKE_PG_CHECKED_ON = "2.13"
+
+
+def fake_store() -> object:
+    """A ``torch.testing._internal.distributed.fake_pg.FakeStore``; importing that module
+    registers torch's ``"fake"`` backend, so ``init_process_group("fake", rank=..,
+    world_size=.., store=fake_store())`` then makes a group whose collectives return at once
+    with the right shapes and move no data. :class:`TorchMoved` when either is gone."""
+    consequence = "splitgrad.bench.tensor_parallel cannot measure on a fake process group"
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError:
+        what = "torch.testing._internal.distributed.fake_pg.FakeStore"
+        raise _moved(what, consequence, FAKE_PG_CHECKED_ON) from None
+    if "fake" not in dist.Backend.backend_list:
+        raise _moved("a 'fake' c10d backend", consequence, FAKE_PG_CHECKED_ON)
+    return FakeStore()
