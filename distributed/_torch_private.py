@@ -32,6 +32,10 @@ of them up front. The private attributes of FSDP2's objects (``FSDPState``, ``FS
 ``FSDPParam``) and of its sharded gradients: :func:`fsdp_param_groups`,
 :func:`is_last_backward`, :func:`unsharded_param`, :func:`group_dtypes`,
 :func:`group_name`, :func:`add_to_local_shard`, :func:`post_accumulate_grad_hooks`.
+
+``torch.testing._internal.distributed.fake_pg`` (torch's fake process group, for
+``splitgrad.bench.tensor_parallel``'s measurements; checked on :data:`FAKE_PG_CHECKED_ON`):
+:func:`fake_store`.
 """
 
 from __future__ import annotations
