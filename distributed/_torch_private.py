@@ -73,6 +73,8 @@ __all__ = [
     "group_name",
     "add_to_local_shard",
     "post_accumulate_grad_hooks",
+    "FAKE_PG_CHECKED_ON",
+    "fake_store",
 ]
 
 CHECKED_ON = "2.8, 2.13, 2.14"
