@@ -8,8 +8,9 @@ the whole of it without. Per package, schedule and variant (SP with each ``wgrad
 SP) the step runs with delayed modules (the W steps run ``backward_dw()``, which in
 ``"backward_dw"`` mode all-gathers over the TP group in the middle of the schedule's P2P) and
 again without delay: losses and every gradient of every rank bitwise equal (rtol=0, atol=0),
-nothing left queued, and under SP the two gather modes bitwise equal to each other. One spawn
-runs the whole matrix.
+nothing left queued, and under SP the two gather modes bitwise equal to each other. After the
+step ``allreduce_sequence_parallel_grads`` sums the stage's sequence-parallel gradients over the
+TP group: then they are bitwise equal on both TP ranks. One spawn runs the whole matrix.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import warnings
 
 import pytest
 import torch
-from splitgrad.distributed import dw_builder, run_ranks
+from splitgrad.distributed import allreduce_sequence_parallel_grads, dw_builder, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -90,7 +91,15 @@ def _step(lib, schedule_name: str, mesh, sp: bool, gather: str, delay: bool) -> 
         target=target if last else None,
         losses=losses if last else None,
     )
+    # The norms' and row biases' gradients are per-rank partial sums under SP: summed over the
+    # TP group once the schedule's W steps have run.
+    summed = [
+        f"stage {i}.{name}"
+        for i, m in modules.items()
+        for name in allreduce_sequence_parallel_grads(m, tp_group)
+    ]
     return {
+        "summed": summed,
         "losses": [loss.detach().clone() for loss in losses],
         "grads": {
             f"stage {i}.{name}": p.grad.clone()
@@ -165,6 +174,18 @@ def test_tp_stages_under_zero_bubble_schedules_delayed_equals_not_delayed():
                         te = per_rank[(package, schedule, True, "backward", True)]
                         for name, g in delayed["grads"].items():
                             _bitwise(failures, f"{where} vs backward {name}", g, te["grads"][name])
+    # After the sum, every sequence-parallel gradient is bitwise the same on both TP ranks of a
+    # stage (ranks TP * p and TP * p + 1 hold pipeline rank p's stages): per stage the norm
+    # weight and bias of LayerNormMLP and LayerNormLinear, fc2_bias, the row Linear's bias.
+    for p in range(PP):
+        a, b = results[TP * p], results[TP * p + 1]
+        for key, got in a.items():
+            names = got["summed"]
+            if names != b[key]["summed"] or len(names) != (12 if key[2] else 0):
+                failures.append(f"pp rank {p} {key}: summed {names} / {b[key]['summed']}")
+            for name in names:
+                theirs = b[key]["grads"][name]
+                _bitwise(failures, f"pp rank {p} {key} {name}", got["grads"][name], theirs)
     assert not failures, "\n".join(failures)
     # 4 ranks x packages x schedules x variants x 2 stages x 12 parameters (LayerNormMLP 6,
     # LayerNormLinear 4, Linear 2)
