@@ -1,7 +1,8 @@
 """Tensor parallelism (SPEC §9), measured: what one queued entry holds per rank at real scale,
-and the step time of the two ``wgrad_gather`` modes.
+which collectives run in which phase, and the step time of the two ``wgrad_gather`` modes.
 
-``python -m splitgrad.bench.tensor_parallel memory [--markdown] [--json PATH] [--packages ...]``
+``python -m splitgrad.bench.tensor_parallel memory [--markdown] [--json PATH] [--packages ...]
+[--device fake|cuda]``
 
 What a queued entry holds between B (``backward()``) and W (``backward_dw()``) depends only on
 shapes, dtypes and options, so it is computed exactly on fake tensors, in one process, at shapes
@@ -23,8 +24,10 @@ autograd engine runs as usual (fake CPU tensors). Per module and mode, rank 0 of
   times the shard). ``wgrad_gather="backward_dw"`` keeps that one as the shard instead, below
   the floor, and gathers it inside ``backward_dw()``.
 
-``backward_dw()`` itself is not run here: in ``"backward_dw"`` mode it all-gathers, and the
-fake group delivers no data (the packages check the ranks' order with a gathered tag first).
+With ``--device cuda`` the same protocol runs on real CUDA tensors (still over the fake group)
+and adds what the allocator grew by. ``backward_dw()`` itself is not run: in ``"backward_dw"``
+mode it all-gathers, and the fake group delivers no data (the packages check the ranks' order
+with a gathered tag first).
 
 ``python -m splitgrad.bench.tensor_parallel collectives [--markdown] [--packages impl]``
 
@@ -33,7 +36,7 @@ Which collectives a delayed TP module issues in its forward, ``backward()`` and
 spawned gloo ranks, every ``c10d`` operator seen by a dispatch mode, its shapes named by
 distinct small sizes (s tokens per rank, S the sequence, h hidden, f ffn columns per rank).
 
-``python -m splitgrad.bench.tensor_parallel time [--ranks 2] [--reps 20] [--wgrad-gathers ...]``
+``python -m splitgrad.bench.tensor_parallel time [--ranks 2] [--reps 20] [--layers ...]``
 
 A stack of ``LayerNormMLP`` layers (``set_parallel_mode=True``, sequence parallel, delayed)
 trained on real ranks (gloo spawned here, or NCCL under ``torchrun``), once per
@@ -625,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     mem = sub.add_parser("memory", help="bytes one queued entry holds per rank (fake tensors)")
     mem.add_argument("--packages", default=",".join(PACKAGES))
     mem.add_argument("--markdown", action="store_true")
+    mem.add_argument("--device", choices=("fake", "cuda"), default="fake")
     mem.add_argument("--json", metavar="PATH")
     col = sub.add_parser("collectives", help="collectives per phase (2 gloo ranks)")
     col.add_argument("--packages", default="impl")
@@ -647,7 +651,13 @@ def main(argv: list[str] | None = None) -> int:
         print(collectives_markdown(rows) if args.markdown else json.dumps(rows, indent=2))
         return 0
     if args.command == "memory":
-        table = memory_rows(packages=packages)
+        if args.device == "cuda" and not torch.cuda.is_available():
+            print(
+                "tensor_parallel: --device cuda, but torch.cuda.is_available() is False",
+                file=sys.stderr,
+            )
+            return 2
+        table = memory_rows(packages=packages, device=args.device)
         print(markdown(table) if args.markdown else json.dumps(table, indent=2))
         if args.json:
             with open(args.json, "w") as f:
