@@ -30,11 +30,13 @@ IMPL = ROOT / "impl"
 
 @dataclasses.dataclass(frozen=True)
 class Mutant:
-    """A named bug: ``edits`` are (file relative to impl/, exact old text, new text)."""
+    """A named bug: ``edits`` are (file relative to the ``package`` folder, impl/ unless it
+    names another, exact old text, new text)."""
 
     name: str
     bug: str
     edits: tuple[tuple[str, str, str], ...]
+    package: str = "impl"
 
 
 _LINEAR_FORWARD = (
@@ -593,6 +595,89 @@ PROTOCOL_MUTANTS = (
     ),
 )
 
+# Tensor parallel (SPEC §9), in a copy of the reference: P19 (``splitgrad distributed --check
+# p19``, every case on 2 and 4 ranks) must catch each. The check's naive yardstick is the
+# installed reference, so the copy's bug shows against it and against the float64 truth.
+_GATHER = "    _all_gather(out, t.contiguous(), group=tp.group)\n    return out\n"
+TP_MUTANTS = (
+    Mutant(
+        "tp-dgrad-unscattered",
+        "a column layer under sequence parallel keeps its own rows of its partial input gradient: "
+        "the dgrad reduce-scatter is missing (shapes all right)",
+        (
+            (
+                "linear.py",
+                "            dx = C.reduce_rows(dx, tp)  # each rank's dx is its output columns' "
+                "share\n",
+                "            dx = dx.chunk(tp.size)[tp.rank].clone() if tp.sequence_parallel "
+                "else C.reduce_rows(dx, tp)\n",
+            ),
+        ),
+        "reference",
+    ),
+    Mutant(
+        "tp-sp-bias-unmarked",
+        "a row-parallel bias under sequence parallel (a per-rank partial sum) does not carry "
+        "sequence_parallel=True",
+        (
+            (
+                "contract.py",
+                '            self._mark_parallel("bias", None, sp=True)\n',
+                '            self._mark_parallel("bias", None, sp=False)\n',
+            ),
+        ),
+        "reference",
+    ),
+    Mutant(
+        "tp-gather-wrong-dim",
+        "the sequence all-gather stacks the ranks' shards along dim 1 (rows interleaved), "
+        "then takes the shape of a gather along dim 0",
+        (
+            (
+                "collectives.py",
+                _GATHER,
+                _GATHER.replace(
+                    "return out",
+                    "return out.view(tp.size, *t.shape).transpose(0, 1).reshape(out.shape)",
+                ),
+            ),
+        ),
+        "reference",
+    ),
+    Mutant(
+        "tp-default-gathers-in-w",
+        "the default wgrad_gather='backward' keeps the shard and all-gathers it inside "
+        "backward_dw(), as 'backward_dw' does: a collective in the W step, which a schedule "
+        "does not expect there",
+        (
+            (
+                "parallel.py",
+                '        return self.sequence_parallel and self.wgrad_gather == "backward_dw"\n',
+                "        return self.sequence_parallel\n",
+            ),
+        ),
+        "reference",
+    ),
+    Mutant(
+        "tp-entry-buffer-reused",
+        "every sequence all-gather writes into one buffer per width and dtype, reused: a queued "
+        "entry's gathered operand is overwritten by the next gather",
+        (
+            (
+                "collectives.py",
+                "    out = t.new_empty(t.shape[0] * tp.size, *t.shape[1:])\n" + _GATHER,
+                "    shape = torch.Size((t.shape[0] * tp.size, *t.shape[1:]))\n"
+                '    buffers = gather_rows.__dict__.setdefault("buffers", {})\n'
+                "    key = (id(tp.group), t.dtype, tuple(t.shape[1:]))\n"
+                "    if key not in buffers or buffers[key].numel() < shape.numel():\n"
+                "        buffers[key] = t.new_empty(shape.numel())\n"
+                "    out = buffers[key][: shape.numel()].view(shape)\n" + _GATHER,
+            ),
+        ),
+        "reference",
+    ),
+)
+
 ALL_MUTANTS = (
     MUTANTS
     + FP8_MUTANTS
@@ -601,6 +686,7 @@ ALL_MUTANTS = (
     + P17_MUTANTS
     + P18_MUTANTS
     + PROTOCOL_MUTANTS
+    + TP_MUTANTS
 )
 
 
@@ -617,8 +703,10 @@ class MutantResult:
 
 
 def apply(mutant: Mutant, dest: Path) -> str | None:
-    """Copy impl/ to ``dest`` and apply the edits; returns why an edit failed, or None."""
-    shutil.copytree(IMPL, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    """Copy the mutant's package (impl/) to ``dest`` and apply the edits; returns why an edit
+    failed, or None."""
+    source = ROOT / mutant.package
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__"))
     for rel, old, new in mutant.edits:
         path = dest / rel
         text = path.read_text()
@@ -634,6 +722,8 @@ def run_mutant(mutant: Mutant, profile: str, full: bool, workdir: Path) -> Mutan
     why = apply(mutant, dest)
     if why:
         return MutantResult(mutant.name, mutant.bug, "edit does not apply", detail=why)
+    if mutant in TP_MUTANTS:
+        return _run_tp_mutant(mutant, dest, start)
     out = workdir / f"{mutant.name}.json"
     cmd = [
         sys.executable,
@@ -677,6 +767,23 @@ def run_mutant(mutant: Mutant, profile: str, full: bool, workdir: Path) -> Mutan
         result.status = "caught"
     else:
         result.examples_total = total
+    return result
+
+
+def _run_tp_mutant(mutant: Mutant, dest: Path, start: float) -> MutantResult:
+    """A P19 mutant: ``splitgrad distributed --check p19`` on the mutated copy (the ``ci``
+    matrix on 2 and 4 ranks); caught when P19 fails (exit status 1)."""
+    cmd = [sys.executable, "-m", "splitgrad.cli", "distributed", "--check", "p19"]
+    cmd += ["--backend", f"path:{dest}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=dest.parent, timeout=1800)
+    result = MutantResult(mutant.name, mutant.bug, "SURVIVED", seconds=time.perf_counter() - start)
+    lines = proc.stdout.splitlines()
+    if proc.returncode == 1 and any(line.startswith("p19     FAIL") for line in lines):
+        failures = [line.strip() for line in lines if line.startswith("        ")]
+        result.status, result.caught_by = "caught", ["P19 (splitgrad distributed)"]
+        result.detail = failures[0][:200] if failures else ""
+    elif proc.returncode != 0:
+        result.status, result.detail = "error", (proc.stdout + proc.stderr)[-2000:]
     return result
 
 

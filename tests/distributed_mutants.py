@@ -1,7 +1,8 @@
 """Packages with SPEC §2's API and one planted bug each that only distributed use shows, for
-the meta-tests of the P14-P16 checks (``test_distributed_meta.py``). Each is importable by name
-(``distributed_mutants.hooks_silent``), as the checks import the package under test inside
-their spawned ranks."""
+the meta-tests of the P14-P16 checks (``test_distributed_meta.py``), and a sequence-parallel
+gradient sum that forgets the norms, for P19's (``test_properties_p19.py``). Each is importable
+by name (``distributed_mutants.hooks_silent``), as the checks import the package under test
+inside their spawned ranks."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import types
 
 import splitgrad.distributed.expert_parallel as _ep
 import splitgrad.impl as _impl
+import torch.distributed as dist
 from splitgrad.distributed import ExpertParallelMoE, GradientReducer
 
 
@@ -141,3 +143,13 @@ class OneOwnerReducer(GradientReducer):
                     if owner.sm is not kept and st in owner.params:
                         owner.params.remove(st)
                 st.owners = (kept,)
+
+
+def sp_sum_forgets_norms(model, tp_group) -> None:
+    """``allreduce_sequence_parallel_grads`` with the SP reduction of the norm parameters
+    forgotten: every other ``sequence_parallel`` gradient is summed over ``tp_group``, the
+    norms' stay each rank's partial sum."""
+    for name, p in model.named_parameters():
+        if getattr(p, "sequence_parallel", False) and "layer_norm" not in name:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=tp_group)

@@ -523,12 +523,14 @@ def gather_modes(lib: Any, case: TPCase) -> tuple[str, ...]:
 
 def _tp_rank(rank: int, world: int, lib_name: str, cases: list[TPCase], reduce_name: str) -> list:
     """Every case on this rank: per ``wgrad_gather`` mode the non-delayed and the delayed run,
-    and the reference's non-delayed run (the naive yardstick) where the package is another."""
+    and the naive yardstick, the reference's non-delayed run reduced by ``SP_REDUCE``, unless
+    that is the package's own run."""
     from splitgrad.properties.front.campaign import deterministic
 
     lib = load_library(lib_name)
     reference = load_library("reference")
-    sp_reduce = _sp_reduce(reduce_name)
+    sp_reduce, reduce_truly = _sp_reduce(reduce_name), _sp_reduce(SP_REDUCE)
+    own_naive = lib is reference and sp_reduce is reduce_truly
     group = dist.group.WORLD
     out = []
     with deterministic():
@@ -541,9 +543,9 @@ def _tp_rank(rank: int, world: int, lib_name: str, cases: list[TPCase], reduce_n
                     runs[key] = run_module(
                         lib, case, vals, rank, group, sp_reduce, delay=delay, gather=gather
                     )
-            if lib is not reference and case.dtype != "float64":
+            if not own_naive and case.dtype != "float64":
                 runs["naive"] = run_module(
-                    reference, case, vals, rank, group, sp_reduce, delay=False
+                    reference, case, vals, rank, group, reduce_truly, delay=False
                 )
             out.append(runs)
     return out
@@ -868,10 +870,15 @@ def tp_support(lib_name: str) -> str | None:
         ("LayerNormMLP", "set_parallel_mode"),
     ):
         cls = getattr(lib, kind, None)
-        accepted = None if cls is None else keywords(cls)
+        options = {"tp_group", option, "sequence_parallel"}
         if cls is None:
             missing.append(f"no {kind}")
-        elif accepted is not None and not {"tp_group", option, "sequence_parallel"} <= accepted:
+            continue
+        accepted = keywords(cls)
+        if accepted is None:
+            # **kwargs: SPEC §2's modules keep their options as attributes of the same name
+            accepted = {o for o in options if hasattr(cls(4, 4), o)} | {"tp_group"}
+        if not options <= accepted:
             missing.append(f"{kind}() takes no tp_group / {option} / sequence_parallel")
     return "; ".join(missing) or None
 
