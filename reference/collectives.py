@@ -24,7 +24,7 @@ from .parallel import TensorParallel, check_gather_order
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-__all__ = ["gather_rows", "scatter_rows", "reduce", "reduce_rows", "GatherInW", "operand", "gather_in_w"]
+__all__ = ["gather_rows", "scatter_rows", "reduce", "reduce_rows", "own_rows", "GatherInW", "operand", "gather_in_w"]
 
 
 def gather_rows(t: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -46,6 +46,12 @@ def reduce(t: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     out = t.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=tp.group)
     return out
+
+
+def own_rows(gathered: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """This rank's rows of a :func:`gather_rows` result: a view, no copy."""
+    n = gathered.shape[0] // tp.size
+    return gathered.narrow(0, tp.rank * n, n)
 
 
 def reduce_rows(t: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

@@ -146,9 +146,17 @@ class _LayerNormMLPFunction(torch.autograd.Function):
             elif ln_out is not None:
                 ln_out = C.gather_rows(ln_out, tp)
 
+        db2_dy = dy_local if to_b2 is not None and to_b2.written else None
+        if sp:
+            # The entry holds only what its GEMMs read (see Linear's backward).
+            if db2_dy is not None and fp8 is None and not tp.gather_in_backward_dw:
+                db2_dy = C.own_rows(dy, tp)
+            if fp8 is not None:
+                dy_w2 = None
+
         # One entry: fc2's gradients, then fc1's.
         gemms = [
-            (to_w2, to_b2, dy_w2, act_out, fc2_fp8, dy_local),
+            (to_w2, to_b2, dy_w2, act_out, fc2_fp8, db2_dy),
             (to_w1, to_b1, d_fc1_out, ln_out, fc1_fp8),
         ]
         module._submit_gemm_wgrads(gemms, ctx.overwrite)

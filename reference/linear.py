@@ -102,7 +102,16 @@ class _LinearFunction(torch.autograd.Function):
                 x = C.GatherInW(x, tp) if tp.gather_in_backward_dw else C.gather_rows(x, tp)
             elif mode == "row" and tp.gather_in_backward_dw:
                 dy_w = C.GatherInW(dy, tp)
-        module._submit_gemm_wgrads([(to_w, to_b, dy_w, x, fp8, dy)], ctx.overwrite)
+        bias_dy = dy if to_b is not None and to_b.written else None
+        if sp and mode == "row":
+            # The entry holds only what its GEMMs read: the bias sums this rank's rows, a view
+            # into the gathered dy when the entry keeps that; under FP8 the weight's operands
+            # are the quantized copies in ``fp8``.
+            if bias_dy is not None and fp8 is None and not tp.gather_in_backward_dw:
+                bias_dy = C.own_rows(dy_w, tp)
+            if fp8 is not None:
+                dy_w = None
+        module._submit_gemm_wgrads([(to_w, to_b, dy_w, x, fp8, bias_dy)], ctx.overwrite)
         dw = module._returned_weight_grad(to_w, ctx.weight_dtype, dy_w, x, fp8)
         return dx, dw, module._returned_bias_grad(to_b, dy), None, None, None, None
 

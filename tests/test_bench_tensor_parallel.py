@@ -34,22 +34,13 @@ def test_held_between_b_and_w_is_the_entry(table):
     assert not dist.is_initialized()
 
 
-def _dy_shard_bytes(kind: str) -> int:
-    """This rank's dy shard of a row GEMM (bf16): what the reference's row-SP entry keeps, in
-    ``"backward"`` mode, next to the gathered dy, to sum the bias gradient from."""
-    has_row_gemm = kind in ("Linear row", "LayerNormMLP swiglu")
-    return 2 * (S.tokens // S.tp) * S.hidden if has_row_gemm else 0
-
-
 def test_entries_against_the_floor(table):
-    """impl: ``"backward"`` holds the operands as the GEMMs read them (the floor), ``"backward_dw"``
-    the sequence-parallel one as the shard. The reference also keeps a row GEMM's local dy in
-    ``"backward"`` mode (for the bias gradient; impl sums it from the gathered dy's rows)."""
+    """Both packages: ``"backward"`` holds the operands as the GEMMs read them (the floor: a
+    row GEMM's bias gradient sums this rank's rows of the gathered dy, no copy of its own),
+    ``"backward_dw"`` the sequence-parallel one as the shard."""
     for r in table:
-        kind, mode = r["module"], r["wgrad_gather"]
+        mode = r["wgrad_gather"]
         want = r["shard_floor_bytes"] if mode == "backward_dw" else r["floor_bytes"]
-        if r["package"] == "reference" and mode == "backward":
-            want += _dy_shard_bytes(kind)
         assert r["entry_bytes"] == want, r
 
 
