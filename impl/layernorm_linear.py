@@ -17,8 +17,17 @@ from .base import (
 )
 from .fp8 import update_delayed_scaling
 from .fp8_gemm import FP8GemmOperands
-from .linear import begin_fp8_writes, fp8_linear_wgrad, linear_wgrad
+from .linear import (
+    begin_fp8_writes,
+    column_backward,
+    fp8_linear_wgrad,
+    linear_wgrad,
+    tp_begin_writes,
+    tp_fp8_column_backward,
+    tp_fp8_column_forward,
+)
 from .norm import norm_bwd, norm_fwd
+from .parallel import gather_rows, refuse_differentiated, tp_forward
 
 __all__ = ["LayerNormLinear"]
 
@@ -97,6 +106,98 @@ class _LayerNormLinearFP8Function(torch.autograd.Function):
 _fp8_forward = compiled.eager_apply(_LayerNormLinearFP8Function)
 
 
+# ---- tensor parallel (SPEC §9, see .parallel): column only --------------------------------
+
+_GEMM_NAMES = _NAMES[2:]
+
+
+class _LayerNormLinearTPFunction(torch.autograd.Function):
+    """``LayerNormLinear`` with ``parallel_mode="column"``: the norm on the rank's rows (under
+    SP), its output all-gathered, then the column GEMM. The forward saves the norm's output
+    before the gather (the rank's rows, as TransformerEngine does)."""
+
+    @staticmethod
+    def forward(ctx, x, ln_weight, ln_bias, weight, bias, module, overwrite, autocast):
+        tp = module._tp
+        ctx.module, ctx.overwrite = module, overwrite
+        ctx.present = (True, ln_bias is not None, True, bias is not None)
+        ln_out, stats = norm_fwd(module, x, ln_weight, ln_bias)
+        ln_out, weight, bias = autocast_cast(autocast, ln_out, weight, bias)
+        ctx.save_for_backward(x, ln_weight, ln_bias, ln_out, weight, *stats)
+        if tp.sequence_parallel:
+            ln_out, _ = gather_rows(ln_out, tp)
+        return gemm.linear_forward(ln_out, weight, bias)
+
+    @staticmethod
+    @without_autocast
+    def backward(ctx, dy):
+        module = ctx.module
+        refuse_differentiated(module)
+        x, ln_weight, ln_bias, ln_out, weight, *stats = ctx.saved_tensors
+        dests, leaves = edge_routes(ctx, ctx.present)
+        written, hooked = tp_begin_writes(module, _GEMM_NAMES, leaves[2:])
+        needs = (ctx.needs_input_grad[0], dests[0] is not None, dests[1] is not None)
+        # dgrad, its reduction overlapped with the wgrad, then the norm on the rank's rows.
+        d_ln_out, dw, db = column_backward(
+            module,
+            dy,
+            ln_out,
+            weight,
+            any(needs),
+            dests[2:],
+            leaves[2:],
+            written,
+            hooked,
+            ctx.overwrite,
+        )
+        norm = norm_bwd(module, d_ln_out, x, ln_weight, ln_bias, stats, needs)
+        return *norm, dw, db, None, None, None
+
+
+_tp_apply = compiled.eager_apply(_LayerNormLinearTPFunction)
+
+
+class _LayerNormLinearTPFP8Function(torch.autograd.Function):
+    """The column ``LayerNormLinear`` under an FP8 recipe: the norm's high-precision output is
+    gathered and the gathered tensor quantized."""
+
+    @staticmethod
+    def forward(ctx, x, ln_weight, ln_bias, weight, bias, module, overwrite, recipe, autocast):
+        need_norm = any(ctx.needs_input_grad[:3])
+        ln_out, stats = norm_fwd(module, x, ln_weight, ln_bias)
+        ln_out, bias = autocast_cast(autocast, ln_out, bias)
+        fp8 = FP8GemmOperands(module, recipe)
+        keep_x = ctx.needs_input_grad[3]
+        y = tp_fp8_column_forward(ctx, fp8, module, ln_out, weight, bias, keep_x, need_norm)
+        update_delayed_scaling(module, recipe, ("input", "weight"))
+        ctx.module, ctx.overwrite, ctx.fp8 = module, overwrite, fp8
+        ctx.present = (True, ln_bias is not None, True, bias is not None)
+        ctx.weight_dtype = weight.dtype
+        ctx.save_for_backward(x, ln_weight, ln_bias, *stats)
+        return y
+
+    @staticmethod
+    @without_autocast
+    def backward(ctx, dy):
+        module = ctx.module
+        refuse_differentiated(module)
+        fp8, ctx.fp8 = ctx.fp8, None
+        x_later, ctx.x_later = ctx.x_later, None
+        x, ln_weight, ln_bias, *stats = ctx.saved_tensors
+        dests, leaves = edge_routes(ctx, ctx.present)
+        needs = (ctx.needs_input_grad[0], dests[0] is not None, dests[1] is not None)
+        written, _ = tp_begin_writes(module, _GEMM_NAMES, leaves[2:])
+        d_ln_out, dw, db = tp_fp8_column_backward(
+            ctx, module, fp8, x_later, dy, any(needs), dests[2:], leaves[2:], written
+        )
+        norm = norm_bwd(module, d_ln_out, x, ln_weight, ln_bias, stats, needs)
+        return *norm, dw, db, None, None, None, None
+
+
+# (plain, FP8): what tp_forward runs; eager even under torch.compile (a graph break).
+_TP_APPLY = _tp_apply, compiled.eager_apply(_LayerNormLinearTPFP8Function)
+
+
 class LayerNormLinear(LayerNormLinearContract, SplitBackwardModule):
     """``y = norm(x) @ weight^T + bias``.
 
@@ -113,5 +214,7 @@ class LayerNormLinear(LayerNormLinearContract, SplitBackwardModule):
             params = (p["layer_norm_weight"], p["layer_norm_bias"], p["weight"], p["bias"])
         except KeyError:  # parametrized
             params = self._params_of(_NAMES)
+        if self._tp is not None:
+            return tp_forward(self, inp, x, recipe, is_first_microbatch, params, _TP_APPLY)
         y = self._run_forward(x, recipe, is_first_microbatch, _NAMES, params, _apply, _fp8_forward)
         return y if x is inp or inp.dim() == 2 else y.reshape(*inp.shape[:-1], self.out_features)
