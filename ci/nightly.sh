@@ -16,5 +16,6 @@ splitgrad verify --profile nightly --json verify-nightly.json
 "$PYTHON" ci/mutants.py --full --markdown
 # The distributed checks with FP8 on 4 ranks, and what the split buys across ranks (figures).
 splitgrad distributed --check p15 --world-size 4 --recipes none,delayed
+splitgrad distributed --check p19 --profile nightly
 splitgrad pipeline --steps 5 --json pipeline-nightly.json --timeline pipeline-timeline.json
 splitgrad moe

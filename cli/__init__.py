@@ -1,6 +1,6 @@
 """splitgrad.cli — the ``splitgrad`` command: ``splitgrad verify`` (the property campaign,
 :mod:`splitgrad.properties.front.verify`), ``splitgrad bench`` (speed and memory ratios,
-:mod:`splitgrad.bench.modules`), ``splitgrad distributed`` (P14-P16, :mod:`.distributed`),
+:mod:`splitgrad.bench.modules`), ``splitgrad distributed`` (P14-P16, P19, :mod:`.distributed`),
 ``splitgrad pipeline`` and ``splitgrad moe`` (what the split buys across ranks,
 :mod:`splitgrad.bench.pipeline`, :mod:`splitgrad.bench.moe`).
 
@@ -20,7 +20,7 @@ commands:
   verify   check an implementation against the reference and SPEC.md (splitgrad verify --help)
   bench    print speed and memory ratios of splitgrad.impl (splitgrad bench --help)
   distributed
-           run P14-P16 on spawned gloo ranks (splitgrad distributed --help)
+           run P14-P16 and P19 on spawned gloo ranks (splitgrad distributed --help)
   pipeline step time, bubble fraction and memory held between B and W under the pipeline
            schedules, splitgrad's dw_builder next to torch's own split (splitgrad pipeline --help)
   moe      the share of the expert-parallel dispatch all-to-all hidden behind backward_dw()

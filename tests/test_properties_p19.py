@@ -155,6 +155,13 @@ def test_cli_p19_not_supported_and_refusals(capsys):
         main(["--check", "p19", "--profile", "weekly"])
 
 
+def test_verify_points_p19_at_splitgrad_distributed(capsys):
+    from splitgrad.properties.front.verify import main
+
+    assert main(["--property", "P19"]) == 2
+    assert "P19 runs on spawned ranks: splitgrad distributed --check p19" in capsys.readouterr().err
+
+
 # ---- the matrix and the budget ----------------------------------------------------------------
 def test_ci_matrix_enumerates_every_module_sp_fused_bias_dtype_and_recipe():
     for world in (2, 4):

@@ -63,6 +63,7 @@ __all__ = [
     "aligned_case",
     "case_na_reason",
     "MODULE_PROTOCOL",
+    "DISTRIBUTED_PROPERTIES",
 ]
 
 Strategy = Callable[..., st.SearchStrategy[Case]]
@@ -222,6 +223,16 @@ PROPERTIES: dict[str, str] = {
     "after the write, double backward and torch.func right or a clear error; the "
     "module protocol: torch's default device and dtype followed, reset_parameters, "
     "repr, no view for a 2-D input, copies compute as the original",
+}
+
+
+#: SPEC §7's properties that run on spawned gloo ranks, not in a cell of ``splitgrad verify``: the
+#: ``splitgrad distributed --check`` names of each (:mod:`.distributed`).
+DISTRIBUTED_PROPERTIES: dict[str, str] = {
+    "P14": "p14",
+    "P15": "p15",
+    "P16": "p16,p16-pp",
+    "P19": "p19",
 }
 
 

@@ -14,7 +14,7 @@ from ..backends import Backend, get_backend
 from ..cases.case import DTYPES, KINDS, LOW_PRECISION_DTYPES
 from ..cases.profiles import active_profile_name, load_profile
 from ..checks.paths import ForcedPathBackend
-from ..checks.registry import PROPERTIES
+from ..checks.registry import DISTRIBUTED_PROPERTIES, PROPERTIES
 from .campaign import NA, CellResult, api_gaps, run_cell
 from .plan import AUTOCAST_CHOICES, PATH_CHOICES, RECIPE_CHOICES, PlannedCell, plan_cells
 
@@ -79,6 +79,12 @@ class Options:
             if values and not items:
                 raise OptionError(f"no {what} in {values[-1]!r}; {expected}", flag)
             for item in items:
+                if what == "property" and item in DISTRIBUTED_PROPERTIES:
+                    checks = DISTRIBUTED_PROPERTIES[item]
+                    raise OptionError(
+                        f"{item} runs on spawned ranks: splitgrad distributed --check {checks}",
+                        flag,
+                    )
                 if item not in allowed:
                     raise OptionError(f"unknown {what} {item!r}; {expected}", flag)
             fields[field] = tuple(dict.fromkeys(items))
