@@ -48,10 +48,10 @@ class Bucket:
     grads: list[torch.Tensor] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     # what the collective reads and writes for each gradient (a DTensor's local shard)
-    locals: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    local_grads: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     def reset(self) -> None:
-        self.work, self.flat, self.grads, self.versions, self.locals = None, None, [], [], []
+        self.work, self.flat, self.grads, self.versions, self.local_grads = None, None, [], [], []
 
     def log_launch(self, step: Step, **extra) -> None:
         """Record in ``step.launch_log`` that this bucket's collective starts now."""
@@ -130,9 +130,9 @@ class AllReduceBuckets:
                 st.param.grad = g
             grads.append(g)
         bucket.grads = grads
-        bucket.locals = [g.to_local() if is_dtensor(g) else g for g in grads]
-        bucket.versions = [t._version for t in bucket.locals]
-        bucket.flat = torch.cat([t.detach().reshape(-1) for t in bucket.locals])
+        bucket.local_grads = [g.to_local() if is_dtensor(g) else g for g in grads]
+        bucket.versions = [t._version for t in bucket.local_grads]
+        bucket.flat = torch.cat([t.detach().reshape(-1) for t in bucket.local_grads])
         bucket.work = dist.all_reduce(bucket.flat, group=self.process_group, async_op=True)
         bucket.log_launch(self.step)
 
@@ -143,7 +143,7 @@ class AllReduceBuckets:
         bucket.flat.div_(self.world_size)
         offset = 0
         for st, g, local, version in zip(
-            bucket.params, bucket.grads, bucket.locals, bucket.versions
+            bucket.params, bucket.grads, bucket.local_grads, bucket.versions
         ):
             now = gradient_tensor(st.param, st.main_grad)
             if now is not g or local._version != version:

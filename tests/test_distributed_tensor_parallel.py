@@ -21,6 +21,7 @@ Rank functions return the failures they found (empty: all good) and what they co
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 
 import pytest
@@ -462,7 +463,9 @@ def _reducer_tp_group(rank: int, world: int) -> tuple[list[str], int]:
         want = _grads(manual)
 
         plain = build()
-        reducer = GradientReducer(plain, dp_group, tp_group=tp_group)
+        bad = functools.partial(GradientReducer, tp_group="tp")
+        _refusal(failures, f"{name} tp_group='tp'", ValueError, "tp_group must be", bad, plain)
+        reducer = GradientReducer(plain, dp_group, tp_group=tp_group)  # nothing was left behind
         if reducer.sequence_parallel_names != SP_NAMES:
             failures.append(f"{name}: the reducer sums {reducer.sequence_parallel_names}")
         _sp_step(plain, tp_rank, dp_rank)
