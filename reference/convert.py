@@ -37,11 +37,11 @@ A model with no ``torch.nn.Linear`` (or none that ``module_filter_fn`` accepts) 
 unchanged with a ``UserWarning`` naming its type. Layers that already are a splitgrad
 ``Linear`` (of either package) are ``torch.nn.Linear`` subclasses, so that torch's DTensor
 tensor-parallel styles take them, but they are not converted again: they are left as they are,
-so converting twice changes nothing the second time. ``torch.nn.MultiheadAttention``'s ``out_proj`` is left as it is: the
-attention reads its weight and bias without calling it, so a converted one would never run (and
-would mark its weight as deferred). A layer registered under several parents is swapped
-everywhere for one new module; the filter sees it once, at its first fqn in ``named_modules()``
-order.
+so converting twice changes nothing the second time. ``torch.nn.MultiheadAttention``'s
+``out_proj`` is left as it is: the attention reads its weight and bias without calling it, so a
+converted one would never run (and would mark its weight as deferred). A layer registered under
+several parents is swapped everywhere for one new module; the filter sees it once, at its first
+fqn in ``named_modules()`` order.
 """
 
 from __future__ import annotations
