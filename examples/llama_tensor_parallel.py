@@ -161,16 +161,19 @@ def _rank(rank: int, world: int, sequence_parallel: bool, steps: int) -> list[st
         if step == 0:
             _, naive = _step(one_process, ids)
             _, exact = _step(truth, ids)
-        (loss_a, grads_a), (loss_b, grads_b) = (_step(m, ids, o) for m, o in zip(
-            (base, converted), opts
-        ))
+        (loss_a, grads_a), (loss_b, grads_b) = (
+            _step(m, ids, o) for m, o in zip((base, converted), opts)
+        )
         check_bitwise(f"step {step} loss", loss_b, loss_a)
         for name in grads_a:
             check_bitwise(f"step {step} {name}.grad", grads_b[name], grads_a[name])
             if step == 0:
-                worst = max(worst, check_error_budget(
-                    f"{name}.grad", grads_b[name], exact[name], naive[name], TP_MODEL
-                ))
+                worst = max(
+                    worst,
+                    check_error_budget(
+                        f"{name}.grad", grads_b[name], exact[name], naive[name], TP_MODEL
+                    ),
+                )
         lines.append(f"step {step}: loss {loss_b.item():.6f}, {len(grads_a)} gradients bitwise")
     lines.append(f"worst gradient error / tp-model budget against one process: {worst:.3f}")
     return lines

@@ -78,8 +78,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from . import accumulate as acc
-from .collectives import operand
 from . import functional as F
+from .collectives import operand
 from .contract import (
     ACCUMULATE,
     RETURN,

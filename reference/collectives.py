@@ -24,7 +24,16 @@ from .parallel import TensorParallel, check_gather_order
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-__all__ = ["gather_rows", "scatter_rows", "reduce", "reduce_rows", "own_rows", "GatherInW", "operand", "gather_in_w"]
+__all__ = [
+    "gather_rows",
+    "scatter_rows",
+    "reduce",
+    "reduce_rows",
+    "own_rows",
+    "GatherInW",
+    "operand",
+    "gather_in_w",
+]
 
 
 def gather_rows(t: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

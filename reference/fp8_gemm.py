@@ -153,7 +153,11 @@ class _QuantizeInW:
 
     def __init__(self, shard, gather, recipe, role, scale) -> None:
         self.shard, self.gather, self.recipe, self.role, self.scale = (
-            shard, gather, recipe, role, scale
+            shard,
+            gather,
+            recipe,
+            role,
+            scale,
         )
 
     def quantized(self, module: torch.nn.Module) -> QuantizedTensor:

@@ -85,8 +85,10 @@ class _LayerNormLinearFunction(torch.autograd.Function):
             if need_norm_grads:  # SPEC §9: summed over the ranks' output columns
                 d_ln_out = C.reduce_rows(d_ln_out, tp)
             if tp.sequence_parallel and ln_out is not None:  # the wgrad's operand: all tokens
-                ln_out = C.GatherInW(ln_out, tp) if tp.gather_in_backward_dw else (
-                    C.gather_rows(ln_out, tp)
+                ln_out = (
+                    C.GatherInW(ln_out, tp)
+                    if tp.gather_in_backward_dw
+                    else (C.gather_rows(ln_out, tp))
                 )
         if need_norm_grads:
             dx, d_lnw, d_lnb = norm_bwd(module, d_ln_out, x, ln_weight, stats)

@@ -202,7 +202,9 @@ def _not_differentiable(module: torch.nn.Module, what: str) -> str:
     )
 
 
-def output_shape(inp: torch.Tensor, features: int, tp: TensorParallel | None, sp_rows: str) -> tuple:
+def output_shape(
+    inp: torch.Tensor, features: int, tp: TensorParallel | None, sp_rows: str
+) -> tuple:
     """The shape of a module's output with ``features`` features for input ``inp``: ``inp``'s
     leading dimensions, with dim 0 times ``tp.size`` when SP gathered the rows (``sp_rows ==
     "gather"``, a column layer) or divided by it when SP scattered them (``"scatter"``, a row

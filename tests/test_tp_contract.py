@@ -24,15 +24,28 @@ def _shapes_and_attributes(rank: int, world: int, lib_name: str) -> dict:
     col = lib.Linear(16, 8, tp_group=g, parallel_mode="column", sequence_parallel=True)
     row = lib.Linear(16, 8, tp_group=g, parallel_mode="row", sequence_parallel=True)
     lnl = lib.LayerNormLinear(16, 8, tp_group=g, parallel_mode="column", sequence_parallel=True)
-    mlp = lib.LayerNormMLP(16, 12, tp_group=g, set_parallel_mode=True, sequence_parallel=True,
-                           activation="swiglu")
+    mlp = lib.LayerNormMLP(
+        16, 12, tp_group=g, set_parallel_mode=True, sequence_parallel=True, activation="swiglu"
+    )
     with torch.device("meta"):
-        meta = lib.LayerNormMLP(16, 12, tp_group=g, set_parallel_mode=True,
-                                sequence_parallel=True, delay_wgrad_compute=True)
+        meta = lib.LayerNormMLP(
+            16,
+            12,
+            tp_group=g,
+            set_parallel_mode=True,
+            sequence_parallel=True,
+            delay_wgrad_compute=True,
+        )
     meta.to_empty(device="cpu")
     grouped = lib.GroupedLinear(3, 16, 8, tp_size=world, parallel_mode="row", bias=False)
-    for name, m in (("col", col), ("row", row), ("lnl", lnl), ("mlp", mlp), ("meta", meta),
-                    ("grouped", grouped)):
+    for name, m in (
+        ("col", col),
+        ("row", row),
+        ("lnl", lnl),
+        ("mlp", mlp),
+        ("meta", meta),
+        ("grouped", grouped),
+    ):
         out[name] = {
             n: (
                 tuple(p.shape),
@@ -44,8 +57,15 @@ def _shapes_and_attributes(rank: int, world: int, lib_name: str) -> dict:
             )
             for n, p in m.named_parameters()
         }
-    out["sizes"] = (col.in_features, col.out_features, row.in_features, row.out_features,
-                    mlp.ffn_hidden_size, mlp.size_per_partition, col.tp_size)
+    out["sizes"] = (
+        col.in_features,
+        col.out_features,
+        row.in_features,
+        row.out_features,
+        mlp.ffn_hidden_size,
+        mlp.size_per_partition,
+        col.tp_size,
+    )
     out["repr"] = repr(row)
     return out
 
@@ -173,8 +193,13 @@ def _w_out_of_order(rank: int, world: int, lib_name: str) -> list[str]:
     entries stay queued."""
     lib = importlib.import_module(lib_name)
     g = dist.group.WORLD
-    kw = dict(tp_group=g, parallel_mode="column", sequence_parallel=True,
-              delay_wgrad_compute=True, wgrad_gather="backward_dw")
+    kw = dict(
+        tp_group=g,
+        parallel_mode="column",
+        sequence_parallel=True,
+        delay_wgrad_compute=True,
+        wgrad_gather="backward_dw",
+    )
     a, b = lib.Linear(8, 8, **kw), lib.Linear(8, 8, **kw)
     x = torch.randn(2, 3, 8, requires_grad=True)
     (a(x).sum() + b(x).sum()).backward()
@@ -185,8 +210,12 @@ def _w_out_of_order(rank: int, world: int, lib_name: str) -> list[str]:
     except RuntimeError as e:
         message = str(e)
     # Nothing written, both entries still queued; in the same order the W steps then work.
-    state = [a.weight.grad is None, b.weight.grad is None, a.pending_wgrad_count,
-             b.pending_wgrad_count]
+    state = [
+        a.weight.grad is None,
+        b.weight.grad is None,
+        a.pending_wgrad_count,
+        b.pending_wgrad_count,
+    ]
     a.backward_dw()
     b.backward_dw()
     return [message, state, a.weight.grad is not None and b.weight.grad is not None]
