@@ -43,7 +43,6 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from ... import budgets as B
 from ...backends import BACKEND_NAMES, LibraryBackend, get_backend
@@ -316,9 +315,9 @@ def build(lib: Any, case: TPCase, dtype: torch.dtype, **options: Any) -> torch.n
 
 class _Ops(TorchDispatchMode):
     """While active: the storage of every tensor an op returns and the number of collectives
-    (``c10d`` ops) dispatched. A storage is kept as its address (its identity: the weak
-    reference held here keeps the address from being reused), a weak reference, its size and
-    the shape of the tensor first seen on it."""
+    (``c10d`` ops) dispatched. A storage is kept as its address (``StorageWeakRef.cdata``, its
+    identity: the weak reference held here keeps the address from being reused), the weak
+    reference, its size and the shape of the tensor first seen on it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -329,15 +328,26 @@ class _Ops(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.namespace in _COLLECTIVE_NAMESPACES:
             self.collectives += 1
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+        for t in _tensors(out):
+            if t.device.type != "meta":
                 self.note(t)
         return out
 
     def note(self, t: torch.Tensor) -> None:
         s = t.untyped_storage()
         if s.nbytes():
-            self.storages.append((s._cdata, StorageWeakRef(s), s.nbytes(), tuple(t.shape)))
+            ref = StorageWeakRef(s)
+            self.storages.append((ref.cdata, ref, s.nbytes(), tuple(t.shape)))
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors in an op's result (a tensor, or tuples and lists of them: a collective
+    returns its tensors and a work handle)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for item in out for t in _tensors(item)]
+    return []
 
 
 def _alive(ops: _Ops, exclude: set[int]) -> dict[int, tuple[StorageWeakRef, int, tuple]]:
@@ -376,7 +386,7 @@ def _owned(module: torch.nn.Module) -> set[int]:
     for p in module.parameters():
         for t in (p, p.grad, getattr(p, "main_grad", None)):
             if isinstance(t, torch.Tensor):
-                out.add(t.untyped_storage()._cdata)
+                out.add(StorageWeakRef(t.untyped_storage()).cdata)
     return out
 
 
