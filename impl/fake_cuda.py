@@ -278,6 +278,23 @@ def _edge_routes(ctx: _Ctx, present: Sequence[bool]) -> tuple[list, list]:
     return dests, leaves
 
 
+def _tp_function_table() -> dict[str, tuple[type, type]]:
+    """The (plain, FP8) Functions of each module that communicates (SPEC §9)."""
+    from . import layernorm_linear, layernorm_mlp, linear
+
+    return {
+        "Linear": (linear._LinearTPFunction, linear._LinearTPFP8Function),
+        "LayerNormLinear": (
+            layernorm_linear._LayerNormLinearTPFunction,
+            layernorm_linear._LayerNormLinearTPFP8Function,
+        ),
+        "LayerNormMLP": (
+            layernorm_mlp._LayerNormMLPTPFunction,
+            layernorm_mlp._LayerNormMLPTPFP8Function,
+        ),
+    }
+
+
 def _function_table() -> dict[str, tuple[object, type, type]]:
     from . import grouped_linear, layernorm_linear, layernorm_mlp, linear
 
@@ -327,7 +344,9 @@ def module_step(
     called directly, and the backward writes or queues the weight gradients exactly as under
     the engine (every parameter that requires a gradient accumulates). ``recipe``: run under
     ``fp8_autocast`` with it. Works on real tensors too (``tests/test_cuda_trace.py`` checks
-    it equals autograd's run bitwise on the CPU)."""
+    it equals autograd's run bitwise on the CPU). A module that communicates (``module._tp``,
+    SPEC §9) runs its tensor-parallel Functions, with their collectives on the process group it
+    was built with (torch's fake one, for fake tensors)."""
     from splitgrad.reference.fp8 import fp8_autocast
 
     kind = type(module).__name__
@@ -342,11 +361,11 @@ def module_step(
 
         return run
 
+    patch = dict(_apply=capture(function), _fp8_forward=capture(fp8_function))
+    if getattr(module, "_tp", None) is not None:
+        patch = dict(_TP_APPLY=tuple(capture(f) for f in _tp_function_table()[kind]))
     # Grad mode off, as autograd runs a Function's forward and (without create_graph) backward.
-    with (
-        torch.no_grad(),
-        _patched(namespace, _apply=capture(function), _fp8_forward=capture(fp8_function)),
-    ):
+    with torch.no_grad(), _patched(namespace, **patch):
         with fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
             if kind == "GroupedLinear":
                 y = module(x, list(m_splits), is_first_microbatch=is_first_microbatch)
