@@ -197,7 +197,11 @@ MUTANTS = (
                 "        entry = self._wgrad_store.head()\n",
                 "        self._run_hooks()\n        entry = self._wgrad_store.head()\n",
             ),
-            ("base.py", "        del entry\n        self._run_hooks()\n", "        del entry\n"),
+            (
+                "base.py",
+                "            acc.run_post_accumulate_hooks(leaf)\n        self._run_hooks()\n",
+                "            acc.run_post_accumulate_hooks(leaf)\n",
+            ),
         ),
     ),
     # Blind spots of a sampled campaign: boundary sizes, gradient layouts and
