@@ -15,7 +15,10 @@ Same four modules, constructor signatures, parameter names and behaviour as
 * :mod:`.norm`, :mod:`.activation` — fused elementwise kernels;
 * :mod:`.fp8` — FP8 quantizers and delayed-scaling state (bit-identical to the reference's);
 * :mod:`.fp8_gemm` — FP8 GEMMs (``torch._scaled_mm`` where the device runs it well, an exact
-  dequantize-then-GEMM path elsewhere) and what a queued FP8 wgrad entry holds.
+  dequantize-then-GEMM path elsewhere) and what a queued FP8 wgrad entry holds;
+* :mod:`.parallel` — tensor and sequence parallelism (SPEC §9): impl's collectives, overlapped
+  with the GEMMs as TransformerEngine's are, and what a TP entry holds in each ``wgrad_gather``
+  mode (the options are the shared contract, :mod:`splitgrad.reference.parallel`).
 
 The FP8 recipes and ``fp8_autocast`` are re-exported from the reference (part of the contract);
 under an enabled ``fp8_autocast`` every module runs its GEMMs in FP8 (SPEC §6).

@@ -6,7 +6,9 @@ Read in this order: :mod:`.contract` (options, parameters, input checks and erro
 shared with ``splitgrad.impl``), :mod:`.functional` (formulas and rounding points), :mod:`.base`
 (where gradients go, the queue, the failure rules), then :mod:`.linear`,
 :mod:`.layernorm_linear`, :mod:`.layernorm_mlp`, :mod:`.grouped_linear`, and :mod:`.fp8`
-(recipes).
+(recipes). Tensor and sequence parallelism (SPEC §9): :mod:`.parallel` (the options, shapes and
+attributes, shared with ``splitgrad.impl``) and :mod:`.collectives` (the reference's own
+collectives, written plainly).
 """
 
 from . import fp8
