@@ -250,11 +250,7 @@ def test_a_post_accumulate_hook_before_the_write_is_caught(tmp_path: Path) -> No
         "                for leaf, _, _ in hooked:\n"
         "                    acc.run_post_accumulate_hooks(leaf)\n"
     )
-    after_write = (
-        "        if self.delay_wgrad_compute:\n"
-        "            for leaf in {id(leaf): leaf for leaf, _, _ in hooked}.values():\n"
-        "                acc.run_post_accumulate_hooks(leaf)\n"
-    )
+    after_write = "        for leaf in written:\n            acc.run_post_accumulate_hooks(leaf)\n"
     backend = _planted(
         tmp_path,
         "post-accumulate hooks run before the deferred write",
