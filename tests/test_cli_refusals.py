@@ -157,3 +157,53 @@ def test_rank_commands_load_the_backend_before_spawning(main, backend, needle, c
 
 def test_the_splitgrad_command_passes_the_refusal_on(capsys, no_work):
     assert "is a directory" in refused(cli.main, ["pipeline", "--json", "/tmp"], capsys)
+
+
+CASE_JSON = '{"config": {"kind": "Linear"}}'  # never parsed: the refusal comes first
+
+
+@pytest.mark.parametrize(
+    "extra, flag",
+    [
+        (["--examples", "3"], "--examples"),
+        (["--seed", "0"], "--seed"),  # falsy, still given
+        (["--profile", "dev"], "--profile"),
+        (["--fail-fast"], "--fail-fast"),
+        (["--module", "Linear"], "--module"),
+        (["--dtype", "float32"], "--dtype"),
+        (["--recipe", "delayed"], "--recipe"),
+        (["--autocast", "bfloat16"], "--autocast"),
+        (["--xfails", "{empty}"], "--xfails"),  # an empty file is given all the same
+    ],
+)
+def test_verify_case_refuses_the_options_a_replay_would_ignore(
+    extra, flag, tmp_path, capsys, no_work
+):
+    empty = tmp_path / "xfails.txt"
+    empty.write_text("")
+    extra = [e.format(empty=empty) for e in extra]
+    argv = ["--backend", "reference", "--property", "P1", "--case", CASE_JSON, *extra]
+    line = refused(verify.main, argv, capsys)
+    assert f"--case replays the one case given: {flag} does not apply" in line, line
+    assert line.endswith("leave it out"), line
+
+
+def test_verify_case_names_every_option_it_refuses(capsys, no_work):
+    argv = ["--property", "P1", "--case", CASE_JSON, "--dtype", "float32", "--examples", "2"]
+    line = refused(verify.main, argv, capsys)
+    assert "--dtype, --examples do not apply (the case carries its own module, dtype" in line
+    assert "nothing is drawn" in line and line.endswith("leave them out"), line
+
+
+def test_verify_refuses_json_and_junit_to_one_file(tmp_path, capsys, monkeypatch, no_work):
+    out = tmp_path / "out.txt"
+    line = refused(verify.main, ["--json", str(out), "--junit", str(out)], capsys)
+    assert f"--json and --junit both write {out}" in line, line
+    # The same file spelt another way: relative, or through a link.
+    monkeypatch.chdir(tmp_path)
+    line = refused(verify.main, ["--json", str(out), "--junit", "out.txt"], capsys)
+    assert "--json and --junit both write out.txt" in line, line
+    (tmp_path / "link.txt").symlink_to(out)
+    line = refused(verify.main, ["--json", "link.txt", "--junit", str(out)], capsys)
+    assert f"both write {out}" in line, line
+    assert not out.exists()

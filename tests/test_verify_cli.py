@@ -1,12 +1,19 @@
-"""``splitgrad verify``: options, messages, table, JSON/JUnit output, failure and replay."""
+"""``splitgrad verify``: options, messages, table, JSON/JUnit output, failure and replay,
+a run that checks nothing, Ctrl-C."""
 
 from __future__ import annotations
 
 import json
+import os
+import queue
+import re
 import shlex
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 from xml.etree import ElementTree as ET
 
@@ -138,8 +145,13 @@ def test_failure_prints_shrunk_case_and_a_working_repro(tmp_path: Path, capsys) 
     )
     args = shlex.split(repro)
     assert args[:2] == ["splitgrad", "verify"]
-    assert main(args[2:]) == 1
+    xml = tmp_path / "replay.xml"
+    assert main([*args[2:], "--junit", str(xml)]) == 1
     assert "P1 FAIL" in capsys.readouterr().out
+    (case,) = ET.parse(xml).getroot().iter("testcase")
+    assert case.get("name") == "test_property[P1-Linear-float32-none]"
+    failure = case.find("failure")
+    assert failure is not None and "output[micro-batch 0]" in failure.text
     # The console script is installed and behaves the same.
     proc = subprocess.run(
         [sys.executable, "-m", "splitgrad.cli", "verify", *args[2:]],
@@ -150,12 +162,23 @@ def test_failure_prints_shrunk_case_and_a_working_repro(tmp_path: Path, capsys) 
     assert proc.returncode == 1 and "output[micro-batch 0]" in proc.stdout
 
 
-def test_replay_of_a_passing_case(capsys) -> None:
+def test_replay_of_a_passing_case_writes_json_and_junit(tmp_path: Path, capsys) -> None:
     from splitgrad.properties.checks.registry import example_case
 
     case = example_case("GroupedLinear", num_gemms=3)
-    assert main(["--backend", "reference", "--property", "P12", "--case", case.to_json()]) == 0
+    js, xml = tmp_path / "case.json", tmp_path / "case.xml"
+    argv = ["--backend", "reference", "--property", "P12", "--case", case.to_json()]
+    assert main([*argv, "--json", str(js), "--junit", str(xml)]) == 0
     assert "P12 pass" in capsys.readouterr().out
+    data = json.loads(js.read_text())
+    assert data["backend"] == "reference" and data["replay"] is True
+    (cell,) = data["cells"]
+    assert (cell["property_id"], cell["kind"], cell["status"]) == ("P12", "GroupedLinear", "pass")
+    assert cell["examples"] == 1 and cell["case"]["config"]["num_gemms"] == 3
+    suite = ET.parse(xml).getroot().find("testsuite")
+    assert suite.get("tests") == "1" and suite.get("failures") == "0"
+    (tc,) = suite.iter("testcase")
+    assert tc.get("name") == "test_property[P12-GroupedLinear-float32-none]"
 
 
 def test_recipe_option_adds_fp8_cells_with_a_recipe_column(tmp_path: Path, capsys) -> None:
@@ -389,3 +412,86 @@ def test_xfails_file_turns_a_listed_failure_into_xfail_and_a_listed_pass_into_a_
     listed.write_text("P99-Linear-float32-none\n")
     assert main([*base, "--xfails", str(listed)]) == 2
     assert "xfails.txt:1" in capsys.readouterr().err
+
+
+def test_a_run_that_checks_nothing_exits_5_and_says_why(tmp_path: Path, capsys) -> None:
+    js = tmp_path / "out.json"
+    argv = ["--backend", "reference", "--dtype", "float64", "--recipe", "delayed"]
+    assert main([*argv, "--property", "P1", "--module", "Linear", "--json", str(js)]) == 5
+    out = capsys.readouterr().out.rstrip().splitlines()
+    assert "0 passed, 0 failed, 0 known deviations, 1 n/a" in out[-2]
+    assert out[-1] == (
+        "nothing was checked: the only cell is n/a (P1: no wider dtype to measure error against)"
+    )
+    assert [c["status"] for c in json.loads(js.read_text())["cells"]] == ["n/a"]
+    assert main([*argv, "--property", "P1,P2,P3"]) == 5
+    last = capsys.readouterr().out.rstrip().splitlines()[-1]
+    assert last.startswith("nothing was checked: all 12 cells are n/a (P1, P2, P3: no wider")
+    assert "5 nothing was checked" in build_parser_help()
+
+
+def _lines(stream, into: list[str], first: queue.Queue | None = None) -> None:
+    for line in stream:
+        into.append(line)
+        if first is not None:
+            first.put(line)
+
+
+def _live_in_group(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` that still run (a zombie has ended)."""
+    live = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # not a process, or gone meanwhile
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(int(entry.name))
+    return live
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
+def test_ctrl_c_prints_the_summary_of_the_cells_done_and_ends_the_worker(tmp_path: Path) -> None:
+    """SIGINT to the process group (as a terminal's Ctrl-C), the worker running: exit 130, the
+    cells done in a table and the summary marked as interrupted, no traceback, no process left."""
+    js = tmp_path / "out.json"
+    argv = ["--backend", "reference", "--module", "Linear,LayerNormMLP", "--recipe", "none"]
+    argv += ["--dtype", "float32,bfloat16", "--property", "P4,P6,P9", "--examples", "50"]
+    cmd = [sys.executable, "-m", "splitgrad.cli", "verify", *argv, "--json", str(js)]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    out: list[str] = []
+    err: list[str] = []
+    first: queue.Queue = queue.Queue()
+    readers = [
+        threading.Thread(target=_lines, args=(proc.stdout, out), daemon=True),
+        threading.Thread(target=_lines, args=(proc.stderr, err, first), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        line = first.get(timeout=600)  # a loaded 2-core machine: minutes at worst
+        assert line.startswith("[1/12] P4-Linear-float32-none: pass"), line + "".join(err)
+        assert len(_live_in_group(proc.pid)) >= 2  # the worker runs too
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 130, "".join(out + err)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    for reader in readers:
+        reader.join(timeout=30)
+    text, errors = "".join(out), "".join(err)
+    assert "Traceback" not in errors and "Traceback" not in text, errors
+    rows = [ln.split() for ln in out if ln.startswith("P")]
+    assert rows[0][:3] == ["P4", "Linear", "float32"] and all(r[-1] == "pass" for r in rows)
+    summary = re.search(r"^interrupted after (\d+) of 12 cells: (\d+) passed, 0 failed", text, re.M)
+    assert summary and int(summary[1]) == int(summary[2]) == len(rows) < 12, text
+    data = json.loads(js.read_text())
+    assert data["interrupted"] is True and data["cells_planned"] == 12
+    assert len(data["cells"]) == len(rows)
+    deadline = time.monotonic() + 30
+    while _live_in_group(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _live_in_group(proc.pid), "a worker process outlived splitgrad verify"

@@ -1,6 +1,7 @@
 """``splitgrad verify``: run the property campaign against one backend and print a table, one
 row per cell of a :class:`.session.Session` (its help, :data:`DESCRIPTION` and :data:`EPILOG`,
 says what the default run is and what each exit status means); ``--case`` replays one case.
+Ctrl-C ends a run with the summary of the cells done (exit status :data:`INTERRUPTED`).
 """
 
 from __future__ import annotations
@@ -21,12 +22,24 @@ from splitgrad.impl import gemm_paths
 from ..backends import BackendUnavailable
 from ..cases.case import DTYPES, KINDS, Case
 from ..cases.profiles import load_profile
+from ..checks import misuse
 from ..checks.misuse import start_optimized_constructor_results
 from ..checks.paths import IMPL_PATHS, ForcedPathBackend
 from ..checks.registry import PROPERTIES, case_na_reason
 from ..oracle.kink import CaseRejected
 from . import plan, workers, xfails
-from .campaign import BLOCKED, DEVIATION, ERROR, FAIL, NA, PASS, CellResult, blocking_gaps, run_case
+from .campaign import (
+    BLOCKED,
+    DEVIATION,
+    ERROR,
+    FAIL,
+    NA,
+    PASS,
+    CellResult,
+    blocking_gaps,
+    repro_command,
+    run_case,
+)
 from .session import DEFAULT_DTYPES, LIST_OPTIONS, OptionError, Options, Session, load_backend
 
 DESCRIPTION = """\
@@ -37,7 +50,9 @@ EPILOG = """\
 exit status: 0 every cell passed (or deviates as the backend declares); 1 a cell failed
 (also when the backend lacks part of SPEC's API: a failure takes precedence); 2 bad options, an
 unavailable backend, or a backend lacking part of SPEC's API (reported once, with the properties
-it blocks; the others still run) and no cell failed.
+it blocks; the others still run) and no cell failed; 5 nothing was checked: every cell was n/a
+(--dtype float64 --recipe delayed --property P1, say), and a line says why; 130 interrupted
+(Ctrl-C): the table and summary of the cells done are printed.
 
 determinism: every example runs under torch.use_deterministic_algorithms(True, warn_only=True)
 with torch.utils.deterministic.fill_uninitialized_memory, so a read of uninitialized memory
@@ -76,6 +91,12 @@ class _Refused(Exception):
     """The options are fine but cannot run here (the backend, CUDA): exit status 2, the message."""
 
 
+#: Exit status of a run in which no cell checked anything (pytest's "no tests ran" is 5 too).
+NOTHING_CHECKED = 5
+#: Exit status after Ctrl-C (128 + SIGINT, as a shell reports it).
+INTERRUPTED = 130
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # no traceback, exit status 2
         raise _UsageError(message)
@@ -100,6 +121,9 @@ def _xfails_file(path: str) -> dict[str, xfails.ExpectedFailure]:
     except xfails.XfailsFileError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
+
+# --xfails left out (an empty file given is another, equal dict: --case refuses that one).
+_NO_XFAILS: dict[str, xfails.ExpectedFailure] = {}
 
 # The options that choose from a list, repeatable or comma-separated: (flag, metavar) -> help.
 _LIST_HELP = {
@@ -159,13 +183,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--junit", type=_output_path, metavar="PATH", help="write the results as JUnit XML"
     )
-    p.add_argument("--case", metavar="JSON", help="replay one case (needs exactly one --property)")
+    p.add_argument(
+        "--case",
+        metavar="JSON",
+        help="replay one case (needs exactly one --property; --json and --junit write its "
+        "result; the options that choose or draw cases are refused)",
+    )
     p.add_argument("--fail-fast", action="store_true", help="stop at the first failing cell")
     p.add_argument(
         "--xfails",
         metavar="FILE",
         type=_xfails_file,
-        default={},
+        default=_NO_XFAILS,
         help="cells expected to fail, one id per line (such as P4-Linear-bfloat16-none, as "
         "this command and pytest print it), '#' comments giving the reason; strict: a listed "
         "cell that passes fails as XPASS(strict)",
@@ -176,6 +205,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="no progress (a bar on a terminal, one line per finished cell otherwise)",
     )
     return p
+
+
+_CASE_CARRIES = "the case carries its own module, dtype, FP8 recipe and autocast"
+_NOTHING_DRAWN = "nothing is drawn: the case runs as given"
+# The options a --case replay has no use for, and why: the case is one given example.
+_NOT_FOR_CASE = {
+    "module": _CASE_CARRIES,
+    "dtype": _CASE_CARRIES,
+    "recipe": _CASE_CARRIES,
+    "autocast": _CASE_CARRIES,
+    "examples": _NOTHING_DRAWN,
+    "profile": _NOTHING_DRAWN,
+    "seed": _NOTHING_DRAWN,
+    "fail-fast": "there is one case to run",
+    "xfails": "expected failures name campaign cells",
+}
+
+
+def _check_outputs_and_case(args: argparse.Namespace) -> None:
+    """Refuse what the run would otherwise ignore or lose: an option a ``--case`` replay has no
+    use for, and ``--json`` and ``--junit`` writing one file (the latter would overwrite it)."""
+    if args.json and args.junit:
+        same = args.json.resolve() == args.junit.resolve()
+        if same or (args.json.exists() and args.junit.exists() and args.json.samefile(args.junit)):
+            raise _UsageError(f"--json and --junit both write {args.junit}; give each its own file")
+    if args.case is None:
+        return
+    values = {flag: getattr(args, flag.replace("-", "_")) for flag in _NOT_FOR_CASE}
+    left_out = (None, False, _NO_XFAILS)
+    given = [flag for flag, value in values.items() if not any(value is v for v in left_out)]
+    if given:
+        flags = ", ".join(f"--{flag}" for flag in given)
+        why = "; ".join(dict.fromkeys(_NOT_FOR_CASE[flag] for flag in given))
+        verb, them = ("does", "it") if len(given) == 1 else ("do", "them")
+        raise _UsageError(
+            f"--case replays the one case given: {flags} {verb} not apply ({why}); leave {them} out"
+        )
 
 
 def _options(args: argparse.Namespace) -> Options:
@@ -296,37 +362,48 @@ def format_table(cells: list[CellResult]) -> str:
 
 @dataclasses.dataclass
 class _Run:
-    """The finished cells of a session and how long they took."""
+    """The finished cells of a session and how long they took; ``interrupted``: Ctrl-C stopped
+    the run with only these of its cells done."""
 
     session: Session
     cells: list[CellResult]
     elapsed: float
+    interrupted: bool = False
 
     def with_status(self, *statuses: str) -> list[CellResult]:
         return [c for c in self.cells if c.status in statuses]
 
 
 def _run_cells(session: Session, quiet: bool, fail_fast: bool) -> _Run:
-    """Run the session's cells (a bar on a terminal, a line per cell otherwise)."""
+    """Run the session's cells (a bar on a terminal, a line per cell otherwise). Ctrl-C stops
+    the run (and the worker process) and keeps every cell finished so far."""
     bar = not quiet and sys.stderr.isatty()
-    planned, cells = session.cells, []
+    planned, cells = session.cells, {}
     start = time.perf_counter()
     results = workers.run_cells(session.run, planned, workers.default_jobs(session.device))
-    for i, cell in results:
-        cells.append(cell)
-        if bar:
-            _progress_bar(i + 1, len(planned), planned[i].test_id)
-        elif not quiet:
-            n = "-" if cell.status in (NA, BLOCKED) else f"{cell.examples} examples"
-            line = f"{cell.test_id}: {cell.status} ({n}, {cell.seconds:.1f} s)"
-            sys.stderr.write(f"[{i + 1}/{len(planned)}] {line}\n")
-            sys.stderr.flush()
-        if fail_fast and cell.status in (FAIL, ERROR):
-            results.close()
-            break
+    interrupted = False
+    try:
+        for i, cell in results:
+            cells[i] = cell
+            if bar:
+                _progress_bar(i + 1, len(planned), planned[i].test_id)
+            elif not quiet:
+                n = "-" if cell.status in (NA, BLOCKED) else f"{cell.examples} examples"
+                line = f"{cell.test_id}: {cell.status} ({n}, {cell.seconds:.1f} s)"
+                sys.stderr.write(f"[{i + 1}/{len(planned)}] {line}\n")
+                sys.stderr.flush()
+            if fail_fast and cell.status in (FAIL, ERROR):
+                break
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        results.close()
+    if interrupted:
+        cells.update(results.unreported)  # the worker's cells finished ahead of plan order
     if bar:
         _progress_bar(len(planned), len(planned), "")
-    return _Run(session, cells, time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    return _Run(session, [cells[i] for i in sorted(cells)], elapsed, interrupted)
 
 
 def _progress_bar(done: int, total: int, label: str) -> None:
@@ -413,14 +490,36 @@ def _report(run: _Run, xfail_notes: list[str], counted_xfails: bool) -> int:
     for why_na in sorted({c.message for c in run.with_status(NA) if c.recipe != "none"}):
         print(f"\nnote: FP8 cells n/a: {why_na}")
     blocked = run.with_status(BLOCKED)
+    stopped = ""
+    if run.interrupted:
+        stopped = f"interrupted after {len(run.cells)} of {len(run.session.cells)} cells: "
     print(
-        f"\n{len(run.with_status(PASS))} passed, {len(failed)} failed, "
+        f"\n{stopped}{len(run.with_status(PASS))} passed, {len(failed)} failed, "
         f"{len(run.with_status(DEVIATION))} known deviations, {len(run.with_status(NA))} n/a"
         + (f", {len(run.with_status(xfails.XFAIL))} expected failures" if counted_xfails else "")
         + (f", {len(blocked)} blocked" if blocked else "")
         + f" in {run.elapsed:.1f}s"
     )
-    return 1 if failed else (2 if run.session.gaps else 0)
+    if run.interrupted:
+        return INTERRUPTED
+    unchecked = _nothing_checked(run)
+    if unchecked:
+        print(unchecked)
+    return 1 if failed else (2 if run.session.gaps else (NOTHING_CHECKED if unchecked else 0))
+
+
+def _nothing_checked(run: _Run) -> str:
+    """The line saying that no cell checked anything, and why each was left out, or ``""``."""
+    if run.with_status(PASS, FAIL, ERROR, DEVIATION, xfails.XFAIL):
+        return ""
+    reasons: dict[str, list[str]] = {}
+    for c in run.cells:
+        why = f"{c.status}: {c.message}" if c.status == BLOCKED else c.message
+        reasons.setdefault(why or c.status, []).append(c.property_id)
+    why = "; ".join(f"{', '.join(dict.fromkeys(pids))}: {r}" for r, pids in reasons.items())
+    statuses = " or ".join(dict.fromkeys(c.status for c in run.cells))
+    cells = "the only cell is" if len(run.cells) == 1 else f"all {len(run.cells)} cells are"
+    return f"nothing was checked: {cells} {statuses} ({why})"
 
 
 def _replay(args: argparse.Namespace, options: Options, backend) -> int:
@@ -443,24 +542,64 @@ def _replay(args: argparse.Namespace, options: Options, backend) -> int:
         raise _UsageError(f"--device {args.device}, but the case runs on {config.device}")
     if config.device == "cuda" and not torch.cuda.is_available():
         raise _UsageError("the case runs on cuda, but torch.cuda.is_available() is False")
+    cell = CellResult(
+        pid,
+        config.kind,
+        config.dtype,
+        config.recipe or "none",
+        path=paths[0] if paths and paths[0] != "none" else "default",
+        case=case,
+        shrunk=False,
+        autocast=config.autocast,
+    )
+    start = time.perf_counter()
+    status = _replay_verdict(cell, backend, case)
+    cell.seconds = time.perf_counter() - start
+    if args.json:
+        payload = {
+            "backend": name,
+            "device": config.device,
+            "replay": True,
+            "elapsed_s": round(cell.seconds, 3),
+            "cells": [cell.as_dict()],
+        }
+        args.json.write_text(json.dumps(payload, indent=2, default=str))
+    if args.junit:
+        _write_junit(args.junit, name, [cell], cell.seconds)
+    return status
+
+
+def _replay_verdict(cell: CellResult, backend, case: Case) -> int:
+    """Run ``case`` for ``cell``'s property, print the verdict, fill ``cell`` with it and return
+    the exit status (a case that does not apply, or cannot be judged, is no failure)."""
+    pid, config, name = cell.property_id, case.config, backend.name
     gaps = blocking_gaps(backend, pid, config.kind, config.recipe is not None)
     if gaps:
-        print(f"{pid} blocked on {name}: missing API: {'; '.join(gaps.values())}")
+        cell.status, cell.message = BLOCKED, f"missing API: {'; '.join(gaps.values())}"
+        print(f"{pid} blocked on {name}: {cell.message}")
         return 2
     why = backend.unsupported_reason(pid, config) or case_na_reason(pid, backend, case)
     if why:
+        cell.status, cell.message = NA, why
         print(f"{pid} n/a on {name}: {why}")
         return 0
     try:
         result = run_case(backend, pid, case)
     except CaseRejected as exc:
+        cell.status, cell.rejected, cell.message = NA, 1, f"could not be judged: {exc}"
         print(f"{pid} rejected on {name}: {config.label()}: {exc}")
         return 0
     except Exception as exc:
+        cell.examples, cell.first_failure_at = 1, 1
+        cell.message, cell.repro = f"{type(exc).__name__}: {exc}", repro_command(backend, pid, case)
         dev = backend.deviation_for(pid, case, str(exc))
+        cell.status = DEVIATION if dev else FAIL
+        cell.deviation = dev.summary if dev else ""
         verdict = f"DEVIATES (known: {dev.summary})" if dev else "FAIL"
-        print(f"{pid} {verdict} on {name}: {config.label()}\n  {type(exc).__name__}: {exc}")
+        print(f"{pid} {verdict} on {name}: {config.label()}\n  {cell.message}")
         return 0 if dev else 1
+    cell.examples, cell.worst_ratio = 1, result.ratio
+    cell.budget_ratio, cell.bitwise = result.budget_ratio, result.bitwise
     print(f"{pid} pass on {name}: {config.label()} (worst/budget {result.ratio})")
     return 0
 
@@ -469,19 +608,33 @@ def _replay(args: argparse.Namespace, options: Options, backend) -> int:
 JUNIT_CLASS = "splitgrad.properties.test_conformance"
 
 
-def _write_junit(path: Path, run: _Run) -> None:
+def _write_junit(
+    path: Path,
+    backend_name: str,
+    cells: list[CellResult],
+    elapsed: float,
+    interrupted: bool = False,
+) -> None:
+    """``cells`` as one JUnit test suite (an ``interrupted`` property when Ctrl-C stopped it)."""
+
+    def count(*statuses: str) -> str:
+        return str(sum(c.status in statuses for c in cells))
+
     root = ET.Element("testsuites")
     suite = ET.SubElement(
         root,
         "testsuite",
-        name=f"splitgrad verify --backend {run.session.backend.name}",
-        tests=str(len(run.cells)),
-        failures=str(len(run.with_status(FAIL))),
-        errors=str(len(run.with_status(ERROR))),
-        skipped=str(len(run.with_status(NA, DEVIATION, BLOCKED))),
-        time=f"{run.elapsed:.3f}",
+        name=f"splitgrad verify --backend {backend_name}",
+        tests=str(len(cells)),
+        failures=count(FAIL),
+        errors=count(ERROR),
+        skipped=count(NA, DEVIATION, BLOCKED),
+        time=f"{elapsed:.3f}",
     )
-    for c in run.cells:
+    if interrupted:
+        props = ET.SubElement(suite, "properties")
+        ET.SubElement(props, "property", name="interrupted", value="true")
+    for c in cells:
         name, time_s = f"test_property[{c.test_id}]", f"{c.seconds:.3f}"
         tc = ET.SubElement(suite, "testcase", classname=JUNIT_CLASS, name=name, time=time_s)
         if c.status == FAIL:
@@ -512,21 +665,41 @@ def main(argv: Sequence[str]) -> int:
     except _Refused as exc:
         print(f"splitgrad verify: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # outside the cells (those end with their summary): nothing to say
+        print("\nsplitgrad verify: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 def _main(argv: list[str], paths: gemm_paths.PathLog) -> int:
     """parse -> session -> plan -> run -> report, json, junit."""
     args = build_parser().parse_args(argv)
+    _check_outputs_and_case(args)
     options = _options(args)
     backend = _backend(options)
-    if args.case:
+    if args.case is not None:
         return _replay(args, options, backend)
     session = _open_session(options, backend)
+    optimized = None
     if any(c.property_id == "P9" for c in session.cells) and not any(
         "P9" in blocked for _, blocked in session.gaps.values()
     ):
         # P9's ``python -O`` subprocess runs while the first cells do.
         start_optimized_constructor_results(session.backend.name)
+        # misuse keeps it until a P9 cell reads it, and has no public handle on it.
+        optimized = misuse._OPTIMIZED_RUNNING.get(session.backend.name)
+    try:
+        return _campaign(args, session, paths)
+    finally:
+        if optimized is not None and optimized.poll() is None:
+            # No P9 cell read it (the run stopped at a failure, or on Ctrl-C): it must not
+            # outlive the run, nor be handed, killed, to a later run in this process.
+            misuse._OPTIMIZED_RUNNING.pop(session.backend.name, None)
+            optimized.kill()
+            optimized.communicate()
+
+
+def _campaign(args: argparse.Namespace, session: Session, paths: gemm_paths.PathLog) -> int:
+    """Run and report the session's cells; write the JSON and JUnit files."""
     print(_header(session.backend, session.device, session.profile, session.cells))
     for note in session.backend.notes:
         print(f"  note: {note}")
@@ -549,6 +722,8 @@ def _main(argv: list[str], paths: gemm_paths.PathLog) -> int:
             "profile": session.profile,
             "examples_per_cell": session.options.examples,
             "elapsed_s": round(run.elapsed, 3),
+            "interrupted": run.interrupted,
+            "cells_planned": len(session.cells),
             "notes": list(session.backend.notes),
             "missing_api": {p: {"what": w, "blocks": b} for p, (w, b) in session.gaps.items()},
             "cells": [c.as_dict() for c in run.cells],
@@ -557,7 +732,7 @@ def _main(argv: list[str], paths: gemm_paths.PathLog) -> int:
         }
         args.json.write_text(json.dumps(payload, indent=2, default=str))
     if args.junit:
-        _write_junit(args.junit, run)
+        _write_junit(args.junit, session.backend.name, run.cells, run.elapsed, run.interrupted)
     return status
 
 

@@ -1,12 +1,14 @@
 """Run a campaign's cells in this process and one forked worker, reported in plan order. Cells
 that draw the same cases stay together (:func:`~..oracle.truth.memo` keeps their truth), P9's
 here, where its ``python -O`` subprocess started. A worker may draw other cases than one process
-would (hypothesis draws from loaded modules' constants); each reproduce line still replays."""
+would (hypothesis draws from loaded modules' constants); each reproduce line still replays.
+Ctrl-C stops the run here: the worker ignores SIGINT and is ended from this process."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -49,6 +51,9 @@ def _split(cells: Sequence[Any]) -> tuple[list[int], list[int]]:
 
 
 def _worker(run: Callable[[Any], Any], cells: Sequence[Any], indices: list[int], conn) -> None:
+    # A terminal's Ctrl-C reaches the whole process group: the main process ends this one and
+    # reports what is done; a KeyboardInterrupt here would only race it with its own message.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         for i in indices:
             with gemm_paths.recording() as log:
@@ -60,42 +65,75 @@ def _worker(run: Callable[[Any], Any], cells: Sequence[Any], indices: list[int],
         conn.close()
 
 
-def run_cells(
-    run: Callable[[Any], Any], cells: Sequence[Any], jobs: int = 1
-) -> Iterator[tuple[int, Any]]:
-    """``(index, run(cell))`` for every cell in plan order, shared with a forked worker when
-    ``jobs >= 2``; stopping the iteration early stops the worker."""
-    if jobs < 2 or len(cells) < 2:
-        for i, cell in enumerate(cells):
-            yield i, run(cell)
-        return
-    mine, theirs = _split(cells)
-    ctx = multiprocessing.get_context("fork")
-    receive, send = ctx.Pipe(duplex=False)
-    worker = ctx.Process(target=_worker, args=(run, cells, theirs, send), daemon=True)
-    worker.start()
-    send.close()
-    done: dict[int, Any] = {}
-    pending = set(theirs)
-    try:
-        nxt = 0
-        for i in mine:
-            done[i] = run(cells[i])
-            while pending and receive.poll():
-                _receive(receive, done, pending)
-            while nxt in done:
+class CellResults:
+    """``(index, run(cell))`` for every cell in plan order, as :func:`run_cells` yields them.
+    ``unreported``: index -> result of the cells finished but not yielded (the worker's wait for
+    the cells before them); once the iteration stopped early, all of those, the worker's last
+    results read from its pipe."""
+
+    def __init__(self, run: Callable[[Any], Any], cells: Sequence[Any], jobs: int) -> None:
+        self.unreported: dict[int, Any] = {}
+        self._results = self._generate(run, cells, jobs)
+
+    def __iter__(self) -> CellResults:
+        return self
+
+    def __next__(self) -> tuple[int, Any]:
+        return next(self._results)
+
+    def close(self) -> None:
+        """Stop early: the worker is ended, what it finished kept in :attr:`unreported`."""
+        self._results.close()
+
+    def _generate(self, run, cells: Sequence[Any], jobs: int) -> Iterator[tuple[int, Any]]:
+        if jobs < 2 or len(cells) < 2:
+            for i, cell in enumerate(cells):
+                yield i, run(cell)
+            return
+        mine, theirs = _split(cells)
+        ctx = multiprocessing.get_context("fork")
+        receive, send = ctx.Pipe(duplex=False)
+        worker = ctx.Process(target=_worker, args=(run, cells, theirs, send), daemon=True)
+        worker.start()
+        send.close()
+        done, pending = self.unreported, set(theirs)
+        try:
+            nxt = 0
+            for i in mine:
+                done[i] = run(cells[i])
+                while pending and receive.poll():
+                    _receive(receive, done, pending)
+                while nxt in done:
+                    yield nxt, done.pop(nxt)
+                    nxt += 1
+            while nxt < len(cells):
+                while nxt not in done:
+                    _receive(receive, done, pending)
                 yield nxt, done.pop(nxt)
                 nxt += 1
-        while nxt < len(cells):
-            while nxt not in done:
-                _receive(receive, done, pending)
-            yield nxt, done.pop(nxt)
-            nxt += 1
-    finally:
-        if worker.is_alive():
-            worker.terminate()
-        worker.join()
-        receive.close()
+        finally:
+            if worker.is_alive():
+                worker.terminate()
+            worker.join()
+            _drain(receive, done, pending)
+            receive.close()
+
+
+def run_cells(run: Callable[[Any], Any], cells: Sequence[Any], jobs: int = 1) -> CellResults:
+    """``(index, run(cell))`` for every cell in plan order, shared with a forked worker when
+    ``jobs >= 2``. Stopping early (``close()``, an exception, Ctrl-C) ends the worker; the cells
+    finished but not yielded stay in :attr:`CellResults.unreported`."""
+    return CellResults(run, cells, jobs)
+
+
+def _drain(conn, done: dict[int, Any], pending: set[int]) -> None:
+    """Read the results an ended worker had sent; a message cut short (Ctrl-C during ``recv``,
+    the worker ended mid-send) stops the reading."""
+    try:
+        while pending and conn.poll():
+            _receive(conn, done, pending)
+    except Exception:  # a torn message: the results read before it are what is kept
+        pass
 
 
 def _receive(conn, done: dict[int, Any], pending: set[int]) -> None:
