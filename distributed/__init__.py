@@ -15,7 +15,9 @@ only the public module API of SPEC §2-§4 (reference, impl, or any conforming p
 * :func:`allreduce_sequence_parallel_grads` — sum the sequence-parallel gradients over the
   tensor-parallel group once per step (``GradientReducer(..., tp_group=...)`` does it itself),
   see :mod:`.tensor_parallel`;
-* :func:`run_ranks` — spawn local ranks that fail instead of hanging, see :mod:`.launch`.
+* :func:`run_ranks` — spawn local ranks that fail instead of hanging, see :mod:`.launch`;
+* :func:`assert_drained` — raise, naming each module and its count, if any ``backward_dw()`` of
+  a step is still owed (``pending_wgrad_count`` of every module), see :mod:`.modules`.
 
 torch's ``DistributedDataParallel`` cannot see gradients written by ``backward_dw()`` or into
 ``main_grad``: such modules raise inside DDP's forward and point here.
@@ -24,7 +26,7 @@ torch's ``DistributedDataParallel`` cannot see gradients written by ``backward_d
 from .data_parallel import GradientReducer, reducer_of
 from .expert_parallel import ExpertParallelMoE, all_to_all
 from .launch import RankFailure, run_ranks
-from .modules import SplitModule, is_split_module, split_modules
+from .modules import SplitModule, assert_drained, is_split_module, split_modules
 from .pipeline import DWBuilder, WStepRunner, dw_builder, in_shape_inference
 from .tensor_parallel import (
     SequenceParallelParam,
@@ -47,6 +49,7 @@ __all__ = [
     "SplitModule",
     "split_modules",
     "is_split_module",
+    "assert_drained",
     "use_weight_grad_store",
     "WeightGradStoreHandle",
     "StoreEntry",

@@ -16,7 +16,7 @@ import re
 
 import torch
 
-__all__ = ["SplitModule", "split_modules", "is_split_module", "gradient_tensor"]
+__all__ = ["SplitModule", "split_modules", "is_split_module", "gradient_tensor", "assert_drained"]
 
 _API = (
     "backward_dw",
@@ -64,6 +64,24 @@ def split_modules(root: torch.nn.Module) -> list[SplitModule]:
         )
         found.append(SplitModule(name, module, params))
     return found
+
+
+def assert_drained(model: torch.nn.Module) -> None:
+    """Raise ``RuntimeError`` if a module inside ``model`` (``model`` included) still has queued
+    weight-gradient entries: every module with an int ``pending_wgrad_count`` above 0 (any
+    conforming package), named by its name in ``model`` with its kind and count. Call it where
+    every ``backward_dw()`` of a step should have run, e.g. before ``optimizer.step()``."""
+    owing = []
+    for name, module in model.named_modules():
+        count = getattr(module, "pending_wgrad_count", None)
+        if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+            owing.append(f"{name or '<model>'} ({type(module).__name__}): {count}")
+    if owing:
+        raise RuntimeError(
+            f"assert_drained({type(model).__name__}): weight-gradient entries are still pending "
+            f"(module: pending_wgrad_count): {', '.join(owing)}; run backward_dw() once per "
+            "pending entry"
+        )
 
 
 def gradient_tensor(param: torch.nn.Parameter, uses_main_grad: bool) -> torch.Tensor | None:

@@ -10,7 +10,9 @@ same closure either way, so delayed and non-delayed execute the same instruction
 gradients are bitwise identical on any device (tied weights included: autograd never sums two
 uses). Hooks fire after each entry's gradients are written: in :meth:`backward_dw` under delay,
 at the end of the module's backward otherwise (GEMM gradients never reach autograd's
-AccumulateGrad, so these hooks are the only signal a data-parallel wrapper gets).
+AccumulateGrad, so these hooks are the only signal a data-parallel wrapper gets). The queue tells
+the optimizer guard (:mod:`splitgrad.reference.pending`) when it becomes non-empty and empty
+again, so an optimizer step over a parameter an entry will still write raises.
 
 Per-call cost (``splitgrad bench``, small-shape rows): a Function's backward learns where each
 parameter's gradient goes from its own autograd edges (``ctx.next_functions``, one engine query
@@ -27,6 +29,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from splitgrad.reference import accumulate as acc
+from splitgrad.reference import pending
 from splitgrad.reference._torch_private import functorch_active, has_hooks
 from splitgrad.reference.contract import (
     ACCUMULATE,
@@ -395,6 +398,11 @@ class SplitBackwardModule(ModuleContract):
         """How many weight-gradient entries wait for :meth:`backward_dw`."""
         return len(self._wgrad_store)
 
+    def _pending_writes(self) -> list[tuple[tuple[str, torch.Tensor], ...]]:
+        """For each queued entry, oldest first, the ``(name, leaf)`` pairs it will write (read by
+        the optimizer guard, :mod:`splitgrad.reference.pending`)."""
+        return [entry.params for entry in self._wgrad_store]
+
     def backward_dw(self, stream: torch.cuda.Stream | None = None) -> None:
         """Run the oldest queued weight-gradient entry (FIFO), then the hooks.
 
@@ -425,6 +433,8 @@ class SplitBackwardModule(ModuleContract):
                 written = self._execute(entry.closure, entry.saved, entry.params)
         # The gradients are written: the entry is consumed whatever the hooks below do.
         self._wgrad_store.pop_and_release()
+        if not len(self._wgrad_store):
+            pending.drained(self)
         del entry
         for leaf in written:
             acc.run_post_accumulate_hooks(leaf)
@@ -445,7 +455,10 @@ class SplitBackwardModule(ModuleContract):
         if self.delay_wgrad_compute:
             if own_copies:
                 saved = tuple(None if t is None else t.clone() for t in saved)
-            self._wgrad_store.push(WgradEntry(closure, saved, written))
+            store = self._wgrad_store
+            if not len(store):
+                pending.queued(self)
+            store.push(WgradEntry(closure, saved, written))
             return
         self._execute(closure, saved, written, hooked)
         if self._wgrad_hooks:

@@ -22,8 +22,9 @@ class WgradEntry:
     """One unit of weight-gradient work.
 
     ``closure(*saved)`` validates ``main_grad`` first (raising before anything is written), then
-    runs the wgrad GEMMs and writes their results by SPEC §3. ``params`` are the parameters it
-    writes (used for CUDA stream bookkeeping).
+    runs the wgrad GEMMs and writes their results by SPEC §3. ``params`` are the ``(name, leaf)``
+    pairs it writes (read for CUDA stream bookkeeping and by the optimizer guard,
+    :mod:`splitgrad.reference.pending`).
     """
 
     __slots__ = ("closure", "saved", "params")
@@ -32,7 +33,7 @@ class WgradEntry:
         self,
         closure: Callable[..., None],
         saved: tuple[torch.Tensor, ...],
-        params: tuple[torch.nn.Parameter, ...],
+        params: tuple[tuple[str, torch.Tensor], ...],
     ) -> None:
         self.closure = closure
         self.saved = saved

@@ -8,7 +8,8 @@ shared with ``splitgrad.impl``), :mod:`.functional` (formulas and rounding point
 :mod:`.layernorm_linear`, :mod:`.layernorm_mlp`, :mod:`.grouped_linear`, and :mod:`.fp8`
 (recipes). Tensor and sequence parallelism (SPEC §9): :mod:`.parallel` (the options, shapes and
 attributes, shared with ``splitgrad.impl``) and :mod:`.collectives` (the reference's own
-collectives, written plainly).
+collectives, written plainly). :mod:`.pending` is the optimizer guard: an optimizer step over a
+parameter that a queued entry of either package will still write raises.
 """
 
 from . import fp8

@@ -39,6 +39,10 @@ Split backward (§4, ``delay_wgrad_compute=True``)
     modes execute the same instructions, so their gradients are bitwise identical.
   * ``backward_dw()`` with an empty queue raises ``RuntimeError``; on a module built without
     delay it does nothing.
+  * An optimizer step over a parameter that a queued entry will still write raises
+    ``RuntimeError`` naming the module, the parameter and the count, and changes nothing (the
+    optimizer guard, :mod:`.pending`; the module tells it when its queue becomes non-empty and
+    empty again).
   * Computing an entry's gradients includes running the leaves' tensor hooks on them. If that
     raises, nothing is written and the entry stays at the head of the queue. If a
     post-accumulate hook or a module hook raises, the gradients are written, the entry is
@@ -79,6 +83,7 @@ import torch
 
 from . import accumulate as acc
 from . import functional as F
+from . import pending
 from .collectives import operand
 from .contract import (
     ACCUMULATE,
@@ -134,11 +139,13 @@ class WgradEntry:
 
     ``wgrad_closure()`` computes and returns the :class:`GradWrite` list without writing anything;
     ``overwrite_main_grad`` is the ``is_first_microbatch`` flag of that micro-batch's forward
-    under fused accumulation.
+    under fused accumulation; ``targets``: the :class:`Target` of every gradient it writes (what
+    the optimizer guard reads, :mod:`.pending`).
     """
 
     wgrad_closure: Callable[[], list[GradWrite]]
     overwrite_main_grad: bool
+    targets: tuple[Target, ...] = ()
 
 
 def detached(tensors) -> list[torch.Tensor | None]:
@@ -178,15 +185,24 @@ class SplitBackwardModule(ModuleContract):
         entry = self._wgrad_queue[0]
         writes = self._compute(entry)  # raises -> entry stays at the head, nothing written
         self._wgrad_queue.popleft()
+        if not self._wgrad_queue:
+            pending.drained(self)
         del entry
         self._write(writes)
         self._run_post_accumulate_hooks(writes)
         del writes
         self._run_hooks()
 
+    def _pending_writes(self) -> list[tuple[tuple[str, torch.Tensor], ...]]:
+        """For each queued entry, oldest first, the ``(name, leaf)`` pairs it will write (read by
+        the optimizer guard, :mod:`.pending`)."""
+        return [tuple((t.name, t.leaf) for t in entry.targets) for entry in self._wgrad_queue]
+
     def _submit_wgrad(self, entry: WgradEntry) -> None:
         """Called from the autograd backward: queue the entry, or run it now."""
         if self.delay_wgrad_compute:
+            if not self._wgrad_queue:
+                pending.queued(self)
             self._wgrad_queue.append(entry)
             return
         writes = self._compute(entry)
@@ -280,7 +296,7 @@ class SplitBackwardModule(ModuleContract):
                     writes.append(self._bias_write(to_b, bias_dy[0] if bias_dy else dy))
             return writes
 
-        self._submit_wgrad(WgradEntry(wgrad_closure, overwrite))
+        self._submit_wgrad(WgradEntry(wgrad_closure, overwrite, (*weights, *biases)))
 
     def _weight_write(
         self,

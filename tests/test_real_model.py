@@ -40,11 +40,19 @@ def test_bf16_model_converted_after_the_move_is_close():
 
 
 def test_the_budget_catches_a_dropped_weight_gradient(monkeypatch):
-    """With one layer's ``backward_dw()`` never run, its gradient is missing: named."""
+    """With one layer's ``backward_dw()`` never run, the optimizer guard refuses the step, naming
+    the layer and its weight; with the guard off (this test steps with the entry queued on
+    purpose), the budget finds its gradient missing: named."""
+    from splitgrad.reference.pending import optimizer_guard
+
     real = llama_convert.delayed_modules
     monkeypatch.setattr(llama_convert, "delayed_modules", lambda model: real(model)[1:])
-    with pytest.raises(AssertionError, match=r"step 0 model\.layers\.0\.self_attn\.q_proj\."):
+    refused = r"splitgrad\.impl\.Linear \(pending_wgrad_count=1\): weight \(1 pending entry\)"
+    with pytest.raises(RuntimeError, match=refused):
         llama_convert.run("bf16-first", steps=1)
+    with optimizer_guard(False):
+        with pytest.raises(AssertionError, match=r"step 0 model\.layers\.0\.self_attn\.q_proj\."):
+            llama_convert.run("bf16-first", steps=1)
 
 
 def test_the_budget_catches_a_gradient_five_percent_off(monkeypatch):
