@@ -682,6 +682,17 @@ TP_MUTANTS = (
     ),
 )
 
+# Issue 32's classes, one tuple per class (each filled by the change that adds its checks).
+#: P18 hook semantics (chained tensor hooks, a kept tensor, post-accumulate before reduce hooks)
+#: and differentiated backwards that defer nothing.
+HOOK_MUTANTS: tuple[Mutant, ...] = ()
+#: Every hook kind raising at every position (P10 misuse).
+RAISING_HOOK_MUTANTS: tuple[Mutant, ...] = ()
+#: Shared contract code (construction, reset_parameters, conversion): absolute checks.
+CONTRACT_MUTANTS: tuple[Mutant, ...] = ()
+#: CUDA branches whose values fake tensors cannot see (MXFP8 swizzle, LayerNorm gamma branch).
+CUDA_BRANCH_MUTANTS: tuple[Mutant, ...] = ()
+
 ALL_MUTANTS = (
     MUTANTS
     + FP8_MUTANTS
@@ -691,6 +702,10 @@ ALL_MUTANTS = (
     + P18_MUTANTS
     + PROTOCOL_MUTANTS
     + TP_MUTANTS
+    + HOOK_MUTANTS
+    + RAISING_HOOK_MUTANTS
+    + CONTRACT_MUTANTS
+    + CUDA_BRANCH_MUTANTS
 )
 
 
