@@ -688,8 +688,72 @@ TP_MUTANTS = (
 HOOK_MUTANTS: tuple[Mutant, ...] = ()
 #: Every hook kind raising at every position (P10 misuse).
 RAISING_HOOK_MUTANTS: tuple[Mutant, ...] = ()
-#: Shared contract code (construction, reset_parameters, conversion): absolute checks.
-CONTRACT_MUTANTS: tuple[Mutant, ...] = ()
+#: Shared contract code (construction, reset_parameters, conversion): absolute checks. The code
+#: is the reference's and impl imports it, so each edits a copy of the reference, which verify
+#: runs as the backend (``path:``; its modules import the copy's contract). P18's
+#: module.initial_values and module.zero_centered_gamma catch the construction ones; what
+#: convert_linears does is checked by tests/test_convert.py, which plants the conversion one.
+_FILL_GAMMA = "                gamma.fill_(0.0 if self.zero_centered_gamma else 1.0)\n"
+_DRAW = "                torch.nn.init.normal_(self._own_parameter(name), std=0.023)\n"
+CONTRACT_MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "zero-centred-gamma-reset-to-one",
+        "reset_parameters() fills layer_norm_weight with ones whatever zero_centered_gamma says: "
+        "a zero-centred module (gamma stored as gamma - 1) scales its normalized input by 2",
+        (("contract.py", _FILL_GAMMA, "                gamma.fill_(1.0)\n"),),
+        "reference",
+    ),
+    Mutant(
+        "bias-reset-drawn",
+        "reset_parameters() draws the GEMM biases like the weights instead of zeroing them",
+        (
+            (
+                "contract.py",
+                "            for name in self._gemm_bias_names:\n"
+                "                self._own_parameter(name).zero_()\n",
+                "            for name in self._gemm_bias_names:\n" + _DRAW,
+            ),
+        ),
+        "reference",
+    ),
+    Mutant(
+        "init-std-not-te",
+        "GEMM weights drawn with std 0.02 (a common default) instead of TransformerEngine's "
+        "documented 0.023",
+        (("contract.py", _DRAW, _DRAW.replace("0.023", "0.02")),),
+        "reference",
+    ),
+    Mutant(
+        "skip-hook-on-every-parameter",
+        "after a conversion (to_empty from meta, a device move) every parameter of a delayed "
+        "module is marked skip_backward_post_hook, the norm parameters too, whose gradients are "
+        "not deferred: a DDP wrapper would never reduce them",
+        (
+            (
+                "contract.py",
+                "            for name in self._gemm_weight_names + self._gemm_bias_names:\n"
+                "                self._own_parameter(name).skip_backward_post_hook = True\n",
+                "            for param in self.parameters(recurse=False):\n"
+                "                param.skip_backward_post_hook = True\n",
+            ),
+        ),
+        "reference",
+    ),
+    Mutant(
+        "convert-builds-on-the-device",
+        "convert_linears builds each new Linear on the layer's device, allocating and drawing a "
+        "throw-away weight before it takes the layer's parameters: the global RNG moves, so a "
+        "seeded run changes because of the conversion",
+        (
+            (
+                "convert.py",
+                '            device="meta",\n',
+                "            device=layer.weight.device,\n",
+            ),
+        ),
+        "reference",
+    ),
+)
 #: CUDA branches whose values fake tensors cannot see (MXFP8 swizzle, LayerNorm gamma branch).
 CUDA_BRANCH_MUTANTS: tuple[Mutant, ...] = ()
 
@@ -759,6 +823,9 @@ def run_mutant(mutant: Mutant, profile: str, full: bool, workdir: Path) -> Mutan
     if mutant in FP8_MUTANTS:
         # FP8 cells only: every recipe family, the properties an FP8 mutant can break.
         cmd += ["--recipe", "all", "--property", "P1,P2,P3,P4,P5,P6,P12,P13"]
+    if mutant in CONTRACT_MUTANTS:
+        # Values loaded into every case hide initial values from all but P18's module protocol.
+        cmd += ["--property", "P18"]
     if not full:
         cmd.append("--fail-fast")
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, timeout=1800)

@@ -285,6 +285,15 @@ TENSOR_PARALLEL_FLOAT64 = ErrorBudget(
 )
 
 
+# ---- initial values (P18 module.initial_values) ----------------------------------------------
+# A GEMM weight's initial values are judged as a sample of N(0, std²) by statistical tests (its
+# mean, its mean square, its largest magnitude); each test raises a false alarm on a correct
+# module with at most this probability, for any seed.
+INIT_FALSE_ALARM = 1e-9
+# The mean-square test (a chi-square statistic under the Wilson-Hilferty normal approximation,
+# whose tails are close enough only for a sample this large) runs on samples of this size up.
+INIT_MEAN_SQUARE_MIN_SAMPLES = 100
+
 # ---- tier 3: finite differences in float64 (torch.autograd.gradcheck's defaults) -------------
 GRADCHECK_EPS = 1e-6
 GRADCHECK_ATOL = 1e-5

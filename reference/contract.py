@@ -22,7 +22,8 @@ Parameters, in registration order (so ``named_parameters()`` and state dicts mat
 
 * ``layer_norm_weight`` (features; ones, or zeros when ``zero_centered_gamma`` stores
   ``gamma - 1``) and ``layer_norm_bias`` (zeros; LayerNorm only, ``None`` for RMSNorm);
-* GEMM weights ``(out_features, in_features)`` drawn from N(0, 0.02²) — ``weight``,
+* GEMM weights ``(out_features, in_features)`` drawn from N(0, 0.023²) (TransformerEngine's
+  documented default ``init_method``) — ``weight``,
   ``fc1_weight`` / ``fc2_weight``, ``weight0`` … ``weight{n-1}`` — each followed by, or (for
   ``GroupedLinear``) after all weights, its zero bias (``None`` with ``bias=False``).
   ``LayerNormMLP``'s ``fc1_weight`` is ``(2 * ffn, hidden)`` for the gated activations.
@@ -475,7 +476,7 @@ class ModuleContract(torch.nn.Module):
 
     def reset_parameters(self) -> None:
         """Give every parameter its initial value, as the constructor does (it calls this): the
-        GEMM weights drawn from N(0, 0.02²) in registration order, GEMM biases and
+        GEMM weights drawn from N(0, 0.023²) in registration order, GEMM biases and
         ``layer_norm_bias`` zero, ``layer_norm_weight`` one (zero when ``zero_centered_gamma``
         stores ``gamma - 1``); FP8 scaling state starts afresh. Under the same seed, a module
         built on the meta device, materialized with ``to_empty(device=...)`` and reset is
@@ -490,7 +491,7 @@ class ModuleContract(torch.nn.Module):
             )
         with torch.no_grad():
             for name in self._gemm_weight_names:
-                torch.nn.init.normal_(self._own_parameter(name), std=0.02)
+                torch.nn.init.normal_(self._own_parameter(name), std=0.023)
             for name in self._gemm_bias_names:
                 self._own_parameter(name).zero_()
             if hasattr(self, "normalization"):

@@ -64,7 +64,7 @@ class reset_ignores_queue:
 
         def reset_parameters(self) -> None:
             with torch.no_grad():
-                torch.nn.init.normal_(self.weight, std=0.02)
+                torch.nn.init.normal_(self.weight, std=0.023)
                 if self.bias is not None:
                     self.bias.zero_()
             self.fp8_states.clear()
@@ -136,6 +136,35 @@ class to_empty_drops_delay:
             return out
 
 
+class reset_like_torch_linear:
+    class Linear(impl.Linear):
+        """``reset_parameters()`` is ``torch.nn.Linear``'s (a base class of the module):
+        Kaiming-uniform weights and uniform biases instead of TransformerEngine's values."""
+
+        def reset_parameters(self) -> None:
+            torch.nn.Linear.reset_parameters(self)
+            self.fp8_states.clear()
+
+
+class reset_replaces_parameters:
+    class Linear(impl.Linear):
+        """``reset_parameters()`` registers new ``Parameter`` objects: an optimizer built
+        before it steps the old ones."""
+
+        def reset_parameters(self) -> None:
+            if "weight" in self._parameters:
+                self.weight = torch.nn.Parameter(torch.empty_like(self.weight))
+            super().reset_parameters()
+
+
+class zero_centered_gamma_ignored:
+    class LayerNormLinear(impl.LayerNormLinear):
+        """Takes ``zero_centered_gamma`` and forgets it: gamma is stored as is (one)."""
+
+        def __init__(self, *args, zero_centered_gamma=False, **kw):
+            super().__init__(*args, **kw)
+
+
 BUGS = (
     "dtype_ignored",
     "explicit_device_loses",
@@ -149,6 +178,9 @@ BUGS = (
     "deepcopy_shares",
     "copy_loses_fp8_state",
     "to_empty_drops_delay",
+    "reset_like_torch_linear",
+    "reset_replaces_parameters",
+    "zero_centered_gamma_ignored",
 )
 
 

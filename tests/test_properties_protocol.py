@@ -5,6 +5,7 @@ kinds are n/a on torch-split, said once, never run there."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from splitgrad.properties.backends import (
 )
 from splitgrad.properties.cases.strategies import KINDS, Case, MicroBatch, ModuleConfig
 from splitgrad.properties.checks.paths import ForcedPathBackend
-from splitgrad.properties.checks.protocol import PROTOCOL_VARIANTS
+from splitgrad.properties.checks.protocol import NORM_ONLY_VARIANTS, PROTOCOL_VARIANTS
 from splitgrad.properties.checks.registry import MODULE_PROTOCOL, explicit_cases
 from splitgrad.properties.front.campaign import PASS, run_case, run_cell
 from splitgrad.properties.front.verify import main as verify
@@ -133,10 +134,16 @@ def test_the_global_rng_is_left_alone() -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kind_runs_on_every_boundary_case_with_both_delays(kind: str) -> None:
     cases = _protocol_cases(kind, "float32")
-    assert [c.variant for c in cases[::4]] == list(PROTOCOL_VARIANTS)
-    for variant in PROTOCOL_VARIANTS:
+    norm = kind in ("LayerNormLinear", "LayerNormMLP")
+    applying = [v for v in PROTOCOL_VARIANTS if norm or v not in NORM_ONLY_VARIANTS]
+    assert [c.variant for c in cases[::4]] == applying
+    for variant in applying:
         mine = [c for c in cases if c.variant == variant]
         assert len(mine) == 4
+        if norm and variant in ("module.initial_values", *NORM_ONLY_VARIANTS):
+            assert {c.config.normalization for c in mine} == {"LayerNorm", "RMSNorm"}
+            centred = {c.config.zero_centered_gamma for c in mine}
+            assert centred == ({True} if variant in NORM_ONLY_VARIANTS else {True, False})
         assert {c.config.fuse_wgrad_accumulation for c in mine} == {True, False}
         assert {c.config.bias for c in mine} == {True, False}
         delays = {c.delay for c in mine}
@@ -180,6 +187,87 @@ def test_a_view_for_a_two_dimensional_input_is_caught(tmp_path: Path) -> None:
         "view of a tensor of shape (3, 5)",
     )
     run_case(backend, "P18", _case("module.output_not_view", "LayerNormLinear"))
+
+
+def _centred(case: Case, normalization: str = "LayerNorm") -> Case:
+    """``case`` with ``zero_centered_gamma=True`` and ``normalization``."""
+    config = dataclasses.replace(case.config, zero_centered_gamma=True, normalization=normalization)
+    return dataclasses.replace(case, config=config)
+
+
+def _contract_mutant(tmp_path: Path, name: str) -> Backend:
+    """The copy of the reference with ``ci/mutants.py``'s contract mutant ``name``; verify runs
+    such a copy as the backend, whose modules import the copy's contract."""
+    mutants = ci_mutants()
+    mutant = next(m for m in mutants.CONTRACT_MUTANTS if m.name == name)
+    assert mutant.package == "reference"
+    dest = tmp_path / name.replace("-", "_")
+    assert mutants.apply(mutant, dest) is None
+    return get_backend(f"path:{dest}")
+
+
+@pytest.mark.parametrize("kind", ["LayerNormLinear", "LayerNormMLP"])
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_a_zero_centred_gamma_reset_to_one_is_caught(
+    tmp_path: Path, kind: str, normalization: str
+) -> None:
+    backend = _contract_mutant(tmp_path, "zero-centred-gamma-reset-to-one")
+    for delay in (True, False):
+        _fails(
+            backend,
+            _centred(_case("module.zero_centered_gamma", kind, delay=delay), normalization),
+            "built with zero_centered_gamma=True vs the module without it given "
+            f"torch.nn.{normalization}'s initial parameters",
+            "output[micro-batch 0]: not bitwise identical",
+        )
+        _fails(
+            backend,
+            _centred(_case("module.initial_values", kind, delay=delay), normalization),
+            "built: layer_norm_weight (all 0): not bitwise identical",
+        )
+    run_case(backend, "P18", _case("module.initial_values", kind))  # gamma stored as is: right
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_bias_drawn_at_reset_is_caught(tmp_path: Path, kind: str) -> None:
+    backend = _contract_mutant(tmp_path, "bias-reset-drawn")
+    name = {"LayerNormMLP": "fc1_bias", "GroupedLinear": "bias0"}.get(kind, "bias")
+    _fails(backend, _case("module.initial_values", kind), f"built: {name} (all 0): not bitwise")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_weight_std_other_than_te_is_caught(tmp_path: Path, kind: str) -> None:
+    backend = _contract_mutant(tmp_path, "init-std-not-te")
+    _fails(
+        backend,
+        _case("module.initial_values", kind),
+        "(128, 128) built: ",
+        "initial values as a sample of N(0, 0.023²) (false-alarm rate 1e-09): root mean square",
+    )
+
+
+def test_skip_hook_on_a_norm_parameter_is_caught(tmp_path: Path) -> None:
+    backend = _contract_mutant(tmp_path, "skip-hook-on-every-parameter")
+    _fails(
+        backend,
+        _case("module.initial_values", "LayerNormLinear"),
+        "built on meta, to_empty(), reset_parameters(): layer_norm_bias.skip_backward_post_hook "
+        "is True",
+    )
+    run_case(backend, "P18", _case("module.initial_values", "LayerNormLinear", delay=False))
+
+
+def test_every_contract_mutant_but_the_conversion_is_for_p18(tmp_path: Path) -> None:
+    """The conversion mutant is planted by tests/test_convert.py (verify builds no torch.nn
+    model to convert); every other one is caught above."""
+    names = [m.name for m in ci_mutants().CONTRACT_MUTANTS]
+    assert names == [
+        "zero-centred-gamma-reset-to-one",
+        "bias-reset-drawn",
+        "init-std-not-te",
+        "skip-hook-on-every-parameter",
+        "convert-builds-on-the-device",
+    ]
 
 
 # ---- the toy packages of tests/outside_protocol.py ----------------------------------------------
@@ -268,6 +356,25 @@ _OUTSIDE_BUGS = [
         (f"to_empty() and given its state_dict, vs it: {_COPY_PENDING}",),
         None,
     ),
+    # (g) initial values, against TransformerEngine's documented ones
+    (
+        "reset_like_torch_linear",
+        _case("module.initial_values"),
+        ("Linear(6, 5) built: bias (all 0): not bitwise identical",),
+        None,
+    ),
+    (
+        "reset_replaces_parameters",
+        _case("module.initial_values"),
+        ("reset_parameters() #1 under the seed it was built with: options and parameter",),
+        None,
+    ),
+    (
+        "zero_centered_gamma_ignored",
+        _centred(_case("module.initial_values", "LayerNormLinear"), "RMSNorm"),
+        ("LayerNormLinear(6, 5) built: layer_norm_weight (all 0): not bitwise identical",),
+        _case("module.initial_values", "LayerNormLinear"),
+    ),
 ]
 
 
@@ -341,7 +448,7 @@ def test_a_cell_leaves_them_out_where_they_do_not_apply() -> None:
     full = run_cell(get_backend("impl"), "P18", "Linear", "float32", examples=1)
     cell = run_cell(Adapter("adapter", "splitgrad.impl"), "P18", "Linear", "float32", examples=1)
     assert cell.status == PASS and full.status == PASS
-    assert full.examples - cell.examples == len(_protocol_cases("Linear", "float32")) == 36
+    assert full.examples - cell.examples == len(_protocol_cases("Linear", "float32")) == 40
 
 
 def test_transformer_engine_declares_what_its_source_shows(tmp_path: Path) -> None:

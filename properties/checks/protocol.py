@@ -11,6 +11,7 @@ import contextlib
 import copy
 import dataclasses
 import io
+import math
 import pickle
 import re
 from collections.abc import Callable, Iterator
@@ -18,9 +19,19 @@ from typing import Any
 
 import torch
 
+from .. import budgets as B
 from ..backends import Backend
 from ..cases.case import Case
-from ..cases.data import MicroBatchData, make_micro_batches, make_state, param_specs, with_layout
+from ..cases.data import (
+    GEMM_BIAS,
+    GEMM_WEIGHT,
+    MicroBatchData,
+    make_micro_batches,
+    make_state,
+    param_specs,
+    role_of,
+    with_layout,
+)
 from .misuse import _expect_raises, _state_snapshot
 from .results import CheckResult, PropertyViolation, Tracker
 from .runner import ModuleRun, Snapshot, clone_of
@@ -256,6 +267,198 @@ def _check_reset_queued(backend: Backend, case: Case) -> CheckResult:
     return t.result
 
 
+# ---- initial values: absolute, against TransformerEngine's documented ones ----------------------
+#: The standard deviation of TransformerEngine's default weight initialisation: its API docs
+#: (``Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``GroupedLinear``) say ``init_method`` (and
+#: ``LayerNormMLP``'s ``output_layer_init_method``) default to ``normal_(mean=0.0, std=0.023)``.
+TE_WEIGHT_STD = 0.023
+#: The feature sizes of the module whose weights are tested as a sample (tens of thousands of
+#: values: a wrong standard deviation by a tenth is many standard errors off).
+STATISTICAL_FEATURES = 128
+
+
+def _initial(config: Any, name: str) -> float | None:
+    """The value every element of parameter ``name`` starts with (``None``: a drawn weight):
+    zero biases and ``layer_norm_bias``, ``layer_norm_weight`` one, zero when it stores
+    ``gamma - 1`` (TransformerEngine's ``zero_centered_gamma``)."""
+    if name == "layer_norm_weight":
+        return 0.0 if config.zero_centered_gamma else 1.0
+    return None if role_of(name) == GEMM_WEIGHT else 0.0
+
+
+def _two_sided(alpha: float) -> float:
+    """The standard normal's ``z`` with ``P(|N| > z) = alpha``."""
+    return -float(torch.special.ndtri(torch.tensor(alpha / 2, dtype=torch.float64)))
+
+
+def _normal_sample(t: Tracker, label: str, w: torch.Tensor, std: float) -> None:
+    """``w``'s values as a sample of N(0, std²): its mean, its mean square and its largest
+    magnitude, each at the false-alarm rate :data:`~.budgets.INIT_FALSE_ALARM`."""
+    x = w.detach().double().flatten().cpu()
+    n = x.numel()
+    if n == 0:
+        return
+    alpha = B.INIT_FALSE_ALARM
+    shown = f"{label}: {n} initial values as a sample of N(0, {std}²) (false-alarm rate {alpha})"
+    t.expect(bool(torch.isfinite(x).all()), f"{shown}: not all finite")
+    z_crit = _two_sided(alpha)
+    z_mean = float(x.sum()) / (std * math.sqrt(n))
+    worst = abs(z_mean) / z_crit
+    t.expect(
+        abs(z_mean) <= z_crit,
+        f"{shown}: mean {float(x.mean()):.4g} is {z_mean:.3g} standard errors from 0 "
+        f"(at most {z_crit:.3g})",
+    )
+    if n >= B.INIT_MEAN_SQUARE_MIN_SAMPLES:
+        # sum(x²)/std² is chi-square with n degrees of freedom; its cube root of the mean is
+        # close to N(1 - v, v), v = 2 / (9 n) (Wilson-Hilferty).
+        ratio = float((x * x).mean()) / std**2
+        v = 2.0 / (9.0 * n)
+        z_ms = (ratio ** (1.0 / 3.0) - (1.0 - v)) / math.sqrt(v)
+        t.expect(
+            abs(z_ms) <= z_crit,
+            f"{shown}: root mean square {math.sqrt(ratio) * std:.4g}, {z_ms:.3g} standard "
+            f"errors from {std} (at most {z_crit:.3g})",
+        )
+        worst = max(worst, abs(z_ms) / z_crit)
+    # P(max|x| > c) <= n P(|N(0, std²)| > c); one rounding step of the dtype on top.
+    bound = std * _two_sided(alpha / n) * (1.0 + torch.finfo(w.dtype).eps)
+    largest = float(x.abs().max())
+    t.expect(largest <= bound, f"{shown}: largest magnitude {largest:.4g} > {bound:.4g}")
+    t._note(max(worst, largest / bound))  # a statistical comparison: worst statistic / limit
+
+
+def _initialized(backend: Backend, case: Case, config: Any, what: str) -> Iterator[tuple]:
+    """``(how, module)``: modules of ``config`` given their initial values three ways, under the
+    case's seed: built; given other values, then ``reset_parameters()``; built on meta,
+    ``to_empty()``, ``reset_parameters()``."""
+    with _seeded(case):
+        built = backend.build(config, delay=case.delay)
+    yield "built", built
+    with _seeded(case):
+        used = backend.build(config, delay=case.delay)
+    backend.load_state(used, make_state(config, case.seed))
+    with _seeded(case):
+        _reset(backend, used, what)
+    yield "given other values, then reset_parameters()", used
+    with torch.device("meta"):
+        lazy = backend.build_with_torch_defaults(config, delay=case.delay, omit=("device",))
+    backend.to_empty(lazy, device=config.device)
+    with _seeded(case):
+        _reset(backend, lazy, what)
+    yield "built on meta, to_empty(), reset_parameters()", lazy
+
+
+_PLAIN = (bool, int, float, str, torch.dtype, torch.device, type(None))
+
+
+def _settings(backend: Backend, module: Any) -> dict[str, Any]:
+    """What a reset must not change: the module's public plain attributes (its options), and
+    each parameter's object, ``requires_grad`` and plain attributes (an optimizer holds the
+    objects; ``skip_backward_post_hook`` and the TP marks are attributes)."""
+    m = backend.torch_module(module)
+    out: dict[str, Any] = {
+        k: v for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, _PLAIN)
+    }
+    for name, p in backend.parameters(module).items():
+        marks = {k: v for k, v in vars(p).items() if isinstance(v, _PLAIN)}
+        out[f"parameter {name}"] = (id(p), p.requires_grad, marks)
+    return out
+
+
+def _initial_values(t: Tracker, label: str, backend: Backend, module: Any, case: Case) -> None:
+    """Every parameter's initial value, and which carry ``skip_backward_post_hook`` (SPEC §4:
+    exactly the deferred ones, the GEMM parameters under delay)."""
+    params = backend.parameters(module)
+    config = case.config
+    for name in sorted(params):
+        p = params[name]
+        value = _initial(config, name)
+        if value is None:
+            _normal_sample(t, f"{label}{name}", p, TE_WEIGHT_STD)
+        else:
+            t.bitwise(f"{label}{name} (all {value:g})", p.detach(), torch.full_like(p, value))
+        deferred = case.delay and role_of(name) in (GEMM_WEIGHT, GEMM_BIAS)
+        flag = getattr(p, "skip_backward_post_hook", False)
+        t.expect(
+            flag is True if deferred else not flag,
+            f"{label}{name}.skip_backward_post_hook is {flag!r} "
+            f"(SPEC §4: True exactly on the deferred parameters; "
+            f"{'deferred' if deferred else 'not deferred'}, delay {case.delay}, {config.kind})",
+        )
+
+
+@_kind(PROTOCOL_CHECKS, "module.initial_values")
+def _check_initial_values(backend: Backend, case: Case) -> CheckResult:
+    t, what = Tracker(), _what(case)
+    big = dataclasses.replace(
+        case.config, in_features=STATISTICAL_FEATURES, out_features=STATISTICAL_FEATURES
+    )
+    for config in (case.config, big):
+        sized = dataclasses.replace(case, config=config)
+        size = f"{config.kind}({config.in_features}, {config.out_features}) "
+        for how, module in _initialized(backend, sized, config, what):
+            _initial_values(t, f"{what}{size}{how}: ", backend, module, sized)
+    # Resets under one seed give the same bits and change no option or parameter attribute.
+    with _seeded(case):
+        module = backend.build(case.config, delay=case.delay)
+    first, settings = _values(backend, module), _settings(backend, module)
+    for i in (1, 2):
+        with _seeded(case):
+            _reset(backend, module, what)
+        label = f"{what}reset_parameters() #{i} under the seed it was built with: "
+        _same_parameters(t, label, backend, module, first)
+        t.equal(f"{label}options and parameter attributes", _settings(backend, module), settings)
+    return t.result
+
+
+# ---- zero-centred gamma: the module normalizes as with torch.nn's initial norm ------------------
+
+
+def _torch_norm_parameters(config: Any) -> dict[str, torch.Tensor]:
+    """The initial ``weight`` (and ``bias``) of torch.nn's own ``LayerNorm`` / ``RMSNorm`` of the
+    module's features, by the module's names."""
+    kw = {"device": config.device, "dtype": config.torch_dtype}
+    if config.normalization == "LayerNorm":
+        norm = torch.nn.LayerNorm(config.in_features, **kw)
+        return {"layer_norm_weight": norm.weight.detach(), "layer_norm_bias": norm.bias.detach()}
+    norm = torch.nn.RMSNorm(config.in_features, **kw)
+    return {"layer_norm_weight": norm.weight.detach()}
+
+
+@_kind(PROTOCOL_CHECKS, "module.zero_centered_gamma")
+def _check_zero_centered_gamma(backend: Backend, case: Case) -> CheckResult:
+    """A module built or reset with ``zero_centered_gamma=True`` computes what the same module
+    without it computes with torch.nn's initial norm parameters (gamma one, beta zero) and its
+    own GEMM parameters: bitwise (outputs, input and parameter gradients), since the two only
+    differ in how gamma is stored. On CUDA in a 16-bit dtype a kernel may take zero-centred
+    gamma on another path (impl widens the input), so the comparison runs in float64 there."""
+    t, what = Tracker(), _what(case)
+    config = case.config
+    if not config.has_norm:
+        raise ValueError(f"{what}{config.kind} has no norm, so no zero_centered_gamma")
+    if config.device != "cpu" and config.torch_dtype in (torch.bfloat16, torch.float16):
+        config = dataclasses.replace(config, dtype="float64", recipe=None, autocast=None)
+    centred = dataclasses.replace(config, zero_centered_gamma=True)
+    plain = dataclasses.replace(config, zero_centered_gamma=False)
+    zcase = dataclasses.replace(case, config=centred)
+    pcase = dataclasses.replace(case, config=plain)
+    data = make_micro_batches(zcase)
+    twin_norm = _torch_norm_parameters(config)
+    name = f"torch.nn.{config.normalization}"
+    for how, module in _initialized(backend, zcase, centred, what):
+        twin = backend.build(plain, delay=case.delay)
+        backend.load_state(twin, {**_values(backend, module), **twin_norm})
+        label = (
+            f"{what}{how} with zero_centered_gamma=True vs the module without it given "
+            f"{name}'s initial parameters (and the same GEMM parameters): "
+        )
+        _same_trace(
+            t, label, _trace(backend, zcase, module, data), _trace(backend, pcase, twin, data)
+        )
+    return t.result
+
+
 def _shown(text: str, name: str) -> list[str]:
     """The values ``name=...`` has in ``text`` (quotes kept)."""
     return re.findall(rf"(?<![\w.]){re.escape(name)}=([^,)\s]+)", text)
@@ -395,6 +598,9 @@ def _check_copy(backend: Backend, case: Case) -> CheckResult:
 
 #: The module-protocol kinds of P18 (``case.variant``), in the order every cell enumerates them.
 PROTOCOL_VARIANTS = tuple(PROTOCOL_CHECKS)
+#: The kinds that apply to the modules with a norm only (``LayerNormLinear``, ``LayerNormMLP``).
+NORM_ONLY_VARIANTS = ("module.zero_centered_gamma",)
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
 def protocol_explicit(base: list[Case]) -> list[Case]:
@@ -403,7 +609,17 @@ def protocol_explicit(base: list[Case]) -> list[Case]:
     out = []
     for variant in PROTOCOL_VARIANTS:
         for j, c in enumerate(base):
+            if variant in NORM_ONLY_VARIANTS and not c.config.has_norm:
+                continue
             c = dataclasses.replace(c, micro_batches=c.micro_batches[:2], variant=variant, asked=())
+            if c.config.has_norm and variant in ("module.initial_values", NORM_ONLY_VARIANTS[0]):
+                # Both normalizations, and gamma stored both ways, whatever the base cases hold.
+                config = dataclasses.replace(
+                    c.config,
+                    normalization=NORMALIZATIONS[(j // 2) % 2],
+                    zero_centered_gamma=variant in NORM_ONLY_VARIANTS or (j // 2) % 2 == 1,
+                )
+                c = dataclasses.replace(c, config=config)
             delay = variant == "module.reset_queued" or j % 2 == 0
             out.append(dataclasses.replace(c, delay=delay, seed=100 + len(out)))
     return out
