@@ -12,6 +12,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 class _Block(torch.nn.Module):
@@ -403,3 +405,155 @@ def test_a_meta_model_converts_then_materializes_as_the_eager_one(lib, how):
     for (name, p), q in zip(eager.named_parameters(), lazy.parameters()):
         torch.testing.assert_close(q, p, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
+
+
+# ---- no throw-away weight, no draw from the global RNG ------------------------------------------
+
+# Operations that draw random numbers.
+_RANDOM_OPS = ("normal", "uniform", "bernoulli", "random", "rand", "randn", "randint", "randperm")
+
+
+class _Allocations(TorchDispatchMode):
+    """Records every operation that runs: its name and the bytes of the tensors it returns, by
+    device type."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, dict[str, int]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sizes: dict[str, int] = {}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                sizes[t.device.type] = sizes.get(t.device.type, 0) + t.nbytes
+        self.ops.append((func.overloadpacket.__name__, sizes))
+        return out
+
+    def random(self) -> list[str]:
+        """The random operations that ran off the meta device (one on meta draws nothing)."""
+        return [
+            f"{name} on {', '.join(sizes)}"
+            for name, sizes in self.ops
+            if name.rstrip("_") in _RANDOM_OPS and set(sizes) - {"meta"}
+        ]
+
+    def bytes_on(self, device_type: str) -> int:
+        return sum(sizes.get(device_type, 0) for _, sizes in self.ops)
+
+
+def _rng_states() -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available():
+        states += torch.cuda.get_rng_state_all()
+    return states
+
+
+def _reference_copy_with(tmp_path, mutant_name: str):
+    """A copy of the reference with ``ci/mutants.py``'s contract mutant ``mutant_name``,
+    imported as a package of its own."""
+    from cases import ci_mutants
+    from splitgrad.properties.backends.library import load_library_from_path
+
+    mutants = ci_mutants()
+    mutant = next(m for m in mutants.CONTRACT_MUTANTS if m.name == mutant_name)
+    dest = tmp_path / mutant_name.replace("-", "_")
+    assert mutants.apply(mutant, dest) is None
+    return load_library_from_path(dest, f"mutated_{dest.name}")
+
+
+def _conversion_leaves_the_rng_alone(convert) -> None:
+    model = _model("lm", True)
+    before = _rng_states()
+    convert(model, delay_wgrad_compute=True)
+    after = _rng_states()
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), (
+        "the conversion moved the global RNG"
+    )
+
+
+def _conversion_allocates_nothing(convert, device: str = "cpu") -> None:
+    """A layer of 2048 x 2048 (16 MiB in float32): the conversion may create a few small
+    tensors of its own (constants), never one of the weight's size, and draws nothing."""
+    with torch.device(device):
+        model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 8))
+    weight_bytes = model[0].weight.nbytes
+    with _Allocations() as seen:
+        convert(model, delay_wgrad_compute=True)
+    assert not seen.random(), f"random numbers drawn: {seen.random()}"
+    for where in ("cpu", "cuda"):
+        made = seen.bytes_on(where)
+        assert made < weight_bytes // 1024, (
+            f"{made} bytes of tensors created on {where} (the large weight: {weight_bytes})"
+        )
+
+
+def test_conversion_leaves_the_global_rng_alone(lib):
+    _conversion_leaves_the_rng_alone(lib.convert_linears)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_conversion_allocates_and_draws_nothing(lib, device):
+    _conversion_allocates_nothing(lib.convert_linears, device)
+
+
+def test_a_meta_model_stays_on_meta(lib):
+    with torch.device("meta"):
+        model = _TinyLM(bias=True)
+    lib.convert_linears(model, delay_wgrad_compute=True)
+    assert type(model.blocks[0].q) is lib.Linear
+    off = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta]
+    assert not off, off
+
+
+def _seeded_run(convert, kind: str, bias: bool) -> list[torch.Tensor]:
+    """A seeded run drawing from the global RNG after the model is built (data, dropout): the
+    model built, ``convert`` applied (or not), two SGD steps; the loss and every parameter
+    after each step."""
+    torch.manual_seed(0)
+    model = _mlp(bias) if kind == "mlp" else _TinyLM(bias=bias)
+    if convert is not None:
+        convert(model, delay_wgrad_compute=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for _ in range(2):
+        opt.zero_grad()
+        if kind == "mlp":
+            x = F.dropout(torch.randn(2, 5, 8), p=0.25)
+            loss = (model(x) ** 2).mean()
+        else:
+            loss = model(torch.randint(0, 19, (2, 7)))
+        loss.backward()
+        _drain(model)
+        opt.step()
+        out += [loss.detach().clone(), *(p.detach().clone() for p in model.parameters())]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["mlp", "lm"])
+def test_a_seeded_run_is_unchanged_by_the_conversion(lib, kind):
+    """The same seeded run with and without conversion, bitwise (no biases: the reference adds
+    its bias after rounding the GEMM, torch.nn.Linear inside one addmm)."""
+    want = _seeded_run(None, kind, bias=False)
+    got = _seeded_run(lib.convert_linears, kind, bias=False)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"tensor {i} of the run")
+
+
+def test_a_conversion_that_builds_on_the_device_is_caught(tmp_path):
+    """ci/mutants.py's convert-builds-on-the-device, planted in a copy of the reference: each
+    check above fails on it."""
+    lib = _reference_copy_with(tmp_path, "convert-builds-on-the-device")
+    with pytest.raises(AssertionError, match="the conversion moved the global RNG"):
+        _conversion_leaves_the_rng_alone(lib.convert_linears)
+    with pytest.raises(AssertionError, match="random numbers drawn: "):
+        _conversion_allocates_nothing(lib.convert_linears)
+    with pytest.raises(AssertionError, match="not equal|Mismatched elements"):
+        torch.testing.assert_close(
+            _seeded_run(lib.convert_linears, "mlp", False)[0],
+            _seeded_run(None, "mlp", False)[0],
+            rtol=0,
+            atol=0,
+        )
+    # Its meta conversion is harmless: building on meta is what the right code does.
+    _conversion_allocates_nothing(lib.convert_linears, "meta")
