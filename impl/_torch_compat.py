@@ -34,6 +34,7 @@ __all__ = [
     "TorchMoved",
     "set_grad_enabled",
     "unwrap_if_dead",
+    "any_autocast_enabled",
     "function_c_apply",
     "autograd_dispatch_keys_enabled",
     "register_ordered_effect",
@@ -133,6 +134,12 @@ set_grad_enabled: Callable[[bool], None] = _bound(
 #: wrapper whose transform has ended (what ``Function.apply`` does to each argument).
 unwrap_if_dead: Callable[[torch.Tensor], torch.Tensor] = _bound(
     lambda: torch._C._functorch.unwrap_if_dead, "torch._C._functorch.unwrap_if_dead", _EAGER
+)
+
+#: ``torch._C._is_any_autocast_enabled()``: whether ``torch.autocast`` is on for any device,
+#: one call (a module's plain path asks it once per forward and backward).
+any_autocast_enabled: Callable[[], bool] = _bound(
+    lambda: torch._C._is_any_autocast_enabled, "torch._C._is_any_autocast_enabled", _EAGER
 )
 
 _C_APPLY = _bound(

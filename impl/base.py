@@ -30,14 +30,25 @@ from collections.abc import Callable, Sequence
 import torch
 from splitgrad.reference import accumulate as acc
 from splitgrad.reference import pending
-from splitgrad.reference._torch_private import functorch_active, has_hooks
+from splitgrad.reference._fsdp_guard import check_not_under_fsdp
+from splitgrad.reference.contract import check_not_under_ddp
+from splitgrad.reference.fp8 import _state as _fp8_state
+from splitgrad.reference._torch_private import (
+    TorchMoved,
+    active_ddp_module,
+    fsdp_in_use,
+    functorch_active,
+    has_hooks,
+)
+from splitgrad.reference._torch_private import will_engine_execute_node as _will_execute
 from splitgrad.reference.contract import (
     ACCUMULATE,
+    RETURN,
     ModuleContract,
     autocast_off,
     node_destination,
-    without_autocast,
 )
+from splitgrad.reference.contract import without_autocast as _general_without_autocast
 from splitgrad.reference.routing import differentiated, route_differentiable
 
 from . import _torch_compat, compiled, gemm, twin
@@ -54,12 +65,15 @@ __all__ = [
     "edge_routes",
     "fp8_not_differentiable",
     "functorch_active",
+    "has_hooks",
     "twin",
     "twin_backward",
     "norm_module_backward",
     "fast_apply",
     "take_fp8",
     "without_autocast",
+    "wants_graph",
+    "NoGradContext",
 ]
 
 
@@ -71,6 +85,21 @@ def autocast_cast(dtype: torch.dtype | None, *tensors: torch.Tensor | None) -> t
     if dtype is None:
         return tensors
     return tuple(None if t is None else t.to(dtype) for t in tensors)
+
+
+def without_autocast(backward: Callable) -> Callable:
+    """:func:`splitgrad.reference.contract.without_autocast` (a Function's backward runs with
+    ``torch.autocast`` off), with one call to see that no autocast is on at all, the usual
+    case, and nothing else then."""
+    general = _general_without_autocast(backward)
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        if _any_autocast():
+            return general(ctx, *grads)
+        return backward(ctx, *grads)
+
+    return run
 
 
 def edge_routes(ctx, present: Sequence[bool]) -> tuple[list[str | None], list[torch.Tensor | None]]:
@@ -89,9 +118,18 @@ def edge_routes(ctx, present: Sequence[bool]) -> tuple[list[str | None], list[to
         dest = leaf = None
         if is_tensor:
             node = edges[i][0]
-            dest = node_destination(node)
-            if dest == ACCUMULATE:
-                leaf = node.variable
+            if node is not None and type(node).__name__ == "AccumulateGrad":
+                # node_destination(node), inlined for the usual leaf parameter: the engine's
+                # plan, or RETURN where torch.autograd.grad captures the leaf.
+                try:
+                    if _will_execute(node):
+                        dest, leaf = ACCUMULATE, node.variable
+                except TorchMoved:
+                    raise
+                except RuntimeError:
+                    dest = RETURN
+            else:
+                dest = node_destination(node)
             i += 1
         dests.append(dest)
         leaves.append(leaf)
@@ -174,6 +212,33 @@ def fast_apply(function: type[torch.autograd.Function]) -> Callable[..., torch.T
 
 _unwrap_if_dead = _torch_compat.unwrap_if_dead
 _set_grad_enabled = _torch_compat.set_grad_enabled
+_any_autocast = _torch_compat.any_autocast_enabled
+_grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
+_Tensor = torch.Tensor
+
+
+def wants_graph(x: torch.Tensor, params: Sequence[torch.Tensor | None]) -> bool:
+    """Whether a forward on ``x`` and ``params`` must record a backward: grad mode on (not
+    under ``torch.no_grad`` or ``torch.inference_mode``) and the input or some parameter
+    requiring a gradient. Otherwise a module's plain path runs no autograd Function at all."""
+    if not _grad_enabled():
+        return False
+    if x.requires_grad:
+        return True
+    for p in params:
+        if p is not None and p.requires_grad:
+            return True
+    return False
+
+
+class NoGradContext:
+    """Stands in for an autograd Function's ``ctx`` when its forward runs as a plain function
+    (:func:`wants_graph` false): the same instructions, so the same output bitwise; what the
+    forward keeps for a backward is dropped with it."""
+
+    def save_for_backward(self, *tensors) -> None:
+        pass
 
 
 @dataclasses.dataclass
@@ -230,6 +295,38 @@ class SplitBackwardModule(ModuleContract):
             self._check_forward_params(
                 recipe, tuple((n, p) for n, p in zip(names, params) if n in weights)
             )
+
+    def _plain_call(self, inp, params, names, in_features: int) -> bool:
+        """Whether this call takes the plain path, which skips :meth:`_run_forward`'s choice of
+        path: ``inp`` an ordinary tensor in the dtype of ``params[0]`` (the module's first
+        registered parameter, whose dtype is :attr:`compute_dtype`), on its device, with
+        ``in_features`` last; no ``torch.autocast``, FP8 recipe, ``torch.func`` transform,
+        ``torch.compile`` trace or tensor parallelism. Anything else takes the general way,
+        which checks it and raises what SPEC §5 says. The checks every call makes there run
+        here too: DDP and FSDP2 (delayed or fused modules), the fused weights' ``main_grad``."""
+        first = params[0]
+        if not (
+            type(inp) is _Tensor
+            and first is not None
+            and inp.dtype is first.dtype
+            and inp.ndim
+            and inp.shape[-1] == in_features
+            and self._tp is None
+            and inp.device == first.device
+            and not _any_autocast()
+            and _fp8_state.recipe is None
+            and not functorch_active()
+            and not _is_compiling()
+        ):
+            return False
+        if self.delay_wgrad_compute or self.fuse_wgrad_accumulation:
+            if active_ddp_module() is not None:
+                check_not_under_ddp(self)
+            if fsdp_in_use():
+                check_not_under_fsdp(self)
+            if self.fuse_wgrad_accumulation:
+                self._check_weights_used(None, names, params)
+        return True
 
     def _run_forward(
         self, x, recipe, is_first_microbatch, names, params, apply, fp8_forward
@@ -421,24 +518,29 @@ class SplitBackwardModule(ModuleContract):
         """
         if not self.delay_wgrad_compute:
             return
-        if not len(self._wgrad_store):
+        store = self._wgrad_store
+        if not len(store):
             raise self._nothing_pending()
-        entry = self._wgrad_store.head()
-        # With torch.autocast off: the entry computes what the non-delayed backward would have
-        # (its backward runs with autocast off too), whatever context the caller is in.
-        with autocast_off(self.fp8_device.type):
-            if stream is not None and _on_cuda(entry):
-                written = self._run_on_side_stream(entry, stream)
-            else:
-                written = self._execute(entry.closure, entry.saved, entry.params)
+        entry = store.head()
+        if stream is None and not _any_autocast():
+            written = self._execute(entry.closure, entry.saved, entry.params)
+        else:
+            # With torch.autocast off: the entry computes what the non-delayed backward would
+            # have (its backward runs with autocast off too), whatever context the caller is in.
+            with autocast_off(self.fp8_device.type):
+                if stream is not None and _on_cuda(entry):
+                    written = self._run_on_side_stream(entry, stream)
+                else:
+                    written = self._execute(entry.closure, entry.saved, entry.params)
         # The gradients are written: the entry is consumed whatever the hooks below do.
-        self._wgrad_store.pop_and_release()
-        if not len(self._wgrad_store):
+        store.pop_and_release()
+        if not len(store):
             pending.drained(self)
         del entry
         for leaf in written:
             acc.run_post_accumulate_hooks(leaf)
-        self._run_hooks()
+        if self._wgrad_hooks:
+            self._run_hooks()
 
     def _submit_wgrad(
         self,

@@ -7,6 +7,7 @@ from splitgrad.reference.contract import ACCUMULATE, RETURN, LinearContract
 
 from . import compiled, gemm
 from . import parallel as tp_ops
+from ._torch_compat import function_c_apply, unwrap_if_dead as _unwrap_if_dead
 from .base import (
     FP8WgradPart,
     SplitBackwardModule,
@@ -15,6 +16,7 @@ from .base import (
     differentiated,
     edge_routes,
     fast_apply,
+    has_hooks,
     take_fp8,
     twin_backward,
     without_autocast,
@@ -48,13 +50,30 @@ def linear_wgrad(module, dy, x, dests, leaves, overwrite, compiled_graph=False):
     or queued for them). ``dests`` / ``leaves``: of (weight, bias)."""
     (to_w, to_b), (w, b) = dests, leaves
     need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
+    if (
+        not (module.delay_wgrad_compute or module.fuse_wgrad_accumulation or compiled_graph)
+        and not (need_w and has_hooks(w))
+        and not (need_b and has_hooks(b))
+    ):
+        # Written now, no hook on either leaf: the closure's writes, made directly (the same
+        # GEMM calls as the queued closure's, so delayed and non-delayed stay bitwise equal).
+        if need_w:
+            module._write_weight_grad(w, dy, x, overwrite)
+        if need_b:
+            module._write_bias_grad(b, dy)
+        if (need_w or need_b) and module._wgrad_hooks:
+            module._run_hooks()
+        dw = gemm.wgrad(dy, x) if to_w == RETURN else None
+        db = dy.sum(dim=0) if to_b == RETURN else None
+        return dw, db
     written = (("weight", w),) * need_w + (("bias", b),) * need_b
     named_weights = written[:1] if need_w else ()
     hooked = module._begin_writes(written)
     if written:
 
         def wgrad_closure(dy, x=None):
-            module._check_main_grads(named_weights)
+            if module.fuse_wgrad_accumulation:
+                module._check_main_grads(named_weights)
             if need_w:
                 module._write_weight_grad(w, dy, x, overwrite)
             if need_b:
@@ -105,7 +124,8 @@ class _LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, module, overwrite, autocast):
         ctx.module, ctx.overwrite, ctx.present = module, overwrite, (True, bias is not None)
         ctx.params, ctx.autocast = (weight, bias), autocast
-        weight, bias = autocast_cast(autocast, weight, bias)  # SPEC §2: the GEMM's dtype
+        if autocast is not None:
+            weight, bias = autocast_cast(autocast, weight, bias)  # SPEC §2: the GEMM's dtype
         ctx.save_for_backward(x, weight)
         if bias is None:
             return torch.mm(x, weight.t())
@@ -124,11 +144,15 @@ class _LinearFunction(torch.autograd.Function):
         if differentiated():  # create_graph, torch.func: see .twin
             return twin_backward(ctx, _NAMES, dy, x)
         dests, leaves = edge_routes(ctx, ctx.present)
-        dx, dw, db = _backward(ctx.module, dy, x, weight, need_x, dests, leaves, ctx.overwrite)
+        # _backward's body, inlined (a call fewer per backward).
+        dx = torch.mm(dy, weight) if need_x else None
+        dw, db = linear_wgrad(ctx.module, dy, x, dests, leaves, ctx.overwrite)
         return dx, dw, db, None, None, None
 
 
 _apply = fast_apply(_LinearFunction)
+_c_apply = function_c_apply(_LinearFunction)
+_grad_enabled = torch.is_grad_enabled
 
 
 @compiled.backward_op("splitgrad::linear_backward")
@@ -451,8 +475,22 @@ class Linear(LinearContract, SplitBackwardModule):
     """
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        x, recipe = self._check_input(inp, self.in_features)
         p = self._parameters
+        params = (p.get("weight"), p.get("bias"))
+        k = self.in_features
+        if self._plain_call(inp, params, _NAMES, k):
+            x = inp if inp.ndim == 2 else inp.reshape(-1, k)
+            w, b = params
+            if _grad_enabled() and (
+                x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)
+            ):
+                ow = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
+                y = _c_apply(_unwrap_if_dead(x), w, b, self, ow, None)
+            else:
+                # Nothing needs a gradient: no Function, the forward's own GEMM call.
+                y = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
+            return y if x is inp else y.reshape(*inp.shape[:-1], self.out_features)
+        x, recipe = self._check_input(inp, k)
         try:
             params = (p["weight"], p["bias"])
         except KeyError:  # parametrized

@@ -49,6 +49,7 @@ __all__ = [
     "active_ddp_module",
     "ddp_parameters",
     "fsdp_managed_parameters",
+    "fsdp_in_use",
 ]
 
 CHECKED_ON = "2.8, 2.11, 2.13, 2.14"
@@ -214,6 +215,12 @@ def _fsdp_state_mapping() -> tuple[object, type | tuple]:
     if state_type is None:
         raise _moved(f"{_FSDP_STATE}.FSDPState", _FSDP_MOVED)
     return mapping, state_type
+
+
+def fsdp_in_use() -> bool:
+    """Whether any module is under ``fully_shard`` (FSDP2's state mapping is not empty): when
+    not, :func:`fsdp_managed_parameters` is empty for every module."""
+    return bool(_fsdp_state_mapping()[0])
 
 
 def _param_groups(state: object, fsdp_state: type | tuple) -> tuple | list:

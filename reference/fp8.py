@@ -104,12 +104,18 @@ class Float8BlockScaling(Recipe):
     fp8_format: Format = Format.E4M3
 
 
-_state = threading.local()
+class _State(threading.local):
+    #: The active recipe of this thread: a class default, so that reading it in a thread that
+    #: never entered ``fp8_autocast`` is an attribute lookup, not a caught AttributeError.
+    recipe: Recipe | None = None
+
+
+_state = _State()
 
 
 def fp8_active_recipe() -> Recipe | None:
     """The recipe of the innermost ``fp8_autocast`` of this thread, or ``None`` when FP8 is off."""
-    return getattr(_state, "recipe", None)
+    return _state.recipe
 
 
 @contextlib.contextmanager
