@@ -249,7 +249,8 @@ class _GroupedTwin(torch.nn.Module):
         n = source.num_gemms
         self.linears = torch.nn.ModuleList()
         for i in range(n):
-            lin = torch.nn.Linear(source.in_features, source.out_features, dtype=source.weight0.dtype)
+            dt = source.weight0.dtype
+            lin = torch.nn.Linear(source.in_features, source.out_features, dtype=dt)
             with torch.no_grad():
                 lin.weight.copy_(getattr(source, f"weight{i}"))
                 lin.bias.copy_(getattr(source, f"bias{i}"))
@@ -430,13 +431,12 @@ def markdown(rows: list[dict]) -> str:
         f"Small shapes: {s['tokens']} tokens, hidden {s['hidden']}, out {s['out']}, ffn "
         f"{s['ffn']}, {s['groups']} groups; one thread, CPU time, median of per-round ratios.",
         "",
-        "| module | dtype | column | impl / floor | impl / torch.nn | floor / torch.nn | "
-        "impl µs |",
+        "| module | dtype | column | impl / floor | impl / torch.nn | floor / torch.nn | impl µs |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
 
-        def f(key):
+        def f(key, r=r):
             return f"{r[key]:.3f}" if key in r else "—"
 
         lines.append(

@@ -31,8 +31,6 @@ import torch
 from splitgrad.reference import accumulate as acc
 from splitgrad.reference import pending
 from splitgrad.reference._fsdp_guard import check_not_under_fsdp
-from splitgrad.reference.contract import check_not_under_ddp
-from splitgrad.reference.fp8 import _state as _fp8_state
 from splitgrad.reference._torch_private import (
     TorchMoved,
     active_ddp_module,
@@ -46,9 +44,11 @@ from splitgrad.reference.contract import (
     RETURN,
     ModuleContract,
     autocast_off,
+    check_not_under_ddp,
     node_destination,
 )
 from splitgrad.reference.contract import without_autocast as _general_without_autocast
+from splitgrad.reference.fp8 import _state as _fp8_state
 from splitgrad.reference.routing import differentiated, route_differentiable
 
 from . import _torch_compat, compiled, gemm, twin

@@ -7,7 +7,8 @@ from splitgrad.reference.contract import ACCUMULATE, RETURN, LinearContract
 
 from . import compiled, gemm
 from . import parallel as tp_ops
-from ._torch_compat import function_c_apply, unwrap_if_dead as _unwrap_if_dead
+from ._torch_compat import function_c_apply
+from ._torch_compat import unwrap_if_dead as _unwrap_if_dead
 from .base import (
     FP8WgradPart,
     SplitBackwardModule,
