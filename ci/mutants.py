@@ -695,6 +695,12 @@ RAISING_HOOK_MUTANTS: tuple[Mutant, ...] = ()
 #: convert_linears does is checked by tests/test_convert.py, which plants the conversion one.
 _FILL_GAMMA = "                gamma.fill_(0.0 if self.zero_centered_gamma else 1.0)\n"
 _DRAW = "                torch.nn.init.normal_(self._own_parameter(name), std=0.023)\n"
+#: Mutants no verify property meets (verify builds no torch.nn model to convert), by name: the
+#: suite test that plants the same edits and asserts its checks fail on them.
+SUITE_CAUGHT = {
+    "convert-builds-on-the-device": "tests/test_convert.py::"
+    "test_a_conversion_that_builds_on_the_device_is_caught",
+}
 CONTRACT_MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "zero-centred-gamma-reset-to-one",
@@ -807,6 +813,8 @@ def run_mutant(mutant: Mutant, profile: str, full: bool, workdir: Path) -> Mutan
         return MutantResult(mutant.name, mutant.bug, "edit does not apply", detail=why)
     if mutant in TP_MUTANTS:
         return _run_tp_mutant(mutant, dest, start)
+    if mutant.name in SUITE_CAUGHT:
+        return _run_suite_mutant(mutant, start)
     out = workdir / f"{mutant.name}.json"
     cmd = [
         sys.executable,
@@ -853,6 +861,20 @@ def run_mutant(mutant: Mutant, profile: str, full: bool, workdir: Path) -> Mutan
         result.status = "caught"
     else:
         result.examples_total = total
+    return result
+
+
+def _run_suite_mutant(mutant: Mutant, start: float) -> MutantResult:
+    """A mutant verify cannot meet: the suite test that plants the same edits in a copy and
+    asserts its checks fail on it; caught when that test passes."""
+    node = SUITE_CAUGHT[mutant.name]
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", node]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    result = MutantResult(mutant.name, mutant.bug, "SURVIVED", seconds=time.perf_counter() - start)
+    if proc.returncode == 0:
+        result.status, result.caught_by = "caught", [node]
+    else:
+        result.detail = (proc.stdout + proc.stderr)[-2000:]
     return result
 
 
