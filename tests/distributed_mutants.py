@@ -145,6 +145,34 @@ class OneOwnerReducer(GradientReducer):
                 st.owners = (kept,)
 
 
+class TiedCountKeptReducer(GradientReducer):
+    """The reducer whose end-of-step reset forgets the per-step count of a tied weight's
+    modules that ran their last entry (``owners_final``), with the finality test relaxed to
+    ``>=``: step 1 is right, but from step 2 on the count starts at 2 and the shared weight is
+    taken as final after the *first* of its modules' last entries, its reduction launched while
+    the other module still writes into it."""
+
+    def __init__(self, module, *args, **kwargs) -> None:
+        super().__init__(module, *args, **kwargs)
+        tracker = self._finality
+        reset = tracker.reset
+
+        def reset_keeping_tied_counts() -> None:
+            kept = [st.owners_final for st in tracker.params]
+            reset()
+            for st, count in zip(tracker.params, kept):
+                st.owners_final = count
+
+        def owner_final(owner) -> None:
+            for st in owner.params:
+                st.owners_final += 1
+                if st.owners_final >= len(st.owners) and not st.ready:
+                    tracker._mark_final(st)
+
+        tracker.reset = reset_keeping_tied_counts
+        tracker._owner_final = owner_final
+
+
 def sp_sum_forgets_norms(model, tp_group) -> None:
     """``allreduce_sequence_parallel_grads`` with the SP reduction of the norm parameters
     forgotten: every other ``sequence_parallel`` gradient is summed over ``tp_group``, the

@@ -27,67 +27,108 @@ pytestmark = pytest.mark.distributed
 
 @pytest.mark.parametrize("lib_name", ["splitgrad.impl", "splitgrad.reference"])
 def test_p16_fully_sharded(lib_name):
-    """no_sync() and num_microbatches, 2 micro-batches (every backward_dw() after the last
-    backward; under no_sync() also each right after its own), in fp32 and each FSDP2 mixed precision
-    of FSDP_PRECISIONS (bf16 and fp16 reduce_dtype, bf16 parameters reduced in fp32 or fp16,
-    forced sum reduction): every gradient bitwise FSDP2 without delay, within the
-    data-parallel budget of the float64 global batch, in fp32 compute also bitwise (replica0 +
-    replica1) / 2; one reduce-scatter per delayed module, the first before the last
+    """One spawn on 2 ranks, one on 3; 3 micro-batches. On 2 ranks no_sync() and
+    num_microbatches (every backward_dw() after the last backward; under no_sync() also each
+    right after its own), in fp32 and each FSDP2 mixed precision of FSDP_PRECISIONS (bf16 and
+    fp16 reduce_dtype, bf16 parameters reduced in fp32 or fp16, fp32 parameters reduced in bf16,
+    forced sum reduction), plus Shard(1) weights (shard_placement_fn): every gradient bitwise
+    FSDP2 without delay, within the data-parallel budget of the float64 global batch, in fp32
+    compute also bitwise (replica0 + replica1) / 2. On 3 ranks (fp32, forced sum, fp16) each
+    element one of the three summation orders of the replicas' mean, for the reducer and for
+    FSDP2 alone. Every sharded parameter's post-accumulate-grad hook fires once, with the
+    final shard; one reduce-scatter per delayed module, the first before the last
     backward_dw()."""
-    report = check_fully_sharded(lib_name, timeout_s=120)
+    report = check_fully_sharded(lib_name, timeout_s=240)
     report.raise_if_failed()
-    # 21 cells x 2 ranks x 18 gradients, each bitwise FSDP2 and within budget of the truth
-    assert report.compared > 1500
-    assert "reduce_scatter" in report.notes[-1]
+    # 26 cells x 2 ranks + 6 cells x 3 ranks, 18 gradients each, 4+ comparisons per gradient
+    assert report.compared > 5000
+    assert "reduce_scatter" in report.notes[-1] and "3 ranks" in report.notes[-1]
 
 
+_MODES = ("no_sync", "count", "no_sync each")
 _PLANTED = [
-    # (reducer, precisions run, the cells that must fail, what the first failure says)
+    # (reducer, check options, the cells that must fail, what the first failure says)
     (
         "NoPostDivideReducer",
-        ("fp32", "fp32 sum"),
-        {"fp32 sum"},
+        {"precisions": ("fp32", "fp32 sum")},
+        {f"fully_shard fp32 sum {m}" for m in _MODES},
         r"fp32 sum no_sync rank 0 0\.mlp\.fc1_weight vs FSDP2 without delay: not bitwise",
     ),
     (
         "NoPreDivideReducer",
-        ("fp32", "fp16"),
-        {"fp16"},
+        {"precisions": ("fp32", "fp16")},
+        {f"fully_shard fp16 {m}" for m in _MODES},
         r"fp16 no_sync rank 0 0\.mlp\.fc1_weight vs FSDP2 without delay: not bitwise",
     ),
     (
         "PassesInParamDtypeReducer",
-        ("bf16", "bf16/fp32"),
-        {"bf16/fp32"},
+        {"precisions": ("bf16", "bf16/fp32")},
+        {f"fully_shard bf16/fp32 {m}" for m in _MODES},
         r"bf16/fp32 no_sync rank 0 0\.mlp\.fc1_weight vs FSDP2 without delay: not bitwise",
+    ),
+    (
+        # 3 micro-batches: the second non-final pass is the one left in the parameter dtype
+        "LaterPassesLeftOnGradReducer",
+        {"precisions": ("bf16", "bf16/fp32", "fp32/bf16")},
+        {f"fully_shard {p} {m}" for p in ("bf16/fp32", "fp32/bf16") for m in _MODES},
+        r"bf16/fp32 no_sync rank 0 0\.mlp\.fc1_weight vs FSDP2 without delay: not bitwise",
+    ),
+    (
+        "Shard0AssumedReducer",
+        {"precisions": ("fp32",), "placements": ("Shard(0)", "Shard(1)")},
+        {"fully_shard fp32 count Shard(1)"},
+        r"fp32 count Shard\(1\) rank 0 0\.mlp\.fc1_weight vs FSDP2 without delay: not bitwise",
+    ),
+    (
+        # halving is exact: the 2-rank forced-sum cells cannot tell, the 3-rank ones do
+        "DividesBeforeSumReducer",
+        {"precisions": ("fp32", "fp32 sum"), "world_sizes": (2, 3)},
+        {f"fully_shard fp32 sum {m} on 3 ranks" for m in ("count", "no_sync each")},
+        r"fp32 sum count on 3 ranks rank 0 0\.mlp\.fc1_weight vs the means of the 3 replicas "
+        r"in each summation order: \d+ of 512 elements match none",
+    ),
+    (
+        "HooksNotRunReducer",
+        {"precisions": ("fp32",)},
+        {f"fully_shard fp32 {m}" for m in _MODES},
+        r"fp32 no_sync rank 0 0\.mlp\.fc1_weight: post-accumulate-grad hook called 0 times in "
+        r"the step, 1 under FSDP2 without delay",
     ),
 ]
 
 
-@pytest.mark.parametrize("reducer, precisions, failing, first", _PLANTED)
-def test_mixed_precision_cells_catch_a_planted_bug(reducer, precisions, failing, first):
-    """A reducer that drops FSDP2's post-divide (forced sum), its pre-divide (fp16), or sums a
-    step's micro-batches in bf16 where FSDP2 sums in its fp32 reduce_dtype: the cell that takes
-    that branch fails, in every micro-batch mode and on both ranks, naming the gradient; the
-    cell next to it that does not take the branch stays right."""
+@pytest.mark.parametrize("reducer, options, failing, first", _PLANTED, ids=[p[0] for p in _PLANTED])
+def test_fully_sharded_cells_catch_a_planted_bug(reducer, options, failing, first):
+    """A reducer that drops FSDP2's post-divide (forced sum) or its pre-divide (fp16), sums a
+    step's micro-batches in bf16 where FSDP2 sums in its fp32 reduce_dtype, leaves the passes
+    after the first non-final one in the parameter dtype, lays out Shard(1) gradients as
+    Shard(0), divides before the forced sum, or never runs the sharded parameters'
+    post-accumulate-grad hooks: exactly the cells that take that branch fail, in every
+    micro-batch mode and on every rank, naming the gradient; the cells next to them that do
+    not take it stay right (2 ranks, Shard(0) unless the options say otherwise)."""
+    options = {"world_sizes": (2,), "placements": ("Shard(0)",), **options}
     report = check_fully_sharded(
-        "splitgrad.impl",
-        precisions=precisions,
-        reducer=f"fsdp_mutants:{reducer}",
-        timeout_s=120,
+        "splitgrad.impl", reducer=f"fsdp_mutants:{reducer}", timeout_s=240, **options
     )
     assert not report.ok
     cells = {f.split(" rank ")[0] for f in report.failures}
-    modes = ("no_sync", "count", "no_sync each")
-    assert cells == {f"fully_shard {p} {m}" for p in failing for m in modes}
+    assert cells == failing
+    ranks = {int(f.split(" rank ")[1].split()[0]) for f in report.failures}
+    assert ranks == set(range(3 if "on 3 ranks" in first else 2))
     assert re.search(first, report.failures[0]), report.failures[0]
-    with pytest.raises(AssertionError, match=r"P16 fully_shard splitgrad\.impl on 2 ranks"):
+    with pytest.raises(AssertionError, match=r"P16 fully_shard splitgrad\.impl on 2"):
         report.raise_if_failed()
 
 
-def test_check_fully_sharded_refuses_an_unknown_precision():
-    with pytest.raises(ValueError, match=r"unknown precisions \['fp8'\]; expected some of"):
-        check_fully_sharded("splitgrad.impl", precisions=("fp32", "fp8"))
+def test_check_fully_sharded_refuses_bad_options():
+    for kwargs, message in (
+        ({"precisions": ("fp32", "fp8")}, r"unknown precisions \['fp8'\]; expected some of"),
+        ({"placements": ("Shard(2)",)}, r"unknown placements \['Shard\(2\)'\]"),
+        ({"world_sizes": (1,)}, r"world_sizes must be ints >= 2, got \(1,\)"),
+        ({"n_microbatches": 0}, r"n_microbatches must be a positive int, got 0"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            check_fully_sharded("splitgrad.impl", **kwargs)
 
 
 def test_launch_check_flags_a_late_reduce_scatter():

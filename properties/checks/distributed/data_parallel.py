@@ -1,8 +1,10 @@
-"""P16 (SPEC §7) alone: :class:`~splitgrad.distributed.GradientReducer` over 2 gloo replicas.
+"""P16 (SPEC §7) alone: :class:`~splitgrad.distributed.GradientReducer` over 2 gloo replicas,
+several optimizer steps on one reducer.
 
-Every reduction is launched before ``finish()`` (and some before the last ``backward_dw()``);
-gradients are bitwise ``(replica0 + replica1) / 2`` of the package without delay in one process
-(a sum of two is exact in either order) and within the budget of the float64 global batch.
+Every reduction of every step is launched before ``finish()`` (and some before the last
+``backward_dw()``); gradients are bitwise ``(replica0 + replica1) / 2`` of the package without
+delay in one process (a sum of two is exact in either order) and within the budget of the
+float64 global batch, in the first step and in each later one.
 """
 
 from __future__ import annotations
@@ -86,8 +88,13 @@ def replica_step(
     }
 
 
-def _dp_step(lib, rank: int, reducer_cls, cfg: dict) -> dict:
-    """One step (:func:`replica_step`) of 2 Blocks built as ``cfg`` says, on replica ``rank``."""
+def _dp_steps(lib, rank: int, reducer_cls, cfg: dict) -> list[dict]:
+    """``cfg["steps"]`` optimizer steps (:func:`replica_step`, then ``torch.optim.SGD`` with
+    ``lr=0`` and ``zero_grad()``) of 2 Blocks built as ``cfg`` says, on replica ``rank``, one
+    reducer throughout: each step's gradients, launches and timings. The same micro-batches
+    every step and weights the zero learning rate leaves bitwise as they were, so every step
+    has the same single-process twin; what changes between steps is the reducer's state
+    (finality counts of tied weights, buckets, the launch log), which must start afresh."""
     hidden, ffn, _ = sizes(None)
     mode, n_mb, tied = cfg["mode"], cfg["n_mb"], cfg["tied"]
     options = {k: cfg[k] for k in ("fused", "dtype", "proj_twice", "tied")}
@@ -98,9 +105,17 @@ def _dp_step(lib, rank: int, reducer_cls, cfg: dict) -> dict:
     reducer = reducer_cls(
         model, num_microbatches=n_mb if mode == "count" else None, bucket_cap_mb=cap / 2**20
     )
-    out = replica_step(model, reducer, rank, mode, n_mb, cfg["dtype"], passes=n_mb if tied else 1)
-    scale(model, n_mb)
-    return {"grads": gradient_copies(model), **out}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    steps = []
+    for _ in range(cfg.get("steps", 1)):
+        out = replica_step(
+            model, reducer, rank, mode, n_mb, cfg["dtype"], passes=n_mb if tied else 1
+        )
+        scale(model, n_mb)
+        steps.append({"grads": gradient_copies(model), **out})
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return steps
 
 
 def _dp_rank(
@@ -108,12 +123,13 @@ def _dp_rank(
 ) -> list:
     lib = load_library(lib_name)
     reducer_cls = load_library(reducer_name)
-    return [_dp_step(lib, rank, reducer_cls, cfg) for cfg in configs]
+    return [_dp_steps(lib, rank, reducer_cls, cfg) for cfg in configs]
 
 
 def dp_truth(rank: int, _: int, lib_name: str, configs: list[dict], world: int) -> list:
-    """Per config: the replicas emulated in one process by the package without delay (their
-    mean divided by the micro-batch count, as the distributed run divides), and the global batch
+    """Per config: the replicas emulated in one process by the package without delay (each
+    replica's gradients, and their mean divided by the micro-batch count, as the distributed
+    run divides), and the global batch
     through :func:`~.model.reference_runs`. A config's ``value_dtype`` (default its ``dtype``)
     is the values' dtype: FSDP2 mixed precision computes in ``dtype`` from fp32 values."""
     lib = load_library(lib_name)
@@ -126,7 +142,12 @@ def dp_truth(rank: int, _: int, lib_name: str, configs: list[dict], world: int) 
         emulated = replica_mean(replicas, n_mb)
         naive, truth = reference_runs(2, seeds, n_mb, **options)
         out.append(
-            {"emulated": emulated, "naive": gradient_copies(naive), "truth": gradient_copies(truth)}
+            {
+                "emulated": emulated,
+                "replicas": replicas,
+                "naive": gradient_copies(naive),
+                "truth": gradient_copies(truth),
+            }
         )
     return out
 
@@ -139,17 +160,20 @@ def compare_replica(
     check_launches: Callable[[DistributedReport, str, dict], None],
     base: dict | None = None,
     compute: torch.dtype | None = None,
+    exact_mean: bool = True,
 ) -> None:
     """One replica's step against the one-process runs ``truth`` (:func:`dp_truth`) and, where
     given, the run without delay ``base``; bitwise against the emulated replicas only where the
-    step computed in fp32 (``compute``, default the gradients' own dtype)."""
+    step computed in fp32 (``compute``, default the gradients' own dtype) and ``exact_mean``
+    (a mean of two replicas is exact in any order; of three, the collective's summation order
+    is its own)."""
     if got["error"]:
         report.failures.append(f"{where}: finish() raised: {got['error']}")
     check_launches(report, where, got)
     for name, g in got["grads"].items():
         if base is not None:
             report.bitwise(f"{where} {name} vs FSDP2 without delay", g, base["grads"][name])
-        if compute in (None, torch.float32):
+        if exact_mean and compute in (None, torch.float32):
             emulated = truth["emulated"][name]
             report.bitwise(
                 f"{where} {name} vs (replica0 + replica1) / 2 without delay", g, emulated
@@ -172,23 +196,37 @@ def check_data_parallel(
     *,
     n_microbatches: int = 3,
     dtypes: tuple[torch.dtype, ...] = (torch.float32,),
+    steps: int = 3,
     timeout_s: float = 600.0,
     reducer: str = REDUCER,
 ) -> DistributedReport:
     """P16 alone, on 2 gloo replicas: fused and plain, no_sync() and num_microbatches; a
     delayed module applied twice per micro-batch and a weight tied between two delayed modules
     (both queue two entries in the step's last pass); fused ``main_grad`` prefilled with random
-    values that the first micro-batch (``is_first_microbatch=True``) overwrites. ``reducer``
-    names the reducer class (``"module:Class"``, built as ``GradientReducer`` is)."""
+    values that the first micro-batch (``is_first_microbatch=True``) overwrites. Each cell runs
+    ``steps`` optimizer steps on one reducer, every step checked alike: a tied weight is final
+    (and reduced once) after both its modules' last entries in every step, not only the
+    first. ``reducer`` names the reducer class (``"module:Class"``, built as
+    ``GradientReducer`` is)."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
     configs = [
-        {"fused": f, "mode": m, "n_mb": n_microbatches, "dtype": d, "proj_twice": True, "tied": t}
+        {
+            "fused": f,
+            "mode": m,
+            "n_mb": n_microbatches,
+            "dtype": d,
+            "proj_twice": True,
+            "tied": t,
+            "steps": steps,
+        }
         for f in (False, True)
         for m in ("no_sync", "count")
         for d in dtypes
         for t in (False, True)
     ]
     world = 2
-    report = DistributedReport(f"P16 {lib_name} on {world} replicas")
+    report = DistributedReport(f"P16 {lib_name} on {world} replicas, {steps} steps")
     results = run_checked(
         report, "replicas", _dp_rank, world, lib_name, configs, reducer, timeout_s=timeout_s
     )
@@ -199,6 +237,14 @@ def check_data_parallel(
         label = f"{'fused' if cfg['fused'] else 'plain'} {cfg['mode']} {cfg['dtype']}"
         label += " tied" if cfg["tied"] else ""
         for rank, per_rank in enumerate(results):
-            where = f"{label} rank {rank}"
-            compare_replica(report, where, per_rank[k], truth[k], _check_launches)
+            for s, got in enumerate(per_rank[k]):
+                where = f"{label} rank {rank}" + (f" step {s + 1}" if s else "")
+                compare_replica(report, where, got, truth[k], _check_launches)
+                report.counted()
+                numbers = {e["step"] for e in got["launches"]}
+                if numbers and numbers != {s + 1}:
+                    report.failures.append(
+                        f"{where}: launch log of step {s + 1} holds launches of steps "
+                        f"{sorted(numbers)}"
+                    )
     return report
