@@ -1,5 +1,6 @@
-"""argparse types the measuring commands share: each refuses a bad value while the command line
-is parsed (exit status 2, one line naming it), before anything runs."""
+"""What the measuring commands (and ``splitgrad distributed``) share on their command lines:
+argparse types that refuse a bad value while the command line is parsed (exit status 2, one line
+naming it), before anything runs; and the one set of pipeline schedule names."""
 
 from __future__ import annotations
 
@@ -7,7 +8,21 @@ import argparse
 import math
 import os
 
-__all__ = ["positive_int", "positive_float", "output_file"]
+__all__ = ["SCHEDULES", "TORCH_SCHEDULE_NAMES", "positive_int", "positive_float", "output_file"]
+
+#: The pipeline schedules by the name every command prints and takes (``splitgrad pipeline
+#: --schedule``, ``splitgrad distributed --schedule``), with the ``torch.distributed.pipelining``
+#: class each runs.
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+#: The class names are accepted too, as older spellings (``--schedules ScheduleGPipe``).
+TORCH_SCHEDULE_NAMES = {cls: name for name, cls in SCHEDULES.items()}
 
 
 def positive_int(text: str) -> int:

@@ -28,28 +28,18 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 
 import torch
 import torch.distributed as dist
 from splitgrad.distributed import RankFailure, dw_builder, split_modules
 from splitgrad.properties.checks.distributed import load_library, preload_library, stage_layout
+from splitgrad.properties.front.command_line import USAGE_ERROR, pick, run_error, usage_error
 
 from . import ranks
 from .actions import ActionRecorder, activation_peak, held_between_b_and_w
-from .options import output_file, positive_int
+from .options import SCHEDULES, TORCH_SCHEDULE_NAMES, output_file, positive_int
 
-__all__ = ["SCHEDULE_ALIASES", "PipelineBenchConfig", "run_pipeline_bench", "pipeline_main"]
-
-#: Short names of the schedules ``splitgrad pipeline --schedule`` takes.
-SCHEDULE_ALIASES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved-1f1b": "ScheduleInterleaved1F1B",
-    "interleaved-zb": "ScheduleInterleavedZeroBubble",
-    "zbv": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
-}
+__all__ = ["PipelineBenchConfig", "run_pipeline_bench", "pipeline_main"]
 _VARIANTS = ("splitgrad", "torch")
 _MIB = 1024.0 * 1024.0
 
@@ -80,12 +70,7 @@ class PipelineBenchConfig:
         return self.microbatches or 2 * self.stages(schedule)
 
     def validate(self) -> None:
-        unknown = [s for s in self.schedules if s not in SCHEDULE_ALIASES]
-        if unknown or not self.schedules:
-            raise ValueError(
-                f"unknown schedule(s) {unknown or list(self.schedules)}; expected a "
-                f"comma-separated subset of {', '.join(SCHEDULE_ALIASES)} or 'all'"
-            )
+        pick("schedule", self.schedules or "", "schedule", SCHEDULES, everything=None)
         for name in ("ranks", "layers", "hidden", "ffn", "rows", "steps", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
@@ -213,7 +198,7 @@ def _bench_variant(lib, name: str, variant: str, cfg, rank: int, world: int, dev
 
     dtype = getattr(torch, cfg.dtype)
     num_stages, n_mb = cfg.stages(name), cfg.n_microbatches(name)
-    indices, _ = stage_layout(SCHEDULE_ALIASES[name], rank, world)
+    indices, _ = stage_layout(SCHEDULES[name], rank, world)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(n_mb * cfg.rows, cfg.hidden, generator=gen).to(dev, dtype)
     target = torch.randn(n_mb * cfg.rows, cfg.hidden, generator=gen).to(dev, dtype)
@@ -225,7 +210,7 @@ def _bench_variant(lib, name: str, variant: str, cfg, rank: int, world: int, dev
         stage = PipelineStage(modules[i], i, num_stages, dev, **extra)
         recorder.wrap(stage, i)
         stages.append(stage)
-    schedule = getattr(schedules, SCHEDULE_ALIASES[name])(
+    schedule = getattr(schedules, SCHEDULES[name])(
         stages if len(stages) > 1 else stages[0],
         n_mb,
         loss_fn=lambda out, tgt: torch.nn.functional.mse_loss(out.float(), tgt.float()),
@@ -405,7 +390,7 @@ def _pipeline_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--schedule",
         default="all",
-        help=f"comma-separated subset of {', '.join(SCHEDULE_ALIASES)}, or all (default: all)",
+        help=f"comma-separated, of {', '.join(SCHEDULES)} or all (default: all)",
     )
     ranks.add_run_options(p, "pipeline", 1800.0)
     p.add_argument("--layers", type=int, default=8, help="LayerNormMLP layers (default: 8)")
@@ -446,13 +431,9 @@ def run_pipeline_bench(cfg: PipelineBenchConfig, timeout_s: float = 1800.0):
 
 def _config(args: argparse.Namespace) -> PipelineBenchConfig:
     """The run the command line asks for; ``ValueError`` naming a bad option."""
-    names = (
-        list(SCHEDULE_ALIASES)
-        if args.schedule == "all"
-        else [s.strip() for s in args.schedule.split(",") if s.strip()]
-    )
+    names = pick("schedule", args.schedule, "schedule", SCHEDULES, TORCH_SCHEDULE_NAMES)
     cfg = PipelineBenchConfig(
-        schedules=tuple(names),
+        schedules=names,
         ranks=ranks.world_size(args.ranks),
         layers=args.layers,
         hidden=args.hidden,
@@ -473,23 +454,25 @@ def _config(args: argparse.Namespace) -> PipelineBenchConfig:
                 f"--timeline {args.timeline}: an image timeline needs matplotlib (pip install "
                 "matplotlib); a .json path writes a Chrome/Perfetto trace without it"
             ) from None
-    preload_library(cfg.backend)
     return cfg
 
 
 def pipeline_main(argv: list[str] | None = None) -> int:
     """Entry point of ``splitgrad pipeline``."""
-    args = _pipeline_parser().parse_args(argv)
+    parser = _pipeline_parser()
+    args = parser.parse_args(argv)
     try:
         cfg = _config(args)
     except ValueError as exc:
-        print(f"splitgrad pipeline: {exc}", file=sys.stderr)
-        return 2
+        return usage_error(parser, str(exc))
+    try:
+        preload_library(cfg.backend)
+    except ValueError as exc:
+        return run_error(parser.prog, str(exc), USAGE_ERROR)
     try:
         rows, per_rank, device, world = run_pipeline_bench(cfg, timeout_s=args.timeout)
     except RankFailure as exc:
-        print(f"splitgrad pipeline: {exc}", file=sys.stderr)
-        return 1
+        return run_error(parser.prog, str(exc))
     if rows is None:
         return 0  # a torchrun rank other than 0
     _print_pipeline(cfg, rows, device, world)

@@ -13,12 +13,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from splitgrad.distributed import run_ranks
+from splitgrad.properties.front.command_line import BACKEND_HELP, backend_spec
 
 from .options import positive_float
 
 __all__ = ["add_run_options", "world_size", "run", "under_torchrun"]
-
-BACKEND_HELP = "impl, reference, module:NAME, NAME:ATTR or path:DIR (default: impl)"
 
 
 def add_run_options(p: argparse.ArgumentParser, what: str, timeout_s: float) -> None:
@@ -30,7 +29,7 @@ def add_run_options(p: argparse.ArgumentParser, what: str, timeout_s: float) -> 
         default=None,
         help=f"{what} ranks to spawn (default: 2; under torchrun, its WORLD_SIZE)",
     )
-    p.add_argument("--backend", default="impl", help=BACKEND_HELP)
+    p.add_argument("--backend", type=backend_spec, default="impl", help=BACKEND_HELP)
     p.add_argument(
         "--threads", type=int, default=1, help="torch threads per spawned rank (default: 1)"
     )

@@ -43,11 +43,23 @@ def version() -> str:
         return "unknown"
 
 
+COMMANDS = ("verify", "bench", "distributed", "pipeline", "moe")
+
+
+def _usage_error(message: str) -> int:
+    """A refused command line, as every subcommand reports one (argparse's way): exit status 2."""
+    print(USAGE.splitlines()[0], file=sys.stderr)
+    print(f"splitgrad: error: {message}; expected one of {', '.join(COMMANDS)}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
         print(USAGE, end="")
-        return 0 if argv else 2
+        return 0
+    if not argv:
+        return _usage_error("a command is required (splitgrad --help lists them)")
     if argv[0] in ("--version", "-V"):
         print(f"splitgrad {version()}")
         return 0
@@ -72,5 +84,4 @@ def main(argv: list[str] | None = None) -> int:
         from splitgrad.bench.moe import moe_main
 
         return moe_main(rest)
-    print(f"splitgrad: unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)
-    return 2
+    return _usage_error(f"unknown command {command!r}")

@@ -4,13 +4,21 @@ distributed`) against a package, each check on its own gloo ranks."""
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
-from splitgrad.bench.options import positive_float
+from splitgrad.bench.options import SCHEDULES, TORCH_SCHEDULE_NAMES, positive_float
 from splitgrad.properties.checks import distributed as harness
+from splitgrad.properties.front.command_line import (
+    BACKEND_HELP,
+    USAGE_ERROR,
+    backend_spec,
+    pick,
+    run_error,
+    usage_error,
+)
 
 _CHECKS = ("p14", "p15", "p16", "p16-pp", "p19")
+_RECIPES = ("none", *harness.RECIPES)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,12 +30,7 @@ def _parser() -> argparse.ArgumentParser:
             "what each compared. Exit status 1 when a check fails."
         ),
     )
-    p.add_argument(
-        "--backend",
-        default="impl",
-        help="impl, reference, module:NAME (an importable package), NAME:ATTR (a namespace "
-        "object) or path:DIR (a package directory) (default: impl)",
-    )
+    p.add_argument("--backend", type=backend_spec, default="impl", help=BACKEND_HELP)
     p.add_argument(
         "--check",
         default=",".join(_CHECKS),
@@ -43,16 +46,19 @@ def _parser() -> argparse.ArgumentParser:
         "on 2 and 4",
     )
     p.add_argument(
-        "--schedules",
-        default=",".join(harness.SCHEDULES),
-        help="comma-separated torch.distributed.pipelining schedules for p15 (default: all six)",
+        "--schedule",
+        default="all",
+        help=f"p15's pipeline schedules, comma-separated, of {', '.join(SCHEDULES)} or all "
+        "(default: all)",
     )
     p.add_argument(
-        "--recipes",
+        "--recipe",
         default="none",
-        help="comma-separated FP8 recipes for p15: none, delayed, current, mxfp8, block "
-        "(default: none)",
+        help=f"p15's FP8 recipes, comma-separated, of {', '.join(_RECIPES)} (default: none)",
     )
+    # The older spellings, still read (with the torch class names as schedule names).
+    for old, new in (("--schedules", "schedule"), ("--recipes", "recipe")):
+        p.add_argument(old, dest=new, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.add_argument(
         "--profile",
         choices=harness.TP_PROFILES,
@@ -72,24 +78,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _plan(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...], tuple]:
     """(checks, schedules, recipes) the command line asks for; ``ValueError`` naming a bad
-    option, raised before any rank starts."""
-    checks = [c.strip() for c in args.check.split(",") if c.strip()]
-    unknown = [c for c in checks if c not in _CHECKS]
-    if unknown or not checks:
-        raise ValueError(
-            f"unknown checks {unknown or [args.check]}; choose from {', '.join(_CHECKS)}"
-        )
-    recipes = tuple(None if r == "none" else r for r in args.recipes.split(","))
-    bad = [r for r in recipes if r is not None and r not in harness.RECIPES]
-    if bad:
-        raise ValueError(f"unknown recipes {bad}; choose from none, {', '.join(harness.RECIPES)}")
-    schedules = tuple(s for s in args.schedules.split(",") if s)
-    wrong = [s for s in schedules if s not in harness.SCHEDULES]
-    if wrong or not schedules:
-        raise ValueError(
-            f"unknown schedules {wrong or [args.schedules]}; choose from "
-            f"{', '.join(harness.SCHEDULES)}"
-        )
+    option, raised before anything loads."""
+    checks = list(pick("check", args.check, "check", _CHECKS))
+    picked = pick("recipe", args.recipe, "recipe", _RECIPES, everything=None)
+    recipes = tuple(None if r == "none" else r for r in picked)
+    names = pick("schedule", args.schedule, "schedule", SCHEDULES, TORCH_SCHEDULE_NAMES)
+    schedules = tuple(SCHEDULES[name] for name in names)
     if args.world_size is not None:
         if args.world_size < 1:
             raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
@@ -100,13 +94,17 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...], tuple]:
                 "run on fixed worlds (p14 and p16: 2 ranks, p16-pp: 4, p19: 2 and 4); use --check "
                 "p15 with it"
             )
+    return checks, schedules, recipes
+
+
+def _load(backend: str, checks: list[str]) -> None:
+    """Load the package here, before any rank does: ``ValueError`` saying why it cannot."""
     try:
-        harness.preload_library(args.backend)
+        harness.preload_library(backend)
     except ValueError:
         # p19 alone on a backend that is no package (torch-split): it reports "not supported"
-        if checks != ["p19"] or not harness.not_a_package(args.backend):
+        if checks != ["p19"] or not harness.not_a_package(backend):
             raise
-    return checks, schedules, recipes
 
 
 def _runs(args: argparse.Namespace, schedules: tuple[str, ...], recipes: tuple) -> dict:
@@ -139,12 +137,16 @@ def _runs(args: argparse.Namespace, schedules: tuple[str, ...], recipes: tuple) 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``splitgrad distributed``."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
         checks, schedules, recipes = _plan(args)
     except ValueError as exc:
-        print(f"splitgrad distributed: {exc}", file=sys.stderr)
-        return 2
+        return usage_error(parser, str(exc))
+    try:
+        _load(args.backend, checks)
+    except ValueError as exc:
+        return run_error(parser.prog, str(exc), USAGE_ERROR)
     runs = _runs(args, schedules, recipes)
     failed = False
     print(f"splitgrad distributed — backend {args.backend}")

@@ -1,7 +1,10 @@
 """``splitgrad bench`` refuses bad options with exit status 2 and a message naming the value
-(argument parsing only: no benchmark runs here)."""
+(argument parsing only); a smoke run (``--quick``, one tiny module) says its figures are not to
+be read, and so does a small ``splitgrad moe`` run."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -32,17 +35,20 @@ def test_threads_and_small_reps_must_be_positive(capsys) -> None:
 
 def test_unknown_dtype_is_named_with_the_valid_ones(capsys) -> None:
     err = _refused(["--dtypes", "float32,float8"], capsys)
-    assert "--dtypes: unknown 'float8'; expected some of float32, bfloat16, float16" in err
+    assert (
+        "argument --dtypes: unknown dtype 'float8'; expected one of float32, bfloat16, float16"
+        in err
+    )
 
 
 def test_unknown_module_is_named_with_the_valid_ones(capsys) -> None:
     err = _refused(["--modules", "Linear,Foo"], capsys)
-    assert "--modules: unknown 'Foo'" in err
+    assert "argument --modules: unknown module 'Foo'" in err
     assert "Linear, LayerNormLinear, LayerNormMLP, GroupedLinear" in err
 
 
 def test_empty_lists_are_refused(capsys) -> None:
-    assert "--modules: nothing in ','" in _refused(["--modules", ","], capsys)
+    assert "argument --modules: no module in ','" in _refused(["--modules", ","], capsys)
 
 
 def test_fp8_section_needs_aligned_sizes_unless_skipped(capsys) -> None:
@@ -66,3 +72,52 @@ def test_the_splitgrad_command_exits_2(capsys) -> None:
         cli.main(["bench", "--tokens", "-5"])
     assert exc.value.code == 2
     assert "splitgrad bench: error: argument --tokens" in capsys.readouterr().err
+
+
+def test_a_quick_run_warns_that_its_figures_are_not_to_be_read_and_prints_no_target(
+    tmp_path, capsys
+) -> None:
+    """A smoke run (``--quick``, or sizes below the defaults) says so first and last, and
+    leaves the targets out; the same rows printed as a full run's show them."""
+    out = tmp_path / "quick.json"
+    argv = ["--quick", "--no-fp8", "--no-small", "--no-compile", "--modules", "Linear"]
+    assert bench.main([*argv, "--dtypes", "float32", "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("WARNING: smoke run (--quick, --tokens 256 (default 2048)"), lines[0]
+    assert "not meant to be read" in lines[0] and lines[-1] == lines[0]
+    assert not [ln for ln in lines if "target" in ln and not ln.startswith("WARNING")], lines
+    saved = json.loads(out.read_text())
+    assert saved["smoke_run"] and saved["targets"] == bench.TARGETS
+    shapes = bench.Shapes(**saved["shapes"])
+    bench._print_table(saved["rows"], shapes, saved["reps"])
+    full = capsys.readouterr().out
+    for target in bench.TARGETS.values():
+        assert f"(target <= {target:.2f})" in full
+
+
+def test_only_runs_below_the_default_sizes_are_smoke_runs() -> None:
+    assert bench.smoke_run(bench.parse_options([])) == []
+    why = bench.smoke_run(bench.parse_options(["--reps", "2", "--no-fp8"]))
+    assert why == ["--reps 2 (default 5)"]
+    # the small-shape repetitions count only where those sections run
+    argv = ["--small-reps", "3", "--no-small", "--no-compile"]
+    assert bench.smoke_run(bench.parse_options(argv)) == []
+
+
+def test_a_small_moe_run_warns_that_its_figures_are_not_to_be_read(capsys) -> None:
+    from splitgrad.bench import moe
+
+    assert moe.smoke_run(moe.MoEBenchConfig()) == []
+    cfg = moe.MoEBenchConfig(tokens=64, hidden=16, repeats=2)
+    assert moe.smoke_run(cfg) == [
+        "--tokens 64 (default 2048)",
+        "--hidden 16 (default 256)",
+        "--repeats 2 (default 10)",
+    ]
+    times = {"a2a": [1e-4, 1e-4], "dw": [2e-4, 2e-4], "both": [2.5e-4, 2.5e-4]}
+    per_rank = [{"times": times, "send_rows": 64, "recv_rows": 64}] * 2
+    moe._print_moe(cfg, per_rank, "gloo, cpu", 2)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("WARNING: smoke run (--tokens 64") and lines[-1] == lines[0]
+    moe._print_moe(moe.MoEBenchConfig(), per_rank, "gloo, cpu", 2)
+    assert "WARNING" not in capsys.readouterr().out

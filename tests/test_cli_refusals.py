@@ -4,7 +4,8 @@ directory is created for them."""
 
 from __future__ import annotations
 
-import types
+import shlex
+from pathlib import Path
 
 import pytest
 from splitgrad import cli
@@ -14,7 +15,7 @@ from splitgrad.cli import distributed as distributed_cli
 from splitgrad.properties.cases.strategies import KINDS
 from splitgrad.properties.checks import distributed as distributed_checks
 from splitgrad.properties.checks.registry import PROPERTIES
-from splitgrad.properties.front import session, verify
+from splitgrad.properties.front import plan, session, verify
 from splitgrad.properties.front.plan import plan_cells
 
 
@@ -102,9 +103,10 @@ def test_verify_help_says_what_the_default_run_and_the_choosing_options_do():
 
 
 def test_verify_header_names_the_properties_that_draw_fewer_examples():
-    cells = plan_cells(list(KINDS), ["float32", "bfloat16"], list(PROPERTIES))
-    header = verify._header(types.SimpleNamespace(name="impl"), "cpu", "ci", cells)
-    assert "high precision at 36 examples each (10 for P10, P18)" in header, header
+    options = session.Options(examples=plan.DEFAULT_EXAMPLES, profile="ci")
+    header = verify._header(session.Session.open(options))
+    fewer = plan.ENUMERATED_DRAWN["P10"]
+    assert f"explicit + {plan.DEFAULT_EXAMPLES} drawn, {fewer} for P10, P18)" in header, header
     assert "/" not in header.split("cells:", 1)[1]
 
 
@@ -128,11 +130,15 @@ def test_bench_quick_keeps_sizes_given_explicitly(capsys):
         (moe.moe_main, ["--timeout", "-5"], "argument --timeout"),
         (distributed_cli.main, ["--timeout", "0"], "argument --timeout"),
         (distributed_cli.main, ["--timeout", "-1"], "argument --timeout"),
-        (distributed_cli.main, ["--check", ""], "unknown checks ['']; choose from p14"),
+        (
+            distributed_cli.main,
+            ["--check", ""],
+            "argument --check: no check in ''; expected one of p14",
+        ),
         (
             distributed_cli.main,
             ["--check", "p15", "--recipes", "bogus"],
-            "unknown recipes ['bogus']; choose from none, delayed",
+            "argument --recipe: unknown recipe 'bogus'; expected one of none, delayed",
         ),
     ],
 )
@@ -146,7 +152,7 @@ def test_rank_commands_refuse_bad_values_before_spawning(main, argv, needle, cap
     [
         ("module:no_such_package_here", "cannot load it (ModuleNotFoundError"),
         ("path:/nonexistent/pkg", "/nonexistent/pkg does not exist"),
-        ("splitgrad.impl:NoSuchAttribute", "cannot load it (AttributeError"),
+        ("class:splitgrad.impl:NoSuchAttribute", "cannot load it (AttributeError"),
     ],
 )
 def test_rank_commands_load_the_backend_before_spawning(main, backend, needle, capsys, no_work):
@@ -207,3 +213,181 @@ def test_verify_refuses_json_and_junit_to_one_file(tmp_path, capsys, monkeypatch
     line = refused(verify.main, ["--json", "link.txt", "--junit", str(out)], capsys)
     assert f"both write {out}" in line, line
     assert not out.exists()
+
+
+# ---- one grammar, one set of names, one way of refusing, across the subcommands --------------
+
+RANK_MAINS = {
+    "pipeline": pipeline.pipeline_main,
+    "moe": moe.moe_main,
+    "distributed": distributed_cli.main,
+}
+BACKEND_MAINS = {"verify": verify.main, **RANK_MAINS}
+
+
+def _error_of(sub: str, main, argv: list[str], capsys) -> str:
+    """What follows ``splitgrad SUB: error:`` in a refusal, checked to read as argparse's own:
+    the usage line first, exit status 2."""
+    assert _status(main, argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: splitgrad {sub} "), err
+    prefix = f"splitgrad {sub}: error: "
+    (line,) = [ln for ln in err.splitlines() if ln.startswith(prefix)]
+    return line[len(prefix) :]
+
+
+_FORMS = "impl, reference, torch-split, transformer_engine, path:DIR, module:NAME[:ATTR], "
+
+
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        ("nonesuch", f"unknown backend 'nonesuch'; expected one of {_FORMS}class:MODULE:ATTR"),
+        ("Impl", f"unknown backend 'Impl'; expected one of {_FORMS}class:MODULE:ATTR"),
+        ("class:onlymodule", "'class:onlymodule' is incomplete; expected class:MODULE:ATTR"),
+        ("module:", "'module:' is incomplete; expected module:NAME[:ATTR]"),
+        ("path:", "'path:' is incomplete; expected path:DIR"),
+    ],
+)
+def test_every_backend_option_reads_one_grammar_and_refuses_alike(bad, error, capsys, no_work):
+    from splitgrad.properties.front.command_line import backend_spec
+
+    for sub, main in BACKEND_MAINS.items():
+        assert _error_of(sub, main, ["--backend", bad], capsys) == f"argument --backend: {error}"
+    parsers = [
+        verify.build_parser(),
+        distributed_cli._parser(),
+        pipeline._pipeline_parser(),
+        moe._moe_parser(),
+    ]
+    for parser in parsers:
+        (action,) = [a for a in parser._actions if "--backend" in a.option_strings]
+        assert action.type is backend_spec, parser.prog
+
+
+def test_the_rank_commands_older_backend_spelling_still_reads():
+    from splitgrad.properties.backends import get_backend
+    from splitgrad.properties.front.command_line import backend_spec
+
+    spec = backend_spec("splitgrad.properties.cases.case:KINDS")
+    assert spec == "module:splitgrad.properties.cases.case:KINDS"
+    assert get_backend(spec).lib is KINDS  # an object in a module, as NAME:ATTR loaded it
+    assert distributed_checks.load_library(spec) is KINDS
+    for kept in ("impl", "module:mypkg", "path:/x", "class:m:A"):
+        assert backend_spec(kept) == kept
+
+
+def test_schedule_names_are_one_set_and_the_old_spellings_still_read(monkeypatch, capsys, no_work):
+    from splitgrad.bench.options import SCHEDULES
+
+    assert set(SCHEDULES.values()) == set(distributed_checks.SCHEDULES)
+    errors = {
+        "pipeline": _error_of(
+            "pipeline", pipeline.pipeline_main, ["--schedule", "zbv,nope"], capsys
+        ),
+        "distributed": _error_of(
+            "distributed",
+            distributed_cli.main,
+            ["--check", "p15", "--schedule", "zbv,nope"],
+            capsys,
+        ),
+    }
+    assert set(errors.values()) == {
+        f"argument --schedule: unknown schedule 'nope'; expected one of {', '.join(SCHEDULES)}, all"
+    }, errors
+    # the torch class names and distributed's --schedules / --recipes, read as before
+    monkeypatch.setattr(distributed_checks, "preload_library", lambda name: None)
+    old = distributed_cli._parser().parse_args(
+        ["--check", "p15", "--schedules", "ScheduleGPipe,zbv", "--recipes", "none,delayed"]
+    )
+    new = distributed_cli._parser().parse_args(
+        ["--check", "p15", "--schedule", "gpipe,zbv", "--recipe", "none,delayed"]
+    )
+    assert distributed_cli._plan(old) == distributed_cli._plan(new)
+    assert distributed_cli._plan(new)[1:] == (
+        ("ScheduleGPipe", "ScheduleZBVZeroBubble"),
+        (None, "delayed"),
+    )
+    monkeypatch.setattr(pipeline, "preload_library", lambda name: None)
+    args = pipeline._pipeline_parser().parse_args(["--schedule", "ScheduleZBVZeroBubble,1f1b"])
+    assert pipeline._config(args).schedules == ("zbv", "1f1b")
+
+
+def test_help_texts_document_one_spelling(capsys):
+    texts = {
+        "verify": verify.build_parser().format_help(),
+        "distributed": distributed_cli._parser().format_help(),
+        "pipeline": pipeline._pipeline_parser().format_help(),
+        "moe": moe._moe_parser().format_help(),
+    }
+    for sub, text in texts.items():
+        flat = " ".join(text.split())
+        assert "NAME:ATTR" not in flat.replace("class:MODULE:ATTR", ""), sub
+        assert (
+            "--schedules" not in flat and "--recipes" not in flat and "ScheduleGPipe" not in flat
+        ), sub
+        assert "class:MODULE:ATTR" in flat, sub
+
+
+class _Accepted(Exception):
+    """The command line was accepted: the run would start here."""
+
+
+def _accept(*args, **kwargs):
+    raise _Accepted
+
+
+def _documented_command_lines() -> list[str]:
+    """Every ``splitgrad SUB ...`` line of README.md's and docs/*.md's code blocks, of the CI
+    scripts, and of verify's own --help examples."""
+    root = Path(__file__).resolve().parent.parent
+    lines: list[str] = []
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        shell = None  # inside a fenced block: whether it holds shell commands
+        for line in doc.read_text().splitlines():
+            if line.startswith("```"):
+                shell = (
+                    line[3:].strip() in ("", "bash", "sh", "shell", "console")
+                    if shell is None
+                    else None
+                )
+            elif shell:
+                lines.append(line)
+    for script in sorted((root / "ci").glob("*.sh")):
+        lines += script.read_text().splitlines()
+    lines += verify.EPILOG.splitlines()
+    commands = [ln.split("#")[0].strip() for ln in lines]
+    # (a command, not printed output: its first word after the subcommand is an option)
+    words = [c.split() for c in commands if c.startswith("splitgrad ")]
+    return [
+        " ".join(w)
+        for w in words
+        if w[1] in cli.COMMANDS and all(word.startswith("-") for word in w[2:3])
+    ]
+
+
+DOCUMENTED = _documented_command_lines()
+
+
+def test_the_docs_show_command_lines():
+    subs = {shlex.split(line)[1] for line in DOCUMENTED}
+    assert {"verify", "distributed", "pipeline", "moe"} <= subs, subs
+
+
+@pytest.mark.parametrize("line", DOCUMENTED)
+def test_every_documented_command_line_is_accepted(line, monkeypatch, capsys, tmp_path):
+    """Parsed and checked as the command would, up to where the run starts (no backend is
+    loaded and no expected-failures file read: the docs name placeholders)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(verify, "_xfails_file", lambda path: {})
+    monkeypatch.setattr(verify, "_backend", _accept)
+    monkeypatch.setattr(bench, "run", _accept)
+    for module in (distributed_checks, pipeline, moe):
+        monkeypatch.setattr(module, "preload_library", lambda name: None)
+    monkeypatch.setattr(distributed_cli, "_runs", _accept)
+    monkeypatch.setattr(pipeline, "run_pipeline_bench", _accept)
+    monkeypatch.setattr(moe, "run_moe_bench", _accept)
+    argv = shlex.split(line)[1:]
+    with pytest.raises(_Accepted):
+        status = _status(cli.main, argv)
+        pytest.fail(f"{line!r} refused (exit status {status}): {capsys.readouterr().err}")

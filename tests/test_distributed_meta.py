@@ -98,8 +98,8 @@ def test_cli_runs_an_outside_package_from_a_directory(tmp_path, capsys):
     [
         (["--world-size", "3"], "--world-size 3 sets p15's pipeline ranks only"),
         (["--check", "p15", "--world-size", "0"], "--world-size must be >= 1, got 0"),
-        (["--check", "p15", "--schedules", "ScheduleFoo"], "unknown schedules ['ScheduleFoo']"),
-        (["--check", "p15", "--recipes", "fp4"], "unknown recipes ['fp4']"),
+        (["--check", "p15", "--schedule", "ScheduleFoo"], "unknown schedule 'ScheduleFoo'"),
+        (["--check", "p15", "--recipe", "fp4"], "unknown recipe 'fp4'"),
     ],
 )
 def test_cli_refuses_bad_options_naming_them(argv, needle, capsys):

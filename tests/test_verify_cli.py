@@ -52,7 +52,7 @@ def test_unavailable_backend_is_explained(capsys) -> None:
         pytest.skip("a GPU is present; transformer_engine may be available")
     assert main(["--backend", "transformer_engine"]) == 2
     err = capsys.readouterr().err
-    assert "backend 'transformer_engine' is not available" in err and "Traceback" not in err
+    assert "--backend transformer_engine: not available" in err and "Traceback" not in err
     assert main(["--device", "cuda", "--backend", "reference"]) == 2
 
 
@@ -233,16 +233,18 @@ def test_header_says_what_each_kind_of_cell_runs(capsys) -> None:
     assert main(argv) == 0
     out = capsys.readouterr().out
     header = out.splitlines()[0]
-    assert "2 high precision at 12 examples each" in header
-    assert "1 under FP8 at 5 examples each" in header
-    assert "1 under torch.autocast at 5 examples each" in header
+    assert re.search(r"2 high precision at \d+ examples each \(\d+ explicit \+ 12 drawn\)", header)
+    assert re.search(r"1 under FP8 at \d+ examples each \(\d+ explicit \+ 5 drawn\)", header)
+    assert re.search(
+        r"1 under torch.autocast at \d+ examples each \(\d+ explicit \+ 5 drawn\)", header
+    )
 
 
 def test_impl_header_counts_forced_path_cells(capsys) -> None:
     argv = ["--module", "GroupedLinear", "--property", "P1", "--examples", "3", "--recipe", "none"]
     assert main([*argv, "--impl-path", "grouped"]) == 0
     out = capsys.readouterr().out
-    assert "2 on forced paths at 3 examples each" in out.splitlines()[0]
+    assert re.search(r"2 on forced paths at \d+ examples each \(\d+ explicit \+ 3 drawn\)", out)
     rows = [line.split() for line in out.splitlines() if line.startswith("P1 ")]
     assert [r[3] for r in rows] == ["grouped", "grouped"]  # the path column
 
@@ -495,3 +497,126 @@ def test_ctrl_c_prints_the_summary_of_the_cells_done_and_ends_the_worker(tmp_pat
     while _live_in_group(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _live_in_group(proc.pid), "a worker process outlived splitgrad verify"
+
+
+# ---- the documented figures agree with the tool (planned only: no cell runs) ---------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _planned_session(argv: list[str]):
+    """The session ``splitgrad verify ARGV`` would run, as its header counts it."""
+    from splitgrad.properties.front import verify
+
+    args = verify.build_parser().parse_args(argv)
+    options = verify._options(args)
+    return verify._open_session(options, verify._backend(options))
+
+
+def _verify_rows(path: Path) -> list[tuple[str, int]]:
+    """(run, cells) of each row of the verify table in ``path`` (the table whose second
+    column is ``cells``)."""
+    rows, in_table = [], False
+    for line in path.read_text().splitlines():
+        cols = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cols) > 1 and cols[1] == "cells":
+            in_table = True
+        elif in_table and line.startswith("|") and cols[1].isdigit():
+            rows.append((cols[0], int(cols[1])))
+        elif in_table and not line.startswith("|"):
+            break
+    return rows
+
+
+def _argv_of(run: str) -> list[str]:
+    """The verify options a table row names: its backticked ``--options``, and the reference
+    when the row names it."""
+    argv = [
+        a for span in re.findall(r"`([^`]*)`", run) if span.startswith("--") for a in span.split()
+    ]
+    return (["--backend", "reference"] if "reference" in run else []) + argv
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/figures.md"])
+def test_documented_cell_counts_are_what_verify_plans(doc: str) -> None:
+    """Each verify run README.md and docs/figures.md give a cell count for plans that many
+    cells (its header's count), as the command would, without running one."""
+    rows = _verify_rows(ROOT / doc)
+    assert len(rows) >= 2, f"{doc}: no verify table found"
+    for run, documented in rows:
+        planned = len(_planned_session(_argv_of(run)).cells)
+        assert documented == planned, (
+            f"{doc}: {run!r} says {documented} cells, verify plans {planned}"
+        )
+
+
+def test_figures_split_the_default_run_as_verify_does() -> None:
+    from splitgrad.properties.front import verify
+
+    kinds: dict[str, int] = {}
+    for cell in _planned_session([]).cells:
+        kinds[verify._cell_kind(cell)] = kinds.get(verify._cell_kind(cell), 0) + 1
+    text = " ".join((ROOT / "docs" / "figures.md").read_text().split())
+    said = re.search(
+        r"default run's cells: (\d+) high-precision cells .*?, (\d+) under a bf16 "
+        r"`torch.autocast` slice, (\d+) FP8 cells .*? and (\d+) on the GPU-default fast paths",
+        text,
+    )
+    assert said, "docs/figures.md no longer splits the default run's cells"
+    documented = dict(
+        zip(
+            ("high precision", "under torch.autocast", "under FP8", "on forced paths"),
+            map(int, said.groups()),
+        )
+    )
+    assert documented == kinds
+
+
+def test_nightly_runs_the_default_cells_drawing_the_profiles_count_as_the_docs_say() -> None:
+    """``--profile nightly`` adds no cell: the default run's cells, each drawing the profile's
+    examples (the slices too), which docs/harness.md and docs/figures.md state."""
+    from hypothesis import settings
+    from splitgrad.properties.front import plan
+
+    default, nightly = _planned_session([]), _planned_session(["--profile", "nightly"])
+    assert [c.test_id for c in nightly.cells] == [c.test_id for c in default.cells]
+    assert {c.examples for c in nightly.cells} == {None}  # the profile's count, every cell
+    drawn = settings.get_profile("nightly").max_examples
+    harness = " ".join((ROOT / "docs" / "harness.md").read_text().split())
+    slices = (plan.FP8_SLICE_EXAMPLES, plan.PATH_SLICE_EXAMPLES, plan.AUTOCAST_SLICE_EXAMPLES)
+    claim = (
+        f"`--profile nightly` (`ci/nightly.sh`) runs the default run's cells, each drawing {drawn} "
+        f"examples after its explicit cases (the FP8, forced-path and autocast slices too, instead "
+        f"of {slices[0]}, {slices[1]} and {slices[2]})"
+    )
+    assert claim in harness
+    figures = (ROOT / "docs" / "figures.md").read_text()
+    assert f"`--profile nightly` (the default run's cells, {drawn} drawn in each)" in figures
+
+
+def _cell_kind(cell: dict) -> str:
+    if cell["path"] != "default":
+        return "on forced paths"
+    if cell["recipe"] != "none":
+        return "under FP8"
+    return "high precision" if cell.get("autocast") is None else "under torch.autocast"
+
+
+def test_header_counts_examples_as_the_rows_do(tmp_path: Path, capsys) -> None:
+    """The header's examples per kind of cell are the rows' examples column: explicit cases plus
+    drawn ones, per passing cell (a run with P10, whose explicit cases are many, and slices)."""
+    out = tmp_path / "run.json"
+    argv = ["--backend", "reference", "--module", "Linear", "--property", "P4,P10"]
+    assert main([*argv, "--examples", "3", "--json", str(out)]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    claims = {
+        kind: (int(lo), int(hi or lo))
+        for kind, lo, hi in re.findall(
+            r"\d+ ([a-zA-Z0-9. ]+?) at (\d+)(?:-(\d+))? examples each", header
+        )
+    }
+    cells = json.loads(out.read_text())["cells"]
+    assert {_cell_kind(c) for c in cells} == set(claims), header
+    for kind, (lo, hi) in claims.items():
+        ran = [c["examples"] for c in cells if _cell_kind(c) == kind and c["status"] == "pass"]
+        assert ran and (min(ran), max(ran)) == (lo, hi), (kind, ran, header)

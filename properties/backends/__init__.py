@@ -77,8 +77,9 @@ def _load(what: str, load: Callable[[], Any]) -> Any:
 
 def get_backend(name: str) -> Backend:
     """The backend called ``name``: one of :data:`BACKEND_NAMES`, ``path:DIR`` (a package
-    directory with SPEC §2's API, e.g. a mutated copy of impl), ``module:NAME`` (an importable
-    package with that API) or ``class:MODULE:ATTR`` (a :class:`Backend` subclass, built without
+    directory with SPEC §2's API, e.g. a mutated copy of impl), ``module:NAME[:ATTR]`` (an
+    importable package with that API, or an object in one holding its modules) or
+    ``class:MODULE:ATTR`` (a :class:`Backend` subclass, built without
     arguments, for an API that differs from SPEC's). Raises ``ValueError`` naming unknown
     backends and :class:`BackendUnavailable` when the package cannot be imported."""
     if name in _NAMED:
@@ -89,10 +90,15 @@ def get_backend(name: str) -> Backend:
         lib = _load(f"import the package at {path}", lambda: load_library_from_path(path, pkg))
         return LibraryBackend(name, lib=lib)
     if name.startswith("module:"):
-        module_name = name[len("module:") :]
+        module_name, _, attr = name[len("module:") :].partition(":")
         if not module_name:
             raise ValueError("module:NAME needs a package name, e.g. module:mypkg")
-        lib = _load(f"import {module_name}", lambda: importlib.import_module(module_name))
+
+        def load() -> Any:
+            module = importlib.import_module(module_name)
+            return getattr(module, attr) if attr else module
+
+        lib = _load(f"import {name[len('module:') :]}", load)
         return LibraryBackend(name, module_name, lib=lib)
     if name.startswith("class:"):
         module_name, _, attr = name[len("class:") :].rpartition(":")

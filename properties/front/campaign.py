@@ -252,6 +252,24 @@ def run_cell(
     return cell
 
 
+def explicit_count(
+    backend: Backend,
+    property_id: str,
+    kind: str,
+    dtype: str,
+    *,
+    device: str = "cpu",
+    recipes: tuple[str | None, ...] = (None,),
+    fp8_asked: bool = True,
+    autocast: str | None = None,
+) -> int | None:
+    """How many explicit cases :func:`run_cell` runs before drawing, for the same arguments
+    (``None``: the cell runs none, being n/a or blocked); nothing is run."""
+    cell = CellResult(property_id, kind, dtype, "none", autocast=autocast)
+    drawn = _drawn(backend, cell, device, (dtype,), recipes, fp8_asked)
+    return None if drawn is None else len(explicit_cases(*drawn[0], **drawn[1]))
+
+
 def _drawn(backend: Backend, cell: CellResult, device, dtypes, recipes, fp8_asked: bool):
     """The arguments of :func:`.registry.case_strategy` and :func:`.registry.explicit_cases` for
     ``cell`` (a forced path's own recipes, dtypes and size multiple), or ``None`` when the cell

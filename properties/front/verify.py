@@ -17,10 +17,11 @@ from pathlib import Path
 from xml.etree import ElementTree as ET
 
 import torch
+from hypothesis import settings
 from splitgrad.impl import gemm_paths
 
 from ..backends import BackendUnavailable
-from ..cases.case import DTYPES, KINDS, Case
+from ..cases.case import DTYPES, KINDS, LOW_PRECISION_DTYPES, Case
 from ..cases.profiles import load_profile
 from ..checks import misuse
 from ..checks.misuse import start_optimized_constructor_results
@@ -37,9 +38,11 @@ from .campaign import (
     PASS,
     CellResult,
     blocking_gaps,
+    explicit_count,
     repro_command,
     run_case,
 )
+from .command_line import BACKEND_HELP, USAGE_ERROR, backend_spec, run_error, usage_error
 from .session import DEFAULT_DTYPES, LIST_OPTIONS, OptionError, Options, Session, load_backend
 
 DESCRIPTION = """\
@@ -152,13 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG.format(default_cells=default_cells),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--backend",
-        default="impl",
-        help="what to check: impl, reference, torch-split, transformer_engine, path:DIR (a "
-        "package directory with SPEC's API), module:NAME (an importable one) or "
-        "class:MODULE:ATTR (a splitgrad.properties.backends.Backend subclass) (default: impl)",
-    )
+    p.add_argument("--backend", type=backend_spec, default="impl", help=BACKEND_HELP)
     for (flag, metavar), help_text in _LIST_HELP.items():
         p.add_argument(f"--{flag}", action="append", metavar=metavar, help=help_text)
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cpu (cuda for TE)")
@@ -260,7 +257,8 @@ def _options(args: argparse.Namespace) -> Options:
             threads=args.threads,
         )
     except OptionError as exc:
-        raise _UsageError(str(exc)) from None
+        flag = f"argument --{exc.option}: " if exc.option else ""
+        raise _UsageError(f"{flag}{exc}") from None
     dtypes, autocasts = options.dtypes, options.autocasts
     if dtypes and set(dtypes) != {"float32"} and set(autocasts) - {"none"}:
         raise _UsageError(
@@ -283,7 +281,7 @@ def _backend(options: Options):
     except BackendUnavailable as exc:
         why = str(exc)
     if why:
-        raise _Refused(f"backend {options.backend!r} is not available: {why}")
+        raise _Refused(f"--backend {options.backend}: not available: {why}")
     if options.device_name == "cuda" and not torch.cuda.is_available():
         raise _Refused("--device cuda, but torch.cuda.is_available() is False")
     return backend
@@ -317,25 +315,62 @@ def _cell_kind(cell) -> str:
     return "high precision" if cell.autocast is None else "under torch.autocast"
 
 
-def _header(backend, device: str, profile: str, cells) -> str:
-    """What the run is: backend, device, profile, and how many examples each kind of cell draws
-    (naming the properties that draw fewer)."""
-    groups: dict[str, dict[str, list[str]]] = {}
-    for c in cells:
-        n = "the profile's" if c.examples is None else str(c.examples)
-        groups.setdefault(_cell_kind(c), {}).setdefault(n, []).append(c.property_id)
+def _planned_examples(session: Session, cell: plan.PlannedCell) -> tuple[int, int] | None:
+    """(explicit, drawn): the examples ``cell`` runs when it passes, counted as its table row
+    counts them (the explicit cases :func:`.campaign.run_cell` runs first, then the drawn ones);
+    ``None`` for a cell that runs none (n/a or blocked). Nothing is run."""
+    if cell.property_id in ("P1", "P2", "P3") and cell.dtype not in LOW_PRECISION_DTYPES:
+        return None  # Session.run: no wider dtype to measure error against
+    explicit = explicit_count(
+        session.forced[cell.path] if cell.path != "default" else session.backend,
+        cell.property_id,
+        cell.kind,
+        cell.dtype,
+        device=session.device,
+        recipes=cell.recipes,
+        fp8_asked=session.fp8_asked,
+        autocast=cell.autocast,
+    )
+    if explicit is None:
+        return None
+    drawn = cell.examples
+    return explicit, settings.get_profile(session.profile).max_examples if drawn is None else drawn
+
+
+def _span(values) -> str:
+    low, high = min(values), max(values)
+    return str(low) if low == high else f"{low}-{high}"
+
+
+def _header(session: Session) -> str:
+    """What the run is: backend, device, profile, and for each kind of cell the examples a
+    passing cell runs, as the table's examples column counts them (explicit cases, then drawn;
+    naming the properties that draw fewer)."""
+    groups: dict[str, list[tuple[plan.PlannedCell, tuple[int, int] | None]]] = {}
+    for c in session.cells:
+        groups.setdefault(_cell_kind(c), []).append((c, _planned_examples(session, c)))
     parts = []
-    for kind, counts in groups.items():
-        usual = max(counts, key=lambda n: len(counts[n]))
-        others = [
-            f"{n} for {', '.join(sorted(set(ids)))}" for n, ids in counts.items() if n != usual
-        ]
-        n_cells = sum(len(pids) for pids in counts.values())
-        fewer = f" ({'; '.join(others)})" if others else ""
-        parts.append(f"{n_cells} {kind} at {usual} examples each{fewer}")
+    for kind, planned in groups.items():
+        runs = [(c.property_id, n) for c, n in planned if n is not None]
+        text = f"{len(planned)} {kind}"
+        if runs:
+            by_drawn: dict[int, list[str]] = {}
+            for pid, (_, drawn) in runs:
+                by_drawn.setdefault(drawn, []).append(pid)
+            usual = max(by_drawn, key=lambda d: len(by_drawn[d]))
+            fewer = "".join(
+                f", {d} for {', '.join(sorted(set(pids)))}"
+                for d, pids in by_drawn.items()
+                if d != usual
+            )
+            totals = _span([e + d for _, (e, d) in runs])
+            explicit = _span([e for _, (e, _) in runs])
+            text += f" at {totals} examples each ({explicit} explicit + {usual} drawn{fewer})"
+        n_none = len(planned) - len(runs)
+        parts.append(text + (f", {n_none} of them n/a" if n_none else ""))
     return (
-        f"splitgrad verify: backend {backend.name}, device {device}, profile {profile}; "
-        f"{len(cells)} cells: " + ", ".join(parts)
+        f"splitgrad verify: backend {session.backend.name}, device {session.device}, profile "
+        f"{session.profile}; {len(session.cells)} cells: " + "; ".join(parts)
     )
 
 
@@ -660,11 +695,9 @@ def main(argv: Sequence[str]) -> int:
         with gemm_paths.recording() as paths:
             return _main(list(argv), paths)
     except _UsageError as exc:
-        print(f"splitgrad verify: error: {exc}\nTry 'splitgrad verify --help'.", file=sys.stderr)
-        return 2
+        return usage_error(build_parser(), str(exc))
     except _Refused as exc:
-        print(f"splitgrad verify: {exc}", file=sys.stderr)
-        return 2
+        return run_error("splitgrad verify", str(exc), USAGE_ERROR)
     except KeyboardInterrupt:  # outside the cells (those end with their summary): nothing to say
         print("\nsplitgrad verify: interrupted", file=sys.stderr)
         return INTERRUPTED
@@ -700,7 +733,7 @@ def _main(argv: list[str], paths: gemm_paths.PathLog) -> int:
 
 def _campaign(args: argparse.Namespace, session: Session, paths: gemm_paths.PathLog) -> int:
     """Run and report the session's cells; write the JSON and JUnit files."""
-    print(_header(session.backend, session.device, session.profile, session.cells))
+    print(_header(session))
     for note in session.backend.notes:
         print(f"  note: {note}")
     for what, blocked in session.gaps.values():
