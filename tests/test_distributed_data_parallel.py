@@ -24,13 +24,40 @@ pytestmark = pytest.mark.distributed
 
 @pytest.mark.parametrize("lib_name", ["splitgrad.impl", "splitgrad.reference"])
 def test_p16_alone(lib_name):
-    """fused/plain x no_sync()/num_microbatches; bitwise (replica0 + replica1) / 2, within the
-    data-parallel budget of the float64 global batch, every launch before finish(), and the
-    first block's reductions before the second block's last backward_dw()."""
+    """fused/plain x no_sync()/num_microbatches x untied/tied, 3 optimizer steps on one
+    reducer: in every step bitwise (replica0 + replica1) / 2, within the data-parallel budget
+    of the float64 global batch, every launch before finish() and logged under that step, and
+    the first block's reductions before the second block's last backward_dw()."""
     dtypes = (torch.float32, torch.bfloat16) if lib_name == "splitgrad.impl" else (torch.float32,)
     report = check_data_parallel(lib_name, dtypes=dtypes)
     report.raise_if_failed()
     assert report.compared > 0
+
+
+def test_p16_catches_tied_finality_kept_across_steps():
+    """A reducer whose end-of-step reset keeps the count of a tied weight's modules that ran
+    their last entry (``>=`` in the finality test) is right in step 1 and, from step 2 on,
+    launches the shared weight after the first module's last entry: only tied cells fail, only
+    in later steps, naming proj.weight."""
+    report = check_data_parallel(
+        "splitgrad.impl", reducer="distributed_mutants:TiedCountKeptReducer", timeout_s=240
+    )
+    assert not report.ok
+    assert all(" tied rank " in f for f in report.failures), report.failures[:3]
+    assert {f.split(" step ")[1].split()[0].rstrip(":") for f in report.failures} == {"2", "3"}
+    assert any(
+        "proj.weight: backward_dw() wrote it again after its reduction had started" in f
+        for f in report.failures
+    ), report.failures[:3]
+    assert any(
+        "step 2 0.proj.weight vs (replica0 + replica1) / 2 without delay: not bitwise" in f
+        for f in report.failures
+    )
+
+
+def test_p16_alone_refuses_a_bad_step_count():
+    with pytest.raises(ValueError, match="steps must be a positive int, got 0"):
+        check_data_parallel("splitgrad.impl", steps=0)
 
 
 def test_p16_with_a_zero_bubble_pipeline():
