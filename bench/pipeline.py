@@ -39,7 +39,7 @@ from . import ranks
 from .actions import ActionRecorder, activation_peak, held_between_b_and_w
 from .options import SCHEDULES, TORCH_SCHEDULE_NAMES, output_file, positive_int
 
-__all__ = ["PipelineBenchConfig", "run_pipeline_bench", "pipeline_main"]
+__all__ = ["PipelineBenchConfig", "run_pipeline_bench", "pipeline_main", "smoke_run"]
 _VARIANTS = ("splitgrad", "torch")
 _MIB = 1024.0 * 1024.0
 
@@ -283,7 +283,29 @@ def _summarise(cfg: PipelineBenchConfig, per_rank: list[dict]) -> list[dict]:
     return rows
 
 
+#: The sizes below whose defaults a run is a smoke run: its actions then take tens of
+#: microseconds, where per-call overhead and scheduling decide the step times and bubbles.
+_SMOKE_FIELDS = ("layers", "hidden", "ffn", "rows", "steps")
+
+
+def smoke_run(cfg: PipelineBenchConfig) -> list[str]:
+    """Why ``cfg``'s figures are a smoke run, not measurements (empty: they are)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(PipelineBenchConfig)}
+    return [
+        f"--{name} {getattr(cfg, name)} (default {defaults[name]})"
+        for name in _SMOKE_FIELDS
+        if getattr(cfg, name) < defaults[name]
+    ]
+
+
 def _print_pipeline(cfg: PipelineBenchConfig, rows: list[dict], device: str, world: int) -> None:
+    smoke = smoke_run(cfg)
+    warning = (
+        f"WARNING: smoke run ({', '.join(smoke)}): these figures only show that every schedule "
+        "runs; they are not measurements and are not meant to be read"
+    )
+    if smoke:
+        print(warning)
     print(
         f"splitgrad pipeline: {world} ranks ({device}), {cfg.layers} LayerNormMLP layers "
         f"{cfg.hidden}->{cfg.ffn}->{cfg.hidden} ({cfg.dtype}), {cfg.rows} rows per micro-batch, "
@@ -315,6 +337,8 @@ def _print_pipeline(cfg: PipelineBenchConfig, rows: list[dict], device: str, wor
         if a is not None and b is not None:
             rel = abs(a - b) / max(abs(b), 1e-30)
             print(f"  {name}: splitgrad and torch.nn losses differ by {rel:.1e} (relative)")
+    if smoke:
+        print(warning)
 
 
 def _write_timeline(path: str, cfg: PipelineBenchConfig, per_rank: list[dict]) -> None:

@@ -121,3 +121,24 @@ def test_a_small_moe_run_warns_that_its_figures_are_not_to_be_read(capsys) -> No
     assert lines[0].startswith("WARNING: smoke run (--tokens 64") and lines[-1] == lines[0]
     moe._print_moe(moe.MoEBenchConfig(), per_rank, "gloo, cpu", 2)
     assert "WARNING" not in capsys.readouterr().out
+
+
+def test_a_small_pipeline_run_warns_that_its_figures_are_not_to_be_read(capsys) -> None:
+    from splitgrad.bench import pipeline
+
+    assert pipeline.smoke_run(pipeline.PipelineBenchConfig()) == []
+    cfg = pipeline.PipelineBenchConfig(schedules=("gpipe",), layers=2, hidden=16, ffn=64, steps=1)
+    assert pipeline.smoke_run(cfg) == [
+        "--layers 2 (default 8)",
+        "--hidden 16 (default 256)",
+        "--ffn 64 (default 1024)",
+        "--steps 1 (default 3)",
+    ]
+    row = {"schedule": "gpipe", "step_s": 0.01, "bubble": [0.5, 0.5], "held_mib": None}
+    row |= {"act_peak_mib": 0.01, "loss": 1.0, "actions": "FB"}
+    rows = [dict(row, variant="splitgrad"), dict(row, variant="torch")]
+    pipeline._print_pipeline(cfg, rows, "gloo, cpu", 2)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("WARNING: smoke run (--layers 2") and lines[-1] == lines[0]
+    pipeline._print_pipeline(pipeline.PipelineBenchConfig(schedules=("gpipe",)), rows, "cpu", 2)
+    assert "WARNING" not in capsys.readouterr().out

@@ -65,9 +65,9 @@ reproduce line replays under the same conditions (backend, --impl-path, --device
 default run ({default_cells} cells): the high-precision campaign, plus small slices under
 FP8 (bf16, every recipe), under torch.autocast (float32 modules, bf16) and on each fast path
 that is the default only on a GPU, forced on the CPU (grouped GEMM, _scaled_mm FP8 GEMMs,
-recomputed MLP activation). The header counts the cells of each kind and the hypothesis
-examples each cell draws after its explicit cases (fewer for P10 and P18, whose explicit cases
-enumerate their variants).
+recomputed MLP activation). The header counts the cells of each kind and the examples a
+passing cell runs, as the table's examples column counts them: its explicit cases plus the
+drawn ones (fewer drawn for P10 and P18, whose explicit cases enumerate their variants).
 
 --recipe, --impl-path and --autocast do not add to the default run; each chooses it whole:
   --recipe F[,F...]   every property under each FP8 family named, and nothing else (name none
@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--examples",
         type=int,
-        help=f"hypothesis examples per cell (default {plan.DEFAULT_EXAMPLES}; "
+        help=f"hypothesis examples drawn per cell after its explicit cases (default "
+        f"{plan.DEFAULT_EXAMPLES}; "
         f"{plan.FP8_SLICE_EXAMPLES} in the FP8 slice, {plan.PATH_SLICE_EXAMPLES} in the "
         "forced-path slice; the profile's with --profile)",
     )
