@@ -687,7 +687,170 @@ TP_MUTANTS = (
 #: and differentiated backwards that defer nothing.
 HOOK_MUTANTS: tuple[Mutant, ...] = ()
 #: Every hook kind raising at every position (P10 misuse).
-RAISING_HOOK_MUTANTS: tuple[Mutant, ...] = ()
+_POP = (
+    "        store.pop_and_release()\n"
+    "        if not len(store):\n"
+    "            pending.drained(self)\n"
+    "        del entry\n"
+)
+_HOOKS_THEN_NEXT = "            self._run_hooks()\n\n    def _submit_wgrad(\n"
+_HOOKED_WRITES = (
+    "            hooked = [\n"
+    "                (leaf, acc.apply_tensor_hooks(leaf, value, "
+    'f"{kind}.{names[id(leaf)]}"), later)\n'
+    "                if value is not None\n"
+    "                else (leaf, value, later)\n"
+    "                for leaf, value, later in collected\n"
+    "            ]\n"
+)
+_WRITE_HOOKED = (
+    "            for leaf, value, later in hooked:\n"
+    "                if later is not None:\n"
+    "                    later()  # a main_grad write: fused weights have no tensor hooks\n"
+    "                else:\n"
+    "                    acc.accumulate(leaf, value, own=not acc.has_hooks(leaf))\n"
+)
+_RUN_POST_HOOKS = "        for leaf in written:\n            acc.run_post_accumulate_hooks(leaf)\n"
+
+RAISING_HOOK_MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "post-hook-before-pop",
+        "the old bug: a deferred entry's post-accumulate hooks run inside its wgrad execution, "
+        "before the entry is consumed, so one that raises leaves the written entry queued and "
+        "the next backward_dw() writes its gradients again",
+        (
+            (
+                "base.py",
+                "            return list({id(leaf): leaf for leaf, _, _ in hooked}.values())\n",
+                "            for leaf in {id(leaf): leaf for leaf, _, _ in hooked}.values():\n"
+                "                acc.run_post_accumulate_hooks(leaf)\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "pop-after-hooks",
+        "backward_dw() consumes the entry after its hooks have seen the gradients, so a "
+        "post-accumulate or wgrad hook that raises leaves the written entry queued",
+        (
+            ("base.py", _POP + _RUN_POST_HOOKS, _RUN_POST_HOOKS),
+            (
+                "base.py",
+                _HOOKS_THEN_NEXT,
+                "            self._run_hooks()\n"
+                "        store.pop_and_release()\n"
+                "        if not len(store):\n"
+                "            pending.drained(self)\n\n"
+                "    def _submit_wgrad(\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "entry-taken-before-wgrad",
+        "backward_dw() takes the entry off the queue before running it, so a wgrad that raises "
+        "(a parameter's tensor hook) loses the entry",
+        (
+            (
+                "base.py",
+                "        entry = store.head()\n",
+                "        entry = store._entries.popleft()\n",
+            ),
+            ("base.py", "        store.pop_and_release()\n", "        entry.release()\n"),
+        ),
+    ),
+    Mutant(
+        "tensor-hooks-as-written",
+        "each gradient goes through its tensor hooks and is written in one pass, so a hook that "
+        "raises on a later parameter leaves the earlier ones written and the entry queued (its "
+        "retry writes them again)",
+        (
+            (
+                "base.py",
+                _HOOKED_WRITES + _WRITE_HOOKED,
+                "            hooked = []\n"
+                "            for leaf, value, later in collected:\n"
+                "                if later is not None:\n"
+                "                    later()\n"
+                "                else:\n"
+                '                    where = f"{kind}.{names[id(leaf)]}"\n'
+                "                    value = acc.apply_tensor_hooks(leaf, value, where)\n"
+                "                    acc.accumulate(leaf, value, own=not acc.has_hooks(leaf))\n"
+                "                hooked.append((leaf, value, later))\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "tensor-hook-error-swallowed",
+        "a tensor hook that raises inside a module's write is ignored (the gradient stored as "
+        "computed) instead of propagating",
+        (
+            (
+                "base.py",
+                _HOOKED_WRITES,
+                "            hooked = []\n"
+                "            for leaf, value, later in collected:\n"
+                "                if value is not None:\n"
+                "                    try:\n"
+                '                        where = f"{kind}.{names[id(leaf)]}"\n'
+                "                        value = acc.apply_tensor_hooks(leaf, value, where)\n"
+                "                    except Exception:  # a broken hook must not lose it\n"
+                "                        pass\n"
+                "                hooked.append((leaf, value, later))\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "post-hook-error-wrapped",
+        "backward_dw() re-raises a post-accumulate hook's exception as a RuntimeError naming "
+        "the module, instead of the hook's own",
+        (
+            (
+                "base.py",
+                _RUN_POST_HOOKS,
+                "        for leaf in written:\n"
+                "            try:\n"
+                "                acc.run_post_accumulate_hooks(leaf)\n"
+                "            except Exception as exc:\n"
+                '                msg = f"{type(self).__name__}: a post-accumulate hook raised"\n'
+                "                raise RuntimeError(msg) from exc\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "wgrad-hooks-in-finally",
+        "backward_dw() runs the wgrad (reduce) hooks even when a post-accumulate hook raised "
+        "before them",
+        (
+            (
+                "base.py",
+                _RUN_POST_HOOKS + "        if self._wgrad_hooks:\n            self._run_hooks()\n",
+                "        try:\n"
+                "            for leaf in written:\n"
+                "                acc.run_post_accumulate_hooks(leaf)\n"
+                "        finally:\n"
+                "            if self._wgrad_hooks:\n"
+                "                self._run_hooks()\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "wgrad-hooks-stuck-after-raise",
+        "a guard against re-entrant wgrad hooks is never reset when one raises, so the module "
+        "skips its wgrad (reduce) hooks for every later entry",
+        (
+            (
+                "base.py",
+                "    def _submit_wgrad(\n",
+                "    def _run_hooks(self) -> None:\n"
+                '        if getattr(self, "_in_wgrad_hooks", False):\n'
+                "            return\n"
+                "        self._in_wgrad_hooks = True\n"
+                "        super()._run_hooks()\n"
+                "        self._in_wgrad_hooks = False\n\n"
+                "    def _submit_wgrad(\n",
+            ),
+        ),
+    ),
+)
 #: Shared contract code (construction, reset_parameters, conversion): absolute checks. The code
 #: is the reference's and impl imports it, so each edits a copy of the reference, which verify
 #: runs as the backend (``path:``; its modules import the copy's contract). P18's

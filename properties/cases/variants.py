@@ -21,6 +21,11 @@ MISUSES = (
     "dw_no_delay",
     "bad_ctor",
     "hook_raises",
+    "tensor_hook_raises",
+    "post_hook_raises",
+    "backward_hook_raises",
+    "backward_pre_hook_raises",
+    "forward_hook_raises",
     "m_splits_len",
     "m_splits_negative",
     "m_splits_sum",
@@ -39,7 +44,8 @@ INPUT_ONLY_MODES = ("grad", "inputs")
 @dataclasses.dataclass(frozen=True)
 class Misuse:
     """P10: the misuse ``name`` (from :data:`MISUSES`); ``weight`` is the GEMM weight whose
-    ``main_grad`` a ``main_grad_*`` or ``wgrad_fails`` misuse breaks (``None``: the first)."""
+    ``main_grad`` a ``main_grad_*`` or ``wgrad_fails`` misuse breaks (``None``: the first), or
+    where a ``*hook_raises`` one's hook sits (``"weight#1@0"``: :class:`~.misuse.HookPosition`)."""
 
     name: str
     weight: str | None = None

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -19,7 +20,13 @@ import torch
 from hypothesis import strategies as st
 
 from ..backends import Backend
-from ..cases.data import MicroBatchData, gemm_weight_names, make_micro_batches
+from ..cases.data import (
+    MicroBatchData,
+    gemm_bias_names,
+    gemm_weight_names,
+    make_micro_batches,
+    param_specs,
+)
 from ..cases.strategies import KINDS, Case, ModuleConfig, boundary_cases, cases, make_recipe
 from ..cases.variants import MISUSES, Misuse
 from .results import CheckResult, PropertyViolation, Tracker
@@ -28,7 +35,10 @@ from .runner import ModuleRun, clone_of
 __all__ = [
     "UB_MESSAGE",
     "MISUSES",
+    "RAISING_HOOKS",
+    "HookPosition",
     "misuses",
+    "raising_hook_positions",
     "optimized_constructor_results",
     "check_p9",
     "check_p10",
@@ -173,6 +183,12 @@ def misuses(config: ModuleConfig, delay: bool) -> list[str]:
     out = ["bad_last_dim", "bad_dtype", "bad_device", "dw_empty", "dw_no_delay", "bad_ctor"]
     if delay:
         out.append("hook_raises")
+    if config.recipe is None:
+        # Under FP8 a skipped micro-batch would also change the scales of the later ones, so the
+        # twin that skips it is no yardstick there: only hook_raises, whose twin skips nothing.
+        out += [
+            n for n in RAISING_HOOKS if n != "hook_raises" and raising_hook_positions(config, n)
+        ]
     if config.kind == "GroupedLinear":
         out += ["m_splits_len", "m_splits_negative", "m_splits_sum"]
     if config.fuse_wgrad_accumulation:
@@ -200,10 +216,6 @@ def _expect_fp8_shape_error(
         any(w in str(exc) for w in words),
         f"{what}: ValueError message {str(exc)!r} names none of the dimensions {words}",
     )
-
-
-class _HookError(Exception):
-    pass
 
 
 @dataclasses.dataclass
@@ -368,20 +380,6 @@ def _bad_ctor(m: _Misused) -> None:
         _expect_raises(m.t, f"{config.kind}({what})", fn, (ValueError,))
 
 
-def _hook_raises(m: _Misused) -> None:
-    run, t = m.run, m.t
-    t.expect(run.delay, "P10 hook_raises needs a delayed case")
-
-    def bad_hook() -> None:
-        raise _HookError("hook failed on purpose")
-
-    m.backend.register_hook(run.module, bad_hook)
-    eager = m.fb_with_twin()
-    _expect_raises(t, "backward_dw() with a raising hook", run.dw, (_HookError,))
-    t.equal("pending_wgrad_count after a hook raised (entry consumed)", run.pending(), 0)
-    t.bitwise_all("written before the hook raised: ", run.all_snapshot(), eager.all_snapshot())
-
-
 # What each main_grad misuse puts in place of a weight's main_grad (None: deleted).
 _BROKEN_MAIN_GRAD: dict[str, Callable[[torch.Tensor], torch.Tensor | None]] = {
     "main_grad_missing": lambda p: None,
@@ -413,6 +411,378 @@ def _wgrad_fails(m: _Misused) -> None:
     _unchanged(t, "failed backward_dw()", run, m.before, m.pending)
     run.dw()
     t.bitwise_all("retried entry: ", run.all_snapshot(), eager.all_snapshot())
+
+
+# ---- a hook raises (SPEC §3, §4): every hook kind at every position --------------------------
+
+#: The misuses where a hook raises, and what registers the hook: on a parameter, or on the
+#: module (``hook_raises``: SPEC §4's wgrad hooks; the others ``torch.nn.Module`` hooks).
+RAISING_HOOKS = {
+    "tensor_hook_raises": "register_hook",
+    "post_hook_raises": "register_post_accumulate_grad_hook",
+    "hook_raises": "register_wgrad_accumulation_and_reduce_hooks",
+    "backward_hook_raises": "register_full_backward_hook",
+    "backward_pre_hook_raises": "register_full_backward_pre_hook",
+    "forward_hook_raises": "register_forward_hook",
+}
+_PARAM_HOOKS = ("tensor_hook_raises", "post_hook_raises")
+#: Hooks of the misuse's kind registered at its site; one of them raises.
+HOOKS_AT_SITE = 3
+#: Micro-batches a raising-hook misuse runs (the hook raises while the one it names is handled).
+RAISING_MICRO_BATCHES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class HookPosition:
+    """Where a raising hook sits: on parameter ``param`` (``None``: on the module), the
+    ``hook``-th of :data:`HOOKS_AT_SITE` registered there, raising while micro-batch
+    ``micro_batch`` is handled (its backward, or under delay its entry's ``backward_dw()``).
+    String form ``"weight#1@0"`` (``"#2@1"`` on the module), kept in ``Misuse.weight``."""
+
+    param: str | None
+    hook: int
+    micro_batch: int
+
+    def __str__(self) -> str:
+        return f"{self.param or ''}#{self.hook}@{self.micro_batch}"
+
+    @classmethod
+    def parse(cls, text: str | None) -> HookPosition:
+        """``"weight#1@0"``; ``None`` is the last hook on the module, first micro-batch."""
+        if text is None:
+            return cls(None, HOOKS_AT_SITE - 1, 0)
+        param, _, rest = text.partition("#")
+        hook, _, mb = rest.partition("@")
+        if not (hook.isdigit() and mb.isdigit()) or int(hook) >= HOOKS_AT_SITE:
+            raise ValueError(
+                f"raising-hook position {text!r} is not PARAM#HOOK@MICRO_BATCH with HOOK below "
+                f"{HOOKS_AT_SITE} (e.g. 'weight#1@0', '#2@1' on the module)"
+            )
+        return cls(param or None, int(hook), int(mb))
+
+
+def raising_hook_params(config: ModuleConfig) -> list[str]:
+    """The parameters a raising tensor or post-accumulate hook may sit on, in SPEC §2's order
+    (a fused weight takes no tensor hook: SPEC §3; the caller drops it for those)."""
+    return [s.name for s in param_specs(config)]
+
+
+def _hook_sites(config: ModuleConfig, name: str) -> list[str]:
+    params = raising_hook_params(config)
+    if name == "tensor_hook_raises" and config.fuse_wgrad_accumulation:
+        fused = set(gemm_weight_names(config))
+        params = [p for p in params if p not in fused]
+    return params
+
+
+def raising_hook_positions(config: ModuleConfig, name: str) -> list[HookPosition]:
+    """Every position of a raising hook of misuse ``name`` on ``config``."""
+    sites = _hook_sites(config, name) if name in _PARAM_HOOKS else [None]
+    return [
+        HookPosition(p, h, e)
+        for p in sites
+        for h in range(HOOKS_AT_SITE)
+        for e in range(RAISING_MICRO_BATCHES)
+    ]
+
+
+class _HookError(Exception):
+    """What a hook raises on purpose; P10 expects this very object back."""
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def _step_name(step: tuple[str, int]) -> str:
+    op, index = step
+    return f"forward+backward of micro-batch {index}" if op == "fb" else f"backward_dw() #{index}"
+
+
+class _HookedRun:
+    """A module with :data:`HOOKS_AT_SITE` recording hooks of one kind at one site; under test
+    (``raises``) the hook at the position raises once, on its call for the named micro-batch.
+    Non-raising tensor hooks replace the gradient by twice it (exact), so a hook skipped or run
+    twice shows in the values. A recording wgrad hook (when the kind is another) shows which
+    module hooks ran."""
+
+    def __init__(self, m: _Misused, at: HookPosition, raises: bool) -> None:
+        self.m, self.at = m, at
+        self.run = ModuleRun(m.backend, m.case, delay=m.case.delay, prefill_grads=True, hooks=0)
+        self.data = _raising_data(m.case)
+        self.log: list[str] = []
+        self.step_logs: list[list[str]] = []
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.error = _HookError(f"{m.name} at {at} raised on purpose") if raises else None
+        self.raised = False
+        self.handles: list[Any] = []
+        self.labels = [self._label(i) for i in range(HOOKS_AT_SITE)]
+        for i in range(HOOKS_AT_SITE):
+            self.handles.append(self._register(i))
+        if m.name != "hook_raises" and m.backend.has_hooks():
+            m.backend.register_hook(self.run.module, lambda: self.log.append("wgrad hook"))
+
+    def _fire(self, label: str, index: int, calls: list[int]) -> None:
+        self.log.append(label)
+        calls[0] += 1
+        armed = self.error is not None and index == self.at.hook and not self.raised
+        if armed and calls[0] - 1 == self.at.micro_batch:
+            self.raised = True
+            raise self.error
+
+    def _label(self, i: int) -> str:
+        at = f" on {self.at.param}" if self.at.param else ""
+        return f"{self.m.name.removesuffix('_raises')}[{i}]{at}"
+
+    def _register(self, i: int) -> Any:
+        name, at, calls, label = self.m.name, self.at, [0], self.labels[i]
+        if name == "tensor_hook_raises":
+
+            def tensor_hook(grad):
+                self._fire(label, i, calls)
+                return None if i == at.hook else grad * 2
+
+            return self.run.params[at.param].register_hook(tensor_hook)
+        if name == "post_hook_raises":
+            param = self.run.params[at.param]
+            return param.register_post_accumulate_grad_hook(lambda _p: self._fire(label, i, calls))
+        if name == "hook_raises":
+            self.m.backend.register_hook(self.run.module, lambda: self._fire(label, i, calls))
+            return None
+        module = self.m.backend.torch_module(self.run.module)
+        register = getattr(module, RAISING_HOOKS[name])
+        return register(lambda *_args: self._fire(label, i, calls))
+
+    def remove_raising_hook(self) -> None:
+        """Take the raising hook away (its handle; a wgrad hook, which has none, stops
+        raising: it raises once anyway)."""
+        handle = self.handles[self.at.hook]
+        if handle is not None:
+            handle.remove()
+
+    def do(self, step: tuple[str, int]) -> None:
+        start = len(self.log)
+        try:
+            op, index = step
+            if op == "fb":
+                d = self.data[index]
+                x = self.inputs[index] = d.fresh_input()
+                y = self.run.forward(x, d.spec.m_splits, d.spec.is_first_microbatch)
+                self.m.backend.backward(self.run.module, [y], [d.dy])
+            else:
+                self.run.dw()
+        finally:
+            self.step_logs.append(self.log[start:])
+
+
+def _raising_data(case: Case) -> list[MicroBatchData]:
+    return make_micro_batches(_with_two_micro_batches(case))
+
+
+def _with_two_micro_batches(case: Case) -> Case:
+    """``case`` with :data:`RAISING_MICRO_BATCHES` micro-batches (a later one copies the first's
+    shape and does not overwrite ``main_grad``)."""
+    mbs = case.micro_batches
+    if len(mbs) >= RAISING_MICRO_BATCHES:
+        return case
+    later = dataclasses.replace(mbs[0], is_first_microbatch=False)
+    mbs = mbs + (later,) * (RAISING_MICRO_BATCHES - len(mbs))
+    return dataclasses.replace(case, micro_batches=mbs)
+
+
+def _schedule(delay: bool, skipped: int | None = None) -> list[tuple[str, int]]:
+    """Every micro-batch's forward and backward, then under delay a ``backward_dw()`` per
+    entry; ``skipped``: that micro-batch never runs (so one entry fewer)."""
+    fbs = [("fb", i) for i in range(RAISING_MICRO_BATCHES) if i != skipped]
+    return fbs + ([("dw", i) for i in range(len(fbs))] if delay else [])
+
+
+def _raising_site(m: _Misused, at: HookPosition) -> tuple[str, int]:
+    """The step in which the hook is due to raise: under delay a GEMM parameter's hooks and the
+    wgrad hooks run in its entry's ``backward_dw()``; everything else in the backward (or, a
+    forward hook, the forward) of the micro-batch."""
+    gemm = at.param is not None and at.param not in _norm_names(m.config)
+    if m.case.delay and (m.name == "hook_raises" or gemm):
+        return ("dw", at.micro_batch)
+    return ("fb", at.micro_batch)
+
+
+def _norm_names(config: ModuleConfig) -> set[str]:
+    gemm = set(gemm_weight_names(config)) | set(gemm_bias_names(config))
+    return {n for n in raising_hook_params(config) if n not in gemm}
+
+
+def _run_all(run: _HookedRun, schedule: list[tuple[str, int]], remove_before: int) -> list:
+    """``schedule`` on a twin; the raising hook's counterpart goes before step
+    ``remove_before`` (as on the run under test); returns the snapshot before each step and
+    after the last."""
+    snaps = []
+    for s, step in enumerate(schedule):
+        if s == remove_before:
+            run.remove_raising_hook()
+        snaps.append(run.run.all_snapshot())
+        run.do(step)
+    snaps.append(run.run.all_snapshot())
+    return snaps
+
+
+def _raising_hook(m: _Misused) -> None:
+    """A hook of kind ``m.name`` raises at ``case.variant.weight``'s position (a
+    :class:`HookPosition`). The hook's own exception object propagates, from the step where the
+    hook is due; in that step the hooks before it ran and none after it; each gradient is
+    written once or not at all, as SPEC §4 and autograd say; ``pending_wgrad_count`` is what
+    they imply. Then, the raising hook removed, the rest of the run (a failed ``backward_dw()``
+    retried, the later micro-batches, the queue drained) ends with every gradient bitwise that
+    of a twin whose hook never raised: the twin that ran the failed micro-batch where its
+    writes happened (or are still queued), the twin that skipped it where they did not."""
+    t, case = m.t, m.case
+    at = HookPosition.parse(m.case.variant.weight)
+    delay, kind = case.delay, m.name
+    t.expect(kind != "hook_raises" or delay, "P10 hook_raises needs a delayed case")
+    site = _raising_site(m, at)
+    schedule = _schedule(delay)
+    fail = schedule.index(site)
+    with_twin = _HookedRun(m, at, raises=False)
+    with_snaps = _run_all(with_twin, schedule, fail + 1)
+    a = _HookedRun(m, at, raises=True)
+    where = f"{kind} at {at}, delay={delay}"
+    for s in range(fail):
+        a.do(schedule[s])
+    before, pending = a.run.all_snapshot(), a.run.pending()
+    try:
+        a.do(site)
+    except Exception as exc:
+        t.expect(
+            exc is a.error,
+            f"{where}: {_step_name(site)} raised {type(exc).__name__}({exc}) instead of the "
+            f"hook's own {a.error!r}",
+        )
+    else:
+        t.expect(a.raised, f"{where}: the hook was not called for micro-batch {at.micro_batch}")
+        raise PropertyViolation(f"{where}: the hook raised in {_step_name(site)}, nothing did")
+    seen, due = a.step_logs[-1], with_twin.step_logs[fail]
+    t.expect(
+        seen == due[: len(seen)] and seen[-1:] == [a.labels[at.hook]],
+        f"{where}: hooks called in the failing {_step_name(site)} {seen} are not those of the "
+        f"twin up to the raising one, then none ({due})",
+    )
+    after = a.run.all_snapshot()
+    if site[0] == "dw":
+        _after_failed_dw(m, a, with_twin, where, before, pending, after, with_snaps[fail + 1])
+        return
+    queued = delay and kind in (*_PARAM_HOOKS, "backward_hook_raises")
+    t.equal(
+        f"{where}: pending_wgrad_count after the failed backward",
+        a.run.pending(),
+        pending + (1 if queued else 0),
+    )
+    a.remove_raising_hook()
+    twin_after = with_snaps[fail + 1]
+    written = _written_at_failure(m, at, a, before, after, twin_after, queued)
+    x = a.inputs.get(at.micro_batch)
+    x_twin = with_twin.inputs[at.micro_batch].grad
+    if x is not None and x.grad is not None:
+        t.bitwise(f"{where}: inp.grad of the failed micro-batch", x.grad, x_twin)
+    nothing = kind in ("backward_hook_raises", "backward_pre_hook_raises", "forward_hook_raises")
+    if nothing or (kind == "tensor_hook_raises" and at.param not in _norm_names(m.config)):
+        t.expect(x is None or x.grad is None, f"{where}: the input got a gradient")
+    without_twin = _HookedRun(m, at, raises=False)
+    skipped = _schedule(delay, skipped=at.micro_batch)
+    without_snaps = _run_all(without_twin, skipped, fail)
+    if queued or not delay:
+        rest, twin_logs = schedule[fail + 1 :], with_twin.step_logs[fail + 1 :]
+    else:
+        rest, twin_logs = skipped[fail:], without_twin.step_logs[fail:]
+    for step in rest:
+        a.do(step)
+    t.equal(f"{where}: pending_wgrad_count after the run", a.run.pending(), 0)
+    t.expect(
+        a.step_logs[fail + 1 :] == twin_logs,
+        f"{where}: hooks after the failure {a.step_logs[fail + 1 :]} differ from the twin's "
+        f"{twin_logs}",
+    )
+    final = a.run.all_snapshot()
+    for key in sorted(final):
+        twin = with_snaps[-1] if written[key] else without_snaps[-1]
+        which = "ran" if written[key] else "skipped"
+        t.bitwise(
+            f"{where}: {key} (twin that {which} micro-batch {at.micro_batch}) ",
+            final[key],
+            twin[key],
+        )
+
+
+def _written_at_failure(m, at, a, before, after, twin_after, queued) -> dict[str, bool]:
+    """For each gradient after a backward that failed: whether the failed micro-batch's
+    contribution is in it (or, a delayed GEMM parameter's, queued). Written or not, never
+    half: each equals the twin's after the step or what it was before. The raising parameter's
+    own is determined (autograd: tensor hooks run before the write, post-accumulate hooks
+    after), and so is everything when the hook runs before the module's backward or after its
+    forward (nothing written)."""
+    t, where = m.t, f"{m.name} at {at}"
+    own = {f"{at.param}.grad", f"{at.param}.main_grad"} if at.param else set()
+    before_module = m.name in ("backward_pre_hook_raises", "forward_hook_raises")
+    out = {}
+    for key in sorted(after):
+        name = key.partition(".")[0]
+        deferred = m.case.delay and name not in _norm_names(m.config)
+        if deferred:
+            t.bitwise(f"{where}: deferred {key} after the failed backward", after[key], before[key])
+            out[key] = queued
+            continue
+        done = _same(after[key], twin_after[key])
+        kept = _same(after[key], before[key])
+        t.expect(
+            done or kept,
+            f"{where}: {key} after the failed backward is neither its value before nor the "
+            "twin's after (written in part, or twice)",
+        )
+        if key in own or before_module:
+            expected = m.name == "post_hook_raises" and not before_module
+            t.expect(
+                done if expected else kept,
+                f"{where}: {key} {'not ' if expected else ''}written by the failed backward",
+            )
+            out[key] = expected
+        else:
+            out[key] = done
+    return out
+
+
+def _after_failed_dw(m, a, twin, where, before, pending, after, twin_after) -> None:
+    """SPEC §4 for a hook raising in ``backward_dw()``: a tensor hook runs before anything is
+    written, so nothing is and the entry stays at the head (retried); a post-accumulate or wgrad
+    hook runs after every gradient is written, so the entry is consumed."""
+    t = m.t
+    retried = m.name == "tensor_hook_raises"
+    t.equal(
+        f"{where}: pending_wgrad_count after the failed backward_dw()",
+        a.run.pending(),
+        pending if retried else pending - 1,
+    )
+    if retried:
+        t.bitwise_all(f"{where}: written by a failed backward_dw() ", after, before)
+    else:
+        t.bitwise_all(
+            f"{where}: not written by the backward_dw() whose hook raised ", after, twin_after
+        )
+    fail = len(a.step_logs) - 1
+    schedule = _schedule(True)
+    if retried:
+        a.do(("dw", -1))  # the raising hook is still there, and raises only once
+    a.remove_raising_hook()
+    for step in schedule[fail + 1 :]:
+        a.do(step)
+    twin_logs = twin.step_logs[fail if retried else fail + 1 :]
+    t.expect(
+        a.step_logs[fail + 1 :] == twin_logs,
+        f"{where}: hooks after the failure {a.step_logs[fail + 1 :]} differ from the twin's "
+        f"{twin_logs}",
+    )
+    t.equal(f"{where}: pending_wgrad_count after the run", a.run.pending(), 0)
+    t.bitwise_all(f"{where}: after the run ", a.run.all_snapshot(), twin.run.all_snapshot())
 
 
 # Then: the module still works, as one that never saw the misuse.
@@ -463,7 +833,7 @@ _HANDLING: dict[str, _Handling] = {
     "dw_empty": _Handling(_dw_empty, _catch_up_drained_queue),
     "dw_no_delay": _Handling(_dw_no_delay, lambda m, fresh: fresh.fb(m.d)),
     "bad_ctor": _Handling(_bad_ctor),
-    "hook_raises": _Handling(_hook_raises, judged=True),
+    **{n: _Handling(_raising_hook, judged=True) for n in RAISING_HOOKS},
     "wgrad_fails": _Handling(_wgrad_fails, judged=True),
     "fp8_tokens": _Handling(_fp8_tokens),
     "fp8_features": _Handling(_fp8_features),
@@ -504,6 +874,10 @@ def p10_cases(draw, kinds, dtypes, devices, recipes):
     misuse = Misuse(draw(st.sampled_from(misuses(case.config, case.delay))))
     if misuse.breaks_main_grad:
         misuse = Misuse(misuse.name, draw(st.sampled_from(gemm_weight_names(case.config))))
+    if misuse.name in RAISING_HOOKS:
+        at = draw(st.sampled_from(raising_hook_positions(case.config, misuse.name)))
+        case = _with_two_micro_batches(case)
+        misuse = Misuse(misuse.name, str(at))
     return dataclasses.replace(case, variant=misuse)
 
 
@@ -519,6 +893,7 @@ def p10_explicit(kinds, dtypes, devices, recipes) -> list[Case]:
     base = boundary_cases(kinds, dtypes, devices, n_micro_batches=(1, 1), recipes=recipes)
     out: list[Case] = []
     turn = itertools.count()  # which of the boundary cases that fit a misuse it runs on next
+    nth = collections.defaultdict(itertools.count)  # cases of each raising-hook misuse so far
     for kind in kinds:
         bases = [c for c in base if c.config.kind == kind] or [
             dataclasses.replace(c, config=dataclasses.replace(c.config, kind=kind))
@@ -534,7 +909,46 @@ def p10_explicit(kinds, dtypes, devices, recipes) -> list[Case]:
                 for cfg in configs:
                     names += [v for v in misuses(cfg, delay) if v not in names]
                 for name in names:
-                    out += _enumerated(name, bases, configs, fused, delay, turn, len(out))
+                    if name in RAISING_HOOKS:
+                        out += _raising_cases(
+                            name, bases, configs, fused, delay, turn, nth[name], len(out)
+                        )
+                    else:
+                        out += _enumerated(name, bases, configs, fused, delay, turn, len(out))
+    return out
+
+
+# Positions of a raising hook per (kind, fused, delay): on a parameter the first, middle and last
+# it may sit on; on the module one (two of SPEC §4's wgrad hooks, which run under delay only).
+# The n-th case of a misuse takes the hook and micro-batch _RAISING_TURNS[(n + n // 3) % 6]:
+# over fused x delay each parameter position meets every hook and both micro-batches.
+_RAISING_PARAM_POSITIONS = (0, 0.5, 1)
+_RAISING_TURNS = tuple((h, e) for e in range(RAISING_MICRO_BATCHES) for h in range(HOOKS_AT_SITE))
+
+
+def _raising_cases(name, bases, configs, fused, delay, turn, nth, seed) -> list[Case]:
+    """The cases of raising-hook misuse ``name`` for one (kind, fused, delay), each on the next
+    boundary case that fits it, with two micro-batches (``is_first_microbatch`` of the first
+    cycling through ``None``, ``True``, ``False`` under fused accumulation); ``nth``: how many
+    cases of ``name`` came before (a counter)."""
+    fits = [i for i, cfg in enumerate(configs) if name in misuses(cfg, delay)]
+    out = []
+    if name in _PARAM_HOOKS:
+        spots: tuple = _RAISING_PARAM_POSITIONS
+    else:
+        spots = (None, None) if name == "hook_raises" else (None,)
+    for j, spot in enumerate(spots):
+        k, n = next(turn), next(nth)
+        i = fits[k % len(fits)]
+        sites = _hook_sites(configs[i], name)
+        param = None if spot is None else sites[round(spot * (len(sites) - 1))]
+        at = HookPosition(param, *_RAISING_TURNS[(n + n // 3) % len(_RAISING_TURNS)])
+        (mb,) = bases[i].micro_batches
+        flag = (None, True, False)[n % 3] if fused else mb.is_first_microbatch
+        mbs = (dataclasses.replace(mb, is_first_microbatch=flag),)
+        case = dataclasses.replace(bases[i], config=configs[i], micro_batches=mbs, delay=delay)
+        case = _with_two_micro_batches(case)
+        out.append(dataclasses.replace(case, variant=Misuse(name, str(at)), seed=seed + j))
     return out
 
 
