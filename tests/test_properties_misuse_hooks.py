@@ -90,14 +90,24 @@ def test_explicit_cases_reach_every_hook_kind_and_position(kind: str) -> None:
 
 
 def test_a_position_names_its_parts_and_refuses_bad_text() -> None:
-    at = HookPosition.parse("fc2_weight#1@0")
+    at = HookPosition.parse("fc2_weight#1mb0")
     assert (at.param, at.hook, at.micro_batch) == ("fc2_weight", 1, 0)
-    assert str(at) == "fc2_weight#1@0"
-    assert str(HookPosition.parse("#2@1")) == "#2@1"
-    assert str(Misuse("post_hook_raises", str(at))) == "post_hook_raises:fc2_weight#1@0"
-    for bad in ("weight", "weight#x@0", f"#{HOOKS_AT_SITE}@0"):
+    assert str(at) == "fc2_weight#1mb0"
+    assert str(HookPosition.parse("#2mb1")) == "#2mb1"
+    assert str(Misuse("post_hook_raises", str(at))) == "post_hook_raises:fc2_weight#1mb0"
+    for bad in ("weight", "weight#xmb0", f"#{HOOKS_AT_SITE}mb0"):
         with pytest.raises(ValueError, match=bad):
             HookPosition.parse(bad)
+    case = _case("post_hook_raises:fc2_weight#1mb0", "LayerNormMLP")
+    assert Case.from_json(case.to_json()).variant == Misuse("post_hook_raises", "fc2_weight#1mb0")
+    impl = get_backend("impl")
+    for variant in (
+        "post_hook_raises:fc1_weight#0mb0",
+        "hook_raises:weight#0mb0",
+        "hook_raises:#0mb2",
+    ):
+        with pytest.raises(ValueError, match=variant.partition(":")[2]):
+            run_case(impl, "P10", _case(variant))
 
 
 # ---- planted bugs: RAISING_HOOK_MUTANTS -----------------------------------------------------
@@ -105,29 +115,29 @@ def test_a_position_names_its_parts_and_refuses_bad_text() -> None:
 #: Each mutant, a case that shows it and what the failure says.
 _CATCHES = {
     "post-hook-before-pop": (
-        "post_hook_raises:weight#1@0",
+        "post_hook_raises:weight#1mb0",
         True,
         "pending_wgrad_count after the failed backward_dw(): got 2, expected 1",
     ),
-    "pop-after-hooks": ("hook_raises:#0@0", True, "pending_wgrad_count after the failed"),
+    "pop-after-hooks": ("hook_raises:#0mb0", True, "pending_wgrad_count after the failed"),
     "entry-taken-before-wgrad": (
-        "tensor_hook_raises:weight#0@1",
+        "tensor_hook_raises:weight#0mb1",
         True,
         "pending_wgrad_count after the failed backward_dw(): got 0, expected 1",
     ),
     "tensor-hooks-as-written": (
-        "tensor_hook_raises:bias#1@0",
+        "tensor_hook_raises:bias#1mb0",
         True,
         "written by a failed backward_dw() weight.grad",
     ),
-    "tensor-hook-error-swallowed": ("tensor_hook_raises:weight#1@0", False, "nothing did"),
-    "post-hook-error-wrapped": ("post_hook_raises:bias#2@1", True, "instead of the hook's own"),
+    "tensor-hook-error-swallowed": ("tensor_hook_raises:weight#1mb0", False, "was swallowed"),
+    "post-hook-error-wrapped": ("post_hook_raises:bias#2mb1", True, "instead of the hook's own"),
     "wgrad-hooks-in-finally": (
-        "post_hook_raises:weight#0@0",
+        "post_hook_raises:weight#0mb0",
         True,
         "are not those of the twin up to the raising one",
     ),
-    "wgrad-hooks-stuck-after-raise": ("hook_raises:#1@0", True, "hooks after the failure"),
+    "wgrad-hooks-stuck-after-raise": ("hook_raises:#1mb0", True, "hooks after the failure"),
 }
 
 
@@ -158,9 +168,9 @@ def test_writing_as_hooks_run_shows_only_past_the_first_parameter(tmp_path: Path
     """Why every position: one pass of hook-then-write goes unseen when the first parameter's
     hook raises (nothing was written yet) and is caught on a later one."""
     backend = _mutated(tmp_path, "tensor-hooks-as-written")
-    run_case(backend, "P10", _case("tensor_hook_raises:weight#1@0"))
+    run_case(backend, "P10", _case("tensor_hook_raises:weight#1mb0"))
     with pytest.raises(AssertionError, match="written by a failed backward_dw"):
-        run_case(backend, "P10", _case("tensor_hook_raises:bias#1@0"))
+        run_case(backend, "P10", _case("tensor_hook_raises:bias#1mb0"))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -168,7 +178,7 @@ def test_the_old_bug_is_caught_for_every_module(tmp_path: Path, kind: str) -> No
     """The entry left queued after a raising post-accumulate hook (the impl bug fixed in
     5844dc9), on the last parameter and the second entry."""
     param = raising_hook_params(_case("hook_raises", kind).config)[-1]
-    case = _case(f"post_hook_raises:{param}#2@1", kind)
+    case = _case(f"post_hook_raises:{param}#2mb1", kind)
     run_case(get_backend("impl"), "P10", case)
     with pytest.raises(AssertionError, match="pending_wgrad_count after the failed"):
         run_case(_mutated(tmp_path, "post-hook-before-pop"), "P10", case)

@@ -45,7 +45,7 @@ INPUT_ONLY_MODES = ("grad", "inputs")
 class Misuse:
     """P10: the misuse ``name`` (from :data:`MISUSES`); ``weight`` is the GEMM weight whose
     ``main_grad`` a ``main_grad_*`` or ``wgrad_fails`` misuse breaks (``None``: the first), or
-    where a ``*hook_raises`` one's hook sits (``"weight#1@0"``: :class:`~.misuse.HookPosition`)."""
+    where a ``*hook_raises`` one's hook sits (``"weight#1mb0"``: :class:`~.misuse.HookPosition`)."""
 
     name: str
     weight: str | None = None

@@ -437,26 +437,26 @@ class HookPosition:
     """Where a raising hook sits: on parameter ``param`` (``None``: on the module), the
     ``hook``-th of :data:`HOOKS_AT_SITE` registered there, raising while micro-batch
     ``micro_batch`` is handled (its backward, or under delay its entry's ``backward_dw()``).
-    String form ``"weight#1@0"`` (``"#2@1"`` on the module), kept in ``Misuse.weight``."""
+    String form ``"weight#1mb0"`` (``"#2mb1"`` on the module), kept in ``Misuse.weight``."""
 
     param: str | None
     hook: int
     micro_batch: int
 
     def __str__(self) -> str:
-        return f"{self.param or ''}#{self.hook}@{self.micro_batch}"
+        return f"{self.param or ''}#{self.hook}mb{self.micro_batch}"
 
     @classmethod
     def parse(cls, text: str | None) -> HookPosition:
-        """``"weight#1@0"``; ``None`` is the last hook on the module, first micro-batch."""
+        """``"weight#1mb0"``; ``None`` is the last hook on the module, first micro-batch."""
         if text is None:
             return cls(None, HOOKS_AT_SITE - 1, 0)
         param, _, rest = text.partition("#")
-        hook, _, mb = rest.partition("@")
+        hook, _, mb = rest.partition("mb")
         if not (hook.isdigit() and mb.isdigit()) or int(hook) >= HOOKS_AT_SITE:
             raise ValueError(
-                f"raising-hook position {text!r} is not PARAM#HOOK@MICRO_BATCH with HOOK below "
-                f"{HOOKS_AT_SITE} (e.g. 'weight#1@0', '#2@1' on the module)"
+                f"raising-hook position {text!r} is not PARAM#HOOKmbMICRO_BATCH with HOOK below "
+                f"{HOOKS_AT_SITE} (e.g. 'weight#1mb0', '#2mb1' on the module)"
             )
         return cls(param or None, int(hook), int(mb))
 
@@ -628,6 +628,21 @@ def _run_all(run: _HookedRun, schedule: list[tuple[str, int]], remove_before: in
     return snaps
 
 
+def _position_of(m: _Misused) -> HookPosition:
+    """The case's :class:`HookPosition`, refused with ``ValueError`` naming it when it does not
+    fit the module (a parameter it lacks, a parameter for a module hook, a later micro-batch
+    than the misuse runs)."""
+    at = HookPosition.parse(m.case.variant.weight)
+    sites = _hook_sites(m.config, m.name) if m.name in _PARAM_HOOKS else [None]
+    if at.param not in sites or at.micro_batch >= RAISING_MICRO_BATCHES:
+        raise ValueError(
+            f"{m.name}: position {str(at)!r} does not fit {m.config.kind}; the hook sits on one "
+            f"of {sites} (None: the module) while one of micro-batches "
+            f"0..{RAISING_MICRO_BATCHES - 1} is handled"
+        )
+    return at
+
+
 def _raising_hook(m: _Misused) -> None:
     """A hook of kind ``m.name`` raises at ``case.variant.weight``'s position (a
     :class:`HookPosition`). The hook's own exception object propagates, from the step where the
@@ -638,7 +653,7 @@ def _raising_hook(m: _Misused) -> None:
     of a twin whose hook never raised: the twin that ran the failed micro-batch where its
     writes happened (or are still queued), the twin that skipped it where they did not."""
     t, case = m.t, m.case
-    at = HookPosition.parse(m.case.variant.weight)
+    at = _position_of(m)
     delay, kind = case.delay, m.name
     t.expect(kind != "hook_raises" or delay, "P10 hook_raises needs a delayed case")
     site = _raising_site(m, at)
@@ -649,7 +664,13 @@ def _raising_hook(m: _Misused) -> None:
     a = _HookedRun(m, at, raises=True)
     where = f"{kind} at {at}, delay={delay}"
     for s in range(fail):
-        a.do(schedule[s])
+        try:
+            a.do(schedule[s])
+        except Exception as exc:
+            raise PropertyViolation(
+                f"{where}: {_step_name(schedule[s])} raised {type(exc).__name__}({exc}); the "
+                f"hook is due to raise in {_step_name(site)}"
+            ) from exc
     before, pending = a.run.all_snapshot(), a.run.pending()
     try:
         a.do(site)
@@ -661,7 +682,10 @@ def _raising_hook(m: _Misused) -> None:
         )
     else:
         t.expect(a.raised, f"{where}: the hook was not called for micro-batch {at.micro_batch}")
-        raise PropertyViolation(f"{where}: the hook raised in {_step_name(site)}, nothing did")
+        raise PropertyViolation(
+            f"{where}: the hook raised in {_step_name(site)}, but the call returned normally "
+            "(the exception was swallowed)"
+        )
     seen, due = a.step_logs[-1], with_twin.step_logs[fail]
     t.expect(
         seen == due[: len(seen)] and seen[-1:] == [a.labels[at.hook]],
