@@ -70,8 +70,8 @@ MUTANTS = (
         (
             (
                 "base.py",
-                "        entry = self._wgrad_store.head()\n",
-                "        entry = self._wgrad_store.head()\n"
+                "        entry = store.head()\n",
+                "        entry = store.head()\n"
                 "        for _name, p in entry.params:\n"
                 "            if not (self.fuse_wgrad_accumulation and p.dim() == 2):\n"
                 "                p.grad = None\n",
@@ -194,12 +194,13 @@ MUTANTS = (
         (
             (
                 "base.py",
-                "        entry = self._wgrad_store.head()\n",
-                "        self._run_hooks()\n        entry = self._wgrad_store.head()\n",
+                "        entry = store.head()\n",
+                "        self._run_hooks()\n        entry = store.head()\n",
             ),
             (
                 "base.py",
-                "            acc.run_post_accumulate_hooks(leaf)\n        self._run_hooks()\n",
+                "            acc.run_post_accumulate_hooks(leaf)\n        if self._wgrad_hooks:\n"
+                "            self._run_hooks()\n",
                 "            acc.run_post_accumulate_hooks(leaf)\n",
             ),
         ),
@@ -237,10 +238,9 @@ MUTANTS = (
             (
                 "linear.py",
                 "        def wgrad_closure(dy, x=None):\n"
-                "            module._check_main_grads(named_weights)\n",
+                "            if module.fuse_wgrad_accumulation:\n",
                 "        def wgrad_closure(dy, x=None):\n"
-                "            if not overwrite:\n"
-                "                module._check_main_grads(named_weights)\n",
+                "            if module.fuse_wgrad_accumulation and not overwrite:\n",
             ),
         ),
     ),
@@ -390,8 +390,8 @@ SHARED_PATH_MUTANTS = (
             ),
             (
                 "linear.py",
-                "        x, recipe = self._check_input(inp, self.in_features)\n",
-                "        x, recipe = self._check_input(inp, self.in_features)\n"
+                "        params = (p.get(\"weight\"), p.get(\"bias\"))\n",
+                "        params = (p.get(\"weight\"), p.get(\"bias\"))\n"
                 "        self._uses = getattr(self, '_uses', 0) + 1\n",
             ),
         ),
@@ -478,6 +478,11 @@ P17_MUTANTS = (
                 "base.py",
                 "            dest = node_destination(node)\n",
                 "            dest = ACCUMULATE if node_destination(node) else None\n",
+            ),
+            (
+                "base.py",
+                "                    if _will_execute(node):\n",
+                "                    if _will_execute(node) or True:\n",
             ),
         ),
     ),
@@ -590,9 +595,9 @@ PROTOCOL_MUTANTS = (
         (
             (
                 "linear.py",
-                "        return y if x is inp or inp.dim() == 2 else "
+                "            return y if x is inp else "
                 "y.reshape(*inp.shape[:-1], self.out_features)\n",
-                "        return y.view(y.shape) if x is inp or inp.dim() == 2 else "
+                "            return y.view(y.shape) if x is inp else "
                 "y.reshape(*inp.shape[:-1], self.out_features)\n",
             ),
         ),

@@ -307,6 +307,7 @@ class SplitBackwardModule(ModuleContract):
         first = params[0]
         if not (
             type(inp) is _Tensor
+            and "parametrizations" not in self._modules  # torch.nn.utils.parametrize
             and first is not None
             and inp.dtype is first.dtype
             and inp.ndim
@@ -327,6 +328,21 @@ class SplitBackwardModule(ModuleContract):
             if self.fuse_wgrad_accumulation:
                 self._check_weights_used(None, names, params)
         return True
+
+    def _plain_forward(self, inp, params, function, c_apply, is_first_microbatch, features):
+        """The forward on the plain path (:meth:`_plain_call` true) of a module whose Function
+        ``function`` takes ``(x, *params, module, overwrite, autocast)``: ``c_apply``
+        (:func:`~._torch_compat.function_c_apply` of it) when a gradient is needed
+        (:func:`wants_graph`), else its forward as a plain function (no autograd node).
+        ``features``: the output's last dimension."""
+        k = inp.shape[-1]
+        x = inp if inp.ndim == 2 else inp.reshape(-1, k)
+        if wants_graph(x, params):
+            overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
+            y = c_apply(_unwrap_if_dead(x), *params, self, overwrite, None)
+        else:
+            y = function.forward(NoGradContext(), x, *params, self, False, None)
+        return y if x is inp else y.reshape(*inp.shape[:-1], features)
 
     def _run_forward(
         self, x, recipe, is_first_microbatch, names, params, apply, fp8_forward
@@ -562,7 +578,10 @@ class SplitBackwardModule(ModuleContract):
                 pending.queued(self)
             store.push(WgradEntry(closure, saved, written))
             return
-        self._execute(closure, saved, written, hooked)
+        if hooked is False and not _grad_enabled():
+            closure(*saved)  # _execute's own first case, a call fewer
+        else:
+            self._execute(closure, saved, written, hooked)
         if self._wgrad_hooks:
             self._run_hooks()
 

@@ -33,9 +33,11 @@ import torch
 from splitgrad.reference.contract import ACCUMULATE, RETURN, GroupedLinearContract
 
 from . import compiled, gemm, gemm_paths
-from ._torch_compat import storage_key
+from ._torch_compat import function_c_apply, storage_key
+from ._torch_compat import unwrap_if_dead as _unwrap_if_dead
 from .base import (
     FP8WgradPart,
+    NoGradContext,
     SplitBackwardModule,
     autocast_cast,
     autocast_off,
@@ -45,6 +47,7 @@ from .base import (
     functorch_active,
     take_fp8,
     twin,
+    wants_graph,
     without_autocast,
 )
 from .fp8 import update_delayed_scaling
@@ -132,21 +135,27 @@ def _backward(
     to_w, to_b = dest[:n], dest[n:]
     need_w = [d == ACCUMULATE for d in to_w]
     need_b = [d == ACCUMULATE for d in to_b] or [False] * n
-    written = _written(module, leaves, need_w, need_b)
-    named_weights = written[: sum(need_w)]
+    n_w = sum(need_w)
+    if n_w == n and (not to_b or sum(need_b) == n):
+        # Every leaf written (the usual case): _written's pairs without its filter.
+        written = tuple(zip(module._gemm_weight_names + module._gemm_bias_names, leaves))
+    else:
+        written = _written(module, leaves, need_w, need_b)
+    named_weights = written[:n_w]
     hooked = module._begin_writes(written)
     dx = None
     if need_x:
         if use_grouped:
             dx = gemm.grouped_mm_dgrad(dy, _stacked(weights), m_splits)
         else:
-            dx = torch.cat(
-                [torch.mm(dy_g, weights[i]) for i, dy_g in enumerate(dy.split(m_splits))]
-            )
-    if any(need_w) or any(need_b):
+            dx = dy.new_empty(dy.shape[0], weights[0].shape[1])
+            for i, (dy_g, dx_g) in enumerate(zip(dy.split(m_splits), dx.split(m_splits))):
+                torch.mm(dy_g, weights[i], out=dx_g)
+    if written:
 
         def wgrad_closure(dy, x=None):
-            module._check_main_grads(named_weights)
+            if module.fuse_wgrad_accumulation:
+                module._check_main_grads(named_weights)
             xs = x.split(m_splits) if x is not None else (None,) * n
             for i, (dy_g, x_g) in enumerate(zip(dy.split(m_splits), xs)):
                 if need_w[i]:
@@ -154,7 +163,7 @@ def _backward(
                 if need_b[i]:
                     module._write_bias_grad(bias_params[i], dy_g)
 
-        saved = (dy, x.detach()) if any(need_w) else (dy,)
+        saved = (dy, x.detach()) if n_w else (dy,)
         module._submit_wgrad(wgrad_closure, saved, written, compiled_graph, hooked)
     return (dx, *_returned_grads(to_w, to_b, dy, x, m_splits))
 
@@ -163,9 +172,11 @@ class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, m_splits, module, overwrite, use_grouped, autocast, *params):
         n = module.num_gemms
-        # SPEC §2 under torch.autocast: every group's GEMM in the autocast dtype.
-        weights, biases = autocast_cast(autocast, *params[:n]), params[n:]
-        biases = autocast_cast(autocast, *biases) if biases else None
+        weights, biases = params[:n], params[n:] or None
+        if autocast is not None:
+            # SPEC §2 under torch.autocast: every group's GEMM in the autocast dtype.
+            weights = autocast_cast(autocast, *weights)
+            biases = autocast_cast(autocast, *biases) if biases else None
         ctx.module, ctx.m_splits, ctx.overwrite, ctx.use_grouped = (
             module,
             m_splits,
@@ -176,12 +187,14 @@ class _GroupedLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x, *weights)
         if use_grouped:
             return gemm.grouped_mm_forward(x, _stacked(weights), biases, m_splits)
-        return torch.cat(
-            [
-                gemm.linear_forward(x_g, weights[i], None if biases is None else biases[i])
-                for i, x_g in enumerate(x.split(m_splits))
-            ]
-        )
+        # One GEMM per group, each written into its (contiguous) row block of the output.
+        y = x.new_empty(x.shape[0], weights[0].shape[0])
+        for i, (x_g, y_g) in enumerate(zip(x.split(m_splits), y.split(m_splits))):
+            if biases is None:
+                torch.mm(x_g, weights[i].t(), out=y_g)
+            else:
+                torch.addmm(biases[i], x_g, weights[i].t(), out=y_g)
+        return y
 
     @staticmethod
     @without_autocast
@@ -227,6 +240,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
 
 
 _apply = fast_apply(_GroupedLinearFunction)
+_c_apply = function_c_apply(_GroupedLinearFunction)
 
 
 @compiled.backward_op("splitgrad::grouped_linear_backward")
@@ -340,6 +354,36 @@ class GroupedLinear(GroupedLinearContract, SplitBackwardModule):
         shape = (out_features, in_features)
         return [storage[i * slot : i * slot + size].view(shape) for i in range(n)]
 
+    def _plain_grouped_forward(self, inp, m_splits, params, is_first_microbatch) -> torch.Tensor:
+        """:meth:`forward` on the plain path (:meth:`~.base.SplitBackwardModule._plain_call`):
+        ``m_splits`` checked (a list or tuple of ``num_gemms`` non-negative ints summing to the
+        rows is taken as it is; anything else goes through the full check, which says what is
+        wrong), then the Function, or its forward as a plain function when nothing needs a
+        gradient."""
+        k = self.in_features
+        x = inp if inp.ndim == 2 else inp.reshape(-1, k)
+        rows = x.shape[0]
+        if (
+            type(m_splits) in (list, tuple)
+            and len(m_splits) == self.num_gemms
+            and set(map(type, m_splits)) == {int}
+            and min(m_splits) >= 0
+            and sum(m_splits) == rows
+        ):
+            splits = list(m_splits)
+        else:
+            splits = self._check_m_splits(m_splits, rows)
+        use_grouped = self._use_grouped(x)
+        if wants_graph(x, params):
+            ow = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
+            y = _c_apply(_unwrap_if_dead(x), splits, self, ow, use_grouped, None, *params)
+        else:
+            ctx = NoGradContext()
+            y = _GroupedLinearFunction.forward(
+                ctx, x, splits, self, False, use_grouped, None, *params
+            )
+        return y if x is inp else y.reshape(*inp.shape[:-1], self.out_features)
+
     def _use_grouped(self, x: torch.Tensor) -> bool:
         path = self.grouped_gemm
         if path == "auto":
@@ -404,6 +448,10 @@ class GroupedLinear(GroupedLinearContract, SplitBackwardModule):
     def forward(
         self, inp: torch.Tensor, m_splits: Sequence[int], is_first_microbatch: bool | None = None
     ) -> torch.Tensor:
+        names = self._gemm_weight_names + self._gemm_bias_names
+        params = tuple(map(self._parameters.get, names))
+        if self._plain_call(inp, params, names, self.in_features):
+            return self._plain_grouped_forward(inp, m_splits, params, is_first_microbatch)
         x, recipe = self._check_input(inp, self.in_features)
         splits = self._check_m_splits(m_splits, x.shape[0])
         overwrite = bool(is_first_microbatch) and self.fuse_wgrad_accumulation

@@ -6,6 +6,7 @@ import torch
 from splitgrad.reference.contract import LayerNormLinearContract
 
 from . import compiled, gemm
+from ._torch_compat import function_c_apply
 from .base import (
     SplitBackwardModule,
     autocast_cast,
@@ -57,7 +58,8 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         ln_out, stats = norm_fwd(module, x, ln_weight, ln_bias)
         # SPEC §2 under torch.autocast: the norm in the parameters' dtype, the GEMM in the
         # autocast dtype.
-        ln_out, weight, bias = autocast_cast(autocast, ln_out, weight, bias)
+        if autocast is not None:
+            ln_out, weight, bias = autocast_cast(autocast, ln_out, weight, bias)
         ctx.save_for_backward(x, ln_weight, ln_bias, ln_out, weight, *stats)
         return gemm.linear_forward(ln_out, weight, bias)
 
@@ -66,6 +68,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
 
 
 _apply = fast_apply(_LayerNormLinearFunction)
+_c_apply = function_c_apply(_LayerNormLinearFunction)
 
 
 class _LayerNormLinearFP8Function(torch.autograd.Function):
@@ -207,9 +210,24 @@ class LayerNormLinear(LayerNormLinearContract, SplitBackwardModule):
     the deferrable part.
     """
 
+    #: ``"auto"`` or ``"cuda"``: whether the norm takes CUDA's gamma/beta branch on
+    #: CUDA only or on every device (see :mod:`.norm`).
+    norm_kernel: str = "auto"
+
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        x, recipe = self._check_input(inp, self.in_features)
         p = self._parameters
+        params = (p.get("layer_norm_weight"), p.get("layer_norm_bias"), p.get("weight"))
+        params += (p.get("bias"),)
+        if self._plain_call(inp, params, _NAMES, self.in_features):
+            return self._plain_forward(
+                inp,
+                params,
+                _LayerNormLinearFunction,
+                _c_apply,
+                is_first_microbatch,
+                self.out_features,
+            )
+        x, recipe = self._check_input(inp, self.in_features)
         try:
             params = (p["layer_norm_weight"], p["layer_norm_bias"], p["weight"], p["bias"])
         except KeyError:  # parametrized

@@ -17,6 +17,7 @@ import torch
 from splitgrad.reference.contract import ACCUMULATE, RETURN, LayerNormMLPContract
 
 from . import compiled, gemm
+from ._torch_compat import function_c_apply
 from .activation import act_bwd, act_fwd
 from .base import (
     FP8WgradPart,
@@ -74,10 +75,15 @@ def _backward(module, dy, saved, need_x, dest, leaves, overwrite, compiled_graph
     returned. The body of both the eager Function's backward and the compiled op."""
     x, ln_weight, ln_bias, ln_out, fc1_weight, fc1_out, act_out, fc2_weight, *stats = saved
     to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2 = dest
-    need_lnw, need_lnb, need_w1, need_b1, need_w2, need_b2 = _needs(dest)
+    # _needs(dest) and _written(...), inlined: this runs once per backward.
+    need_lnw, need_lnb = to_lnw is not None, to_lnb is not None
+    need_w1, need_b1 = to_w1 == ACCUMULATE, to_b1 == ACCUMULATE
+    need_w2, need_b2 = to_w2 == ACCUMULATE, to_b2 == ACCUMULATE
     _, _, w1, b1, w2, b2 = leaves
-    written = _written(leaves, need_w1, need_b1, need_w2, need_b2)
-    named_weights = [(n, leaf) for n, leaf in written if n.endswith("weight")]
+    if need_w1 and need_b1 and need_w2 and need_b2:
+        written = (("fc2_weight", w2), ("fc2_bias", b2), ("fc1_weight", w1), ("fc1_bias", b1))
+    else:
+        written = _written(leaves, need_w1, need_b1, need_w2, need_b2)
     hooked = module._begin_writes(written)
 
     need_norm = need_x or need_lnw or need_lnb
@@ -101,7 +107,8 @@ def _backward(module, dy, saved, need_x, dest, leaves, overwrite, compiled_graph
     if written:
 
         def wgrad_closure(dy, act_out, d_fc1_out, ln_out):
-            module._check_main_grads(named_weights)
+            if module.fuse_wgrad_accumulation:
+                module._check_main_grads([(n, w) for n, w in written if n.endswith("weight")])
             if need_w2:
                 module._write_weight_grad(w2, dy, act_out, overwrite)
             if need_b2:
@@ -136,13 +143,15 @@ class _LayerNormMLPFunction(torch.autograd.Function):
     ):
         ctx.module, ctx.overwrite, ctx.autocast = module, ow, autocast
         ctx.params = (ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
-        ctx.present = tuple(p is not None for p in ctx.params)
+        ctx.present = (True, ln_bias is not None, True, fc1_bias is not None, True)
+        ctx.present += (fc2_bias is not None,)
         ln_out, stats = norm_fwd(module, x, ln_weight, ln_bias)
         # SPEC §2 under torch.autocast: the norm in the parameters' dtype; both GEMMs, and the
         # activation between them (on fc1's output), in the autocast dtype.
-        ln_out, fc1_weight, fc1_bias, fc2_weight, fc2_bias = autocast_cast(
-            autocast, ln_out, fc1_weight, fc1_bias, fc2_weight, fc2_bias
-        )
+        if autocast is not None:
+            ln_out, fc1_weight, fc1_bias, fc2_weight, fc2_bias = autocast_cast(
+                autocast, ln_out, fc1_weight, fc1_bias, fc2_weight, fc2_bias
+            )
         fc1_out = gemm.linear_forward(ln_out, fc1_weight, fc1_bias)
         act_out = act_fwd(fc1_out, module.activation)
         kept_act = None if module.recompute_activation else act_out
@@ -158,6 +167,7 @@ class _LayerNormMLPFunction(torch.autograd.Function):
 
 
 _apply = fast_apply(_LayerNormMLPFunction)
+_c_apply = function_c_apply(_LayerNormMLPFunction)
 
 
 class _LayerNormMLPFP8Function(torch.autograd.Function):
@@ -473,10 +483,24 @@ class LayerNormMLP(LayerNormMLPContract, SplitBackwardModule):
 
     #: Recompute ``act(fc1_out)`` in backward instead of keeping it from the forward.
     recompute_activation: bool = False
+    #: ``"auto"`` or ``"cuda"``: whether the norm takes CUDA's gamma/beta branch on
+    #: CUDA only or on every device (see :mod:`.norm`).
+    norm_kernel: str = "auto"
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        x, recipe = self._check_input(inp, self.hidden_size)
         p = self._parameters
+        params = (p.get("layer_norm_weight"), p.get("layer_norm_bias"), p.get("fc1_weight"))
+        params += (p.get("fc1_bias"), p.get("fc2_weight"), p.get("fc2_bias"))
+        if self._plain_call(inp, params, _NAMES, self.hidden_size):
+            return self._plain_forward(
+                inp,
+                params,
+                _LayerNormMLPFunction,
+                _c_apply,
+                is_first_microbatch,
+                self.hidden_size,
+            )
+        x, recipe = self._check_input(inp, self.hidden_size)
         try:
             params = tuple(p[name] for name in _NAMES)
         except KeyError:  # parametrized
