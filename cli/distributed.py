@@ -42,8 +42,8 @@ def _parser() -> argparse.ArgumentParser:
         "--world-size",
         type=int,
         default=None,
-        help="pipeline ranks for p15 (default: 2); p14 and p16 run on 2 ranks, p16-pp on 4, p19 "
-        "on 2 and 4",
+        help="pipeline ranks for p15 (default: 2); p14 runs on 2 ranks, p16 on 2 (and, under "
+        "fully_shard, 3), p16-pp on 4, p19 on 2 and 4",
     )
     p.add_argument(
         "--schedule",
@@ -91,8 +91,8 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...], tuple]:
         if fixed:
             raise ValueError(
                 f"--world-size {args.world_size} sets p15's pipeline ranks only, but {fixed} "
-                "run on fixed worlds (p14 and p16: 2 ranks, p16-pp: 4, p19: 2 and 4); use --check "
-                "p15 with it"
+                "run on fixed worlds (p14: 2 ranks, p16: 2 and 3, p16-pp: 4, p19: 2 and 4); use "
+                "--check p15 with it"
             )
     return checks, schedules, recipes
 
