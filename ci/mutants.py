@@ -929,7 +929,60 @@ CONTRACT_MUTANTS: tuple[Mutant, ...] = (
     ),
 )
 #: CUDA branches whose values fake tensors cannot see (MXFP8 swizzle, LayerNorm gamma branch).
-CUDA_BRANCH_MUTANTS: tuple[Mutant, ...] = ()
+_MX_TILES = "    return tiles.permute(0, 3, 2, 1, 4).reshape(-1).to(torch.float8_e8m0fnu)\n"
+_CUDA_AFFINE = (
+    "    if zero_centered or weight.dtype != dtype or (bias is not None and bias.dtype != dtype):\n"
+    "        return None\n"
+    "    return weight, bias\n"
+)
+_GROUPED_FORWARD = (
+    "    offs = _offsets(m_splits, x.device)\n"
+    "    y = _torch_compat.grouped_mm(_row_major(x), stacked_weights.transpose(1, 2), offs)\n"
+)
+#: Caught by verify's forced paths mxfp8_scaled (a CPU stand-in for the block-scaled GEMM that
+#: reads the scales by cuBLAS's documented layout), norm_cuda and grouped; the swizzle ones also
+#: by tests/test_mxfp8_swizzle.py, the empty-problem one by tests/test_cuda_trace.py (each plants
+#: these very edits).
+CUDA_BRANCH_MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "mx-swizzle-inner-transposed",
+        "MXFP8 scales for the CUDA GEMM: each 4x4 group of a 128x4 tile stored transposed (row "
+        "group r // 32 and scale column swapped)",
+        (("fp8_gemm.py", _MX_TILES, _MX_TILES.replace("(0, 3, 2, 1, 4)", "(0, 3, 2, 4, 1)")),),
+    ),
+    Mutant(
+        "mx-swizzle-32-4-swapped",
+        "MXFP8 scales for the CUDA GEMM: a 128x4 tile stored as 4x32x4 (row r at line r // 32) "
+        "instead of 32x4x4",
+        (("fp8_gemm.py", _MX_TILES, _MX_TILES.replace("(0, 3, 2, 1, 4)", "(0, 3, 1, 2, 4)")),),
+    ),
+    Mutant(
+        "cuda-norm-gamma-unshifted",
+        "CUDA LayerNorm branch: a zero-centred gamma already in the input's dtype is handed to "
+        "the kernel as stored (gamma - 1), without adding 1",
+        (
+            (
+                "norm.py",
+                _CUDA_AFFINE,
+                _CUDA_AFFINE.replace("if zero_centered or weight.dtype", "if weight.dtype"),
+            ),
+        ),
+    ),
+    Mutant(
+        "cuda-grouped-empty-fp32",
+        "CUDA grouped GEMM path: a batch with no rows skips the kernel and returns an empty "
+        "output made without the input's dtype (fp32 where bf16 is due)",
+        (
+            (
+                "gemm.py",
+                _GROUPED_FORWARD,
+                "    if not x.shape[0]:  # no rows: nothing for the grouped kernel to do\n"
+                "        return torch.zeros(0, stacked_weights.shape[1], device=x.device)\n"
+                + _GROUPED_FORWARD,
+            ),
+        ),
+    ),
+)
 
 ALL_MUTANTS = (
     MUTANTS

@@ -330,6 +330,11 @@ def _patched(namespace: object, **values: object) -> Iterator[None]:
             setattr(namespace, k, v)
 
 
+def _general_path(module, *args) -> bool:
+    """``SplitBackwardModule._plain_call`` inside :func:`module_step`: never the plain path."""
+    return False
+
+
 def module_step(
     module: torch.nn.Module,
     x: torch.Tensor,
@@ -364,8 +369,12 @@ def module_step(
     patch = dict(_apply=capture(function), _fp8_forward=capture(fp8_function))
     if getattr(module, "_tp", None) is not None:
         patch = dict(_TP_APPLY=tuple(capture(f) for f in _tp_function_table()[kind]))
-    # Grad mode off, as autograd runs a Function's forward and (without create_graph) backward.
-    with torch.no_grad(), _patched(namespace, **patch):
+    from . import base
+
+    # Grad mode off, as autograd runs a Function's forward and (without create_graph) backward;
+    # the general path, since the plain one runs no Function when grad mode is off.
+    general = _patched(base.SplitBackwardModule, _plain_call=_general_path)
+    with torch.no_grad(), _patched(namespace, **patch), general:
         with fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
             if kind == "GroupedLinear":
                 y = module(x, list(m_splits), is_first_microbatch=is_first_microbatch)
@@ -376,8 +385,6 @@ def module_step(
     ctx, fn = captured["ctx"], captured["fn"]
     grad = dy if dy.shape == y.shape else dy.reshape(y.shape)
     flat = grad.reshape(-1, grad.shape[-1]) if grad.dim() != 2 else grad
-    from . import base
-
     with (
         torch.no_grad(),
         _patched(namespace, edge_routes=_edge_routes),

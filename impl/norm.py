@@ -33,6 +33,10 @@ CUDA's LayerNorm kernels have no mixed-dtype mode (gamma/beta must be in the inp
 "expected scalar type BFloat16 but found Float", found by the fake-CUDA trace tier): there the
 forward and the input gradient take the bf16/fp16 parameters themselves (statistics and
 arithmetic still in fp32 inside the kernel), or, for a zero-centred gamma, run on fp32 copies.
+``module.norm_kernel = "cuda"`` takes that branch on any device (``"auto"``, the default: on CUDA
+only), so the harness fuzzes it on the CPU against the reference (``splitgrad verify --impl-path
+norm_cuda``). There the same-dtype call runs the mixed kernel on the same values, widened
+(:func:`_widened`: the CPU's same-dtype kernels keep their statistics in the input's dtype).
 """
 
 from __future__ import annotations
@@ -55,6 +59,26 @@ def _gamma(weight: torch.Tensor, zero_centered: bool, cdt: torch.dtype) -> torch
     # Shift in the compute dtype: bf16(1 + small) would lose the small part.
     g = _cast(weight, cdt)
     return g + 1 if zero_centered else g
+
+
+NORM_KERNELS = ("auto", "cuda")
+
+
+def _forced_cuda(module) -> bool:
+    """Whether ``module.norm_kernel`` asks for CUDA's branch off CUDA (``"cuda"``)."""
+    kernel = module.norm_kernel
+    if kernel == "auto":
+        return False
+    if kernel == "cuda":
+        return True
+    raise ValueError(f"norm_kernel must be one of {NORM_KERNELS}, got {kernel!r}")
+
+
+def _widened(affine: tuple, cdt: torch.dtype) -> tuple:
+    """CUDA's ``affine`` for the CPU (the forced branch): the CPU's same-dtype kernels keep
+    their statistics in x's dtype, CUDA's in fp32; its mixed kernels on the same values, widened
+    exactly, do CUDA's arithmetic."""
+    return tuple(None if a is None else _cast(a, cdt) for a in affine)
 
 
 def _cuda_affine(
@@ -83,9 +107,11 @@ def norm_fwd(
             # fp32), so the graph normalizes an fp32 copy; it fuses the casts.
             y, mean, rstd = torch.native_layer_norm(x.to(cdt), [k], gamma, beta, module.eps)
             return y.to(x.dtype), (mean, rstd)
-        if x.dtype != cdt and x.is_cuda:
+        if x.dtype != cdt and (x.is_cuda or _forced_cuda(module)):
             affine = _cuda_affine(weight, bias, module.zero_centered_gamma, x.dtype)
             if affine is not None:
+                if not x.is_cuda:
+                    affine = _widened(affine, cdt)
                 y, mean, rstd = torch.native_layer_norm(x, [k], *affine, module.eps)
                 return y, (mean, rstd)
             y, mean, rstd = torch.native_layer_norm(x.to(cdt), [k], gamma, beta, module.eps)
@@ -155,13 +181,15 @@ def norm_bwd(
         else:
             dx = dw = db = None
             affine = (gamma, beta)
-            if need[0] and x.is_cuda:
+            if need[0] and (x.is_cuda or _forced_cuda(module)):
                 # CUDA: gamma/beta in x's dtype (see _cuda_affine), else on fp32 copies.
                 affine = _cuda_affine(weight, bias, module.zero_centered_gamma, x.dtype)
                 if affine is None:
                     dx = torch.ops.aten.native_layer_norm_backward(
                         d_out.to(cdt), x.to(cdt), [k], mean, rstd, gamma, beta, [True, False, False]
                     )[0]
+                elif not x.is_cuda:
+                    affine = _widened(affine, cdt)
             if need[0] and dx is None:
                 dx = torch.ops.aten.native_layer_norm_backward(
                     d_out, x, [k], mean, rstd, *affine, [True, False, False]

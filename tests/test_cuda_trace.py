@@ -14,8 +14,11 @@ the strategies rarely draw.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import splitgrad.impl as impl
@@ -39,6 +42,7 @@ from splitgrad.properties.backends import build_library_module
 from splitgrad.properties.cases import strategies as S
 from splitgrad.properties.cases.data import gemm_weight_names, with_layout
 
+ROOT = Path(__file__).resolve().parent.parent
 CAPS = list(fake_cuda.CAPABILITIES.items())
 CAP_IDS = [name for name, _ in CAPS]
 RECIPE_NAMES = (None, "delayed-max-hybrid", "current-hybrid", "mxfp8", "block")
@@ -179,9 +183,29 @@ def _check_decisions(log, config, cap):
                 assert d.path == "fallback" and d.reason, d.line()
 
 
+def assert_on_cuda(t, shape, dtype, what: str) -> None:
+    """``t`` is a CUDA tensor of ``shape`` and ``dtype``; ``what`` names it in the failure."""
+    assert isinstance(t, torch.Tensor), f"{what}: {t!r} instead of a tensor"
+    got, want = (tuple(t.shape), t.dtype, t.device.type), (tuple(shape), dtype, "cuda")
+    assert got == want, f"{what}: (shape, dtype, device) {got}, expected {want}"
+
+
+def _check_gradients(module, main_grads, what: str, *, all_written: bool) -> None:
+    """Every gradient the module holds is where SPEC §3 puts it, on CUDA: ``main_grad`` (the
+    very fp32 tensor given) for fused GEMM weights, ``.grad`` in the parameter's shape and
+    dtype otherwise; ``all_written``: every parameter has one."""
+    for name, p in module.named_parameters():
+        if name in main_grads:
+            assert p.grad is None and p.main_grad is main_grads[name], f"{what}: {name}"
+            assert_on_cuda(p.main_grad, p.shape, torch.float32, f"{what}: {name}.main_grad")
+        elif all_written or p.grad is not None:
+            assert_on_cuda(p.grad, p.shape, p.dtype, f"{what}: {name}.grad")
+
+
 def _trace_case(case, cap):
-    """Run every micro-batch of ``case`` on fake CUDA at ``cap``; check shapes, dtypes,
-    devices, gradient destinations and the recorded decisions."""
+    """Run every micro-batch of ``case`` on fake CUDA at ``cap``; check the shape, dtype and
+    device of every output (y, dx, each gradient after each backward and each backward_dw),
+    the gradient destinations and the recorded decisions."""
     config = case.config
     recipe = None if config.recipe is None else S.make_recipe(config.recipe)
     with fake_cuda.fake_cuda(cap) as calls, gemm_paths.recording() as log:
@@ -192,7 +216,7 @@ def _trace_case(case, cap):
             if config.fuse_wgrad_accumulation and name in weights:
                 p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device="cuda")
                 main_grads[name] = p.main_grad
-        for mb in case.micro_batches:
+        for i, mb in enumerate(case.micro_batches):
             x = with_layout(
                 torch.empty(
                     *mb.lead_shape, config.in_features, dtype=config.torch_dtype, device="cuda"
@@ -207,21 +231,15 @@ def _trace_case(case, cap):
             )
             splits = list(mb.m_splits) if mb.m_splits is not None else None
             out = fake_cuda.module_step(module, x, dy, splits, recipe, mb.is_first_microbatch)
-            assert out.y.shape == (*mb.lead_shape, config.output_features), out.y.shape
-            assert out.y.dtype == config.torch_dtype and out.y.device.type == "cuda"
-            assert out.dx.shape == (mb.rows, config.in_features), out.dx.shape
-            assert out.dx.dtype == config.torch_dtype and out.dx.device.type == "cuda"
+            want = config.torch_dtype
+            assert_on_cuda(out.y, (*mb.lead_shape, config.output_features), want, f"y[{i}]")
+            assert_on_cuda(out.dx, (mb.rows, config.in_features), want, f"dx[{i}]")
+            _check_gradients(module, main_grads, f"backward {i}", all_written=not case.delay)
         assert module.pending_wgrad_count == (len(case.micro_batches) if case.delay else 0)
-        while module.pending_wgrad_count:
+        for i in range(module.pending_wgrad_count):
             module.backward_dw()
-        for name, p in module.named_parameters():
-            if name in main_grads:
-                assert p.grad is None and p.main_grad is main_grads[name], name
-                assert p.main_grad.dtype == torch.float32, name
-            else:
-                assert p.grad is not None, name
-                assert p.grad.shape == p.shape and p.grad.dtype == p.dtype, name
-                assert p.grad.device.type == "cuda", name
+            _check_gradients(module, main_grads, f"backward_dw {i}", all_written=True)
+        _check_gradients(module, main_grads, "at the end", all_written=True)
     _check_decisions(log, config, cap)
     if any(mb.rows for mb in case.micro_batches):
         assert calls.gemms, "no GEMM was traced"
@@ -262,6 +280,78 @@ def _pinned(kind, dtype, recipe, fused, splits=None, rows=512, k=512, n=1024, gr
 FAST_SPLITS = {"block": [512, 0, 512, 0], None: [0, 1, 255, 256]}
 
 
+def _empty_case(kind, recipe, fused, zero_centered, delay):
+    """A micro-batch with no rows (every GroupedLinear group empty, overwriting main_grad),
+    then one whose groups include empty ones, at sizes where every fast path applies."""
+    rows = 1024 if recipe == "block" else 512
+    splits = None
+    if kind == "GroupedLinear":
+        splits = FAST_SPLITS["block"] if recipe == "block" else [0, 32, 224, 256]
+    config = S.ModuleConfig(
+        kind=kind,
+        in_features=512,
+        out_features=1024,
+        num_gemms=4 if kind == "GroupedLinear" else 1,
+        fuse_wgrad_accumulation=fused,
+        zero_centered_gamma=zero_centered and kind in S.NORM_KINDS,
+        dtype="bfloat16",
+        device="cuda",
+        recipe=recipe,
+    )
+    mbs = (
+        S.MicroBatch((0,), (0,) * 4 if splits else None, True),
+        S.MicroBatch((rows,), tuple(splits) if splits else None, None),
+    )
+    return S.Case(config=config, micro_batches=mbs, seed=0, delay=delay)
+
+
+@pytest.mark.parametrize("cap", [c for _, c in CAPS], ids=CAP_IDS)
+@pytest.mark.parametrize("recipe", RECIPE_NAMES, ids=str)
+@pytest.mark.parametrize("kind", S.KINDS)
+@pytest.mark.parametrize(
+    "fused,zero_centered,delay",
+    [(False, False, False), (True, True, True)],
+    ids=["plain", "fused-zcg-delayed"],
+)
+def test_empty_problems_trace_on_fake_cuda(cap, recipe, kind, fused, zero_centered, delay):
+    """Every module, bf16 and each FP8 recipe, plain and fused, delayed or not, the LayerNorm
+    kinds with a zero-centred gamma (CUDA's fp32-copy branch) or not: a micro-batch of zero
+    rows (GroupedLinear: every group empty) and groups of size 0 give outputs, input gradients,
+    gradients written in backward and entries written by backward_dw in the expected shape,
+    dtype and device (SPEC §2: empty dimensions are ordinary)."""
+    _trace_case(_empty_case(kind, recipe, fused, zero_centered, delay), cap)
+
+
+def _cuda_branch_mutant(name: str):
+    sys.path.insert(0, str(ROOT / "ci"))
+    try:
+        import mutants
+    finally:
+        sys.path.pop(0)
+    return next(m for m in mutants.CUDA_BRANCH_MUTANTS if m.name == name)
+
+
+def _planted(namespace, function: str, mutant):
+    """``namespace.function`` with ``mutant``'s edits applied to its source."""
+    source = inspect.getsource(getattr(namespace, function))
+    for _, old, new in mutant.edits:
+        assert old in source, f"{mutant.name}: edit does not apply to {function}"
+        source = source.replace(old, new)
+    scope = dict(vars(namespace))
+    exec(compile(source, f"planted {mutant.name}", "exec"), scope)
+    return scope[function]
+
+
+@pytest.mark.parametrize("cap", [c for _, c in CAPS], ids=CAP_IDS)
+def test_planted_empty_fp32_output_is_caught(monkeypatch, cap):
+    """ci/mutants.py's cuda-grouped-empty-fp32 (the grouped GEMM path returning an fp32 output
+    for a batch with no rows), planted: the trace names the output and its dtype."""
+    mutant = _cuda_branch_mutant("cuda-grouped-empty-fp32")
+    monkeypatch.setattr(gemm, "grouped_mm_forward", _planted(gemm, "grouped_mm_forward", mutant))
+    with pytest.raises(AssertionError, match=r"y\[0\].*torch.float32"):
+        _trace_case(_empty_case("GroupedLinear", None, False, False, True), cap)
+
+
 @pytest.mark.parametrize("cap", [c for _, c in CAPS], ids=CAP_IDS)
 @pytest.mark.parametrize("recipe", RECIPE_NAMES, ids=str)
 @pytest.mark.parametrize("kind", S.KINDS)
@@ -299,6 +389,45 @@ def test_unaligned_shapes_show_the_fallback(cap):
     assert {d.gemm for d in fallbacks} == {"forward", "dgrad", "wgrad"}
     assert all("24" in d.reason and "16" in d.reason for d in fallbacks), fallbacks
     assert all(c.op in ("mm", "addmm", "addmm_") for c in calls.gemms), calls.gemms
+
+
+# ---- CUDA's LayerNorm branch, forced on the CPU (splitgrad verify --impl-path norm_cuda) -------
+
+
+class _LayerNormCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """The input and gamma dtypes of every native_layer_norm call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.native_layer_norm.default:
+            self.calls.append((args[0].dtype, args[2].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_norm_kernel_cuda_takes_the_cuda_branch_on_the_cpu(zero_centered):
+    """``norm_kernel="cuda"`` runs CUDA's branch on real CPU tensors: a zero-centred gamma
+    normalizes an fp32 copy of the bf16 input (``"auto"``: the CPU's mixed-dtype call on the
+    bf16 input); otherwise the same gamma values as the mixed call. An unknown value raises
+    ValueError naming it."""
+    torch.manual_seed(0)
+    m = impl.LayerNormLinear(16, 8, params_dtype=torch.bfloat16, zero_centered_gamma=zero_centered)
+    x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
+    seen = {}
+    for kernel in ("auto", "cuda"):
+        m.norm_kernel = kernel
+        with _LayerNormCalls() as log:
+            m(x).sum().backward()
+        seen[kernel] = log.calls
+    assert seen["auto"] == [(torch.bfloat16, torch.float32)]
+    want = torch.float32 if zero_centered else torch.bfloat16
+    assert seen["cuda"] == [(want, torch.float32)]
+    m.norm_kernel = "gpu"
+    with pytest.raises(ValueError, match="norm_kernel must be one of .* got 'gpu'"):
+        m(x)
 
 
 # ---- the GEMM layer, call by call -------------------------------------------------------------

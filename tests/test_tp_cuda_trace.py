@@ -18,6 +18,7 @@ import torch.distributed as dist
 from splitgrad.bench.tensor_parallel import fake_process_group
 from splitgrad.distributed import run_ranks
 from splitgrad.impl import fake_cuda
+from test_cuda_trace import assert_on_cuda
 
 TP = 8
 KINDS = ("Linear column", "Linear row", "LayerNormLinear column", "LayerNormMLP")
@@ -120,18 +121,23 @@ def test_tp_paths_trace_on_fake_cuda(kind, recipe_name):
         out_rows = seq if kind.endswith("column") else seq // TP  # SP: gathered, or scattered
         dy = torch.empty(out_rows, batch, out_features, dtype=torch.bfloat16, device="cuda")
         step = fake_cuda.module_step(m, x, dy, recipe=recipe)
+        _check_tp_gradients(m, "backward", deferred=True)
         assert m.pending_wgrad_count == 1
         m.backward_dw()
         assert m.pending_wgrad_count == 0
+        _check_tp_gradients(m, "backward_dw", deferred=False)
         assert calls.gemms, "no GEMM was traced"
-    y, dx = step.y, step.dx
-    assert (tuple(y.shape), y.dtype, y.device.type) == (
-        (out_rows, batch, out_features),
-        torch.bfloat16,
-        "cuda",
-    )
-    assert (dx.numel(), dx.dtype, dx.device.type) == (x.numel(), torch.bfloat16, "cuda")
+    assert_on_cuda(step.y, (out_rows, batch, out_features), torch.bfloat16, "y")
+    assert_on_cuda(step.dx, (x.numel() // features, features), torch.bfloat16, "dx")
+
+
+def _check_tp_gradients(m, what: str, *, deferred: bool) -> None:
+    """Norm gradients (written in backward) and, unless still ``deferred``, GEMM weights'
+    main_grad (fp32) and biases' .grad, in the parameter's shape on CUDA."""
     for name, p in m.named_parameters():
-        g = p.main_grad if p.dim() == 2 else p.grad
-        want = torch.float32 if p.dim() == 2 else torch.bfloat16
-        assert (tuple(g.shape), g.dtype, g.device.type) == (tuple(p.shape), want, "cuda"), name
+        if p.dim() == 2:
+            assert_on_cuda(p.main_grad, p.shape, torch.float32, f"{what}: {name}.main_grad")
+        elif "layer_norm" in name or not deferred:
+            assert_on_cuda(p.grad, p.shape, torch.bfloat16, f"{what}: {name}.grad")
+        else:
+            assert p.grad is None, f"{what}: {name}.grad written before backward_dw"

@@ -4,13 +4,21 @@ builds and counts the aten operator only the path calls, and :func:`forced_path_
 cell in which it never ran an error, not a pass. Each path's limits are its kernel's:
 ``torch._grouped_mm`` takes no float64 and wants 16-byte rows (drawn so by construction), the
 CPU's ``torch._scaled_mm`` refuses the block-scaled recipes.
+
+A path whose kernel exists only on a GPU runs on a CPU stand-in that the harness writes from the
+kernel's documentation, never from the implementation: ``mxfp8_scaled`` hands MXFP8 GEMMs to
+``torch.nn.functional.scaled_mm`` with scales in cuBLAS's swizzled layout, and
+:func:`mx_scaled_mm_stand_in` decodes them by that layout (:func:`mx_scale_offset`), so a scale
+in the wrong place changes the GEMM's values and the properties see it, where the fake-CUDA
+trace (shapes and torch's meta checks only) cannot.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Collection
+import functools
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -24,7 +32,9 @@ from ..cases.data import make_micro_batches, make_state
 class ImplPath:
     """One forced fast path: the module attribute that selects it and its value, the module
     kinds it applies to, the FP8 recipe names it runs under (``None``: high precision only),
-    the dtypes, the feature-size multiple it needs and the aten operator only it calls."""
+    the dtypes, the feature-size multiple it needs and the aten operator only it calls.
+    ``stand_in``: a context in which the CPU runs the path's GPU-only kernel, calling its
+    argument once per kernel call (``operator`` then only names the kernel)."""
 
     name: str
     summary: str
@@ -35,6 +45,7 @@ class ImplPath:
     dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16", "float64")
     size_multiple: int = 1
     operator: str | None = None
+    stand_in: Callable[[Callable[[], None]], contextlib.AbstractContextManager] | None = None
 
     def applies(self, kind: str) -> bool:
         return kind in self.kinds
@@ -70,8 +81,149 @@ IMPL_PATHS: dict[str, ImplPath] = {
             True,
             ("LayerNormMLP",),
         ),
+        ImplPath(
+            "norm_cuda",
+            "LayerNorm as CUDA's kernels take it: gamma/beta in the input's dtype, a zero-centred "
+            "gamma shifted in fp32 copies of x",
+            "norm_kernel",
+            "cuda",
+            ("LayerNormLinear", "LayerNormMLP"),
+            dtypes=("bfloat16", "float16"),
+            # With the knob set, every LayerNorm of a bf16/fp16 module takes the branch.
+            operator="aten::native_layer_norm",
+        ),
+        ImplPath(
+            "mxfp8_scaled",
+            "MXFP8 GEMMs through F.scaled_mm (BlockWise1x32, SWIZZLE_32_4_4 scales), run by a "
+            "CPU stand-in that reads the scales by cuBLAS's documented layout",
+            "fp8_gemm",
+            "scaled_mm",
+            KINDS,
+            recipes=RECIPE_FAMILIES["mxfp8"],
+            dtypes=("float32", "bfloat16", "float16"),
+            operator="F.scaled_mm BlockWise1x32 (CPU stand-in)",
+            stand_in=lambda on_call: mx_scaled_mm_stand_in(on_call),
+        ),
     )
 }
+
+
+# ---- MXFP8 scales in cuBLAS's layout, and a CPU stand-in for the block-scaled GEMM ----------
+#
+# cuBLAS documentation, "1D Block Scaling Factors Layout"
+# (https://docs.nvidia.com/cuda/cublas/#d-block-scaling-factors-layout; the same layout is drawn
+# in https://nvidia.github.io/cudnn-frontend/mxfp8-scale-factor-128x4-layout/ and indexed by
+# nvmath-python's ``matmul.get_block_scale_offset``). An operand's scales, one per 32
+# consecutive values along K, form an (outer, K/32) matrix. It is cut into blocks of 128 outer
+# indices by 4 scales (padded to whole blocks), stored one after another in row-major block
+# order (the K/32 direction fastest), 512 bytes each; inside a block the 128 outer indices are
+# split as 4 groups of 32, and the block is stored as 32 lines of 16 bytes: line ``r % 32``
+# holds, for each group ``r // 32`` in order, that row's 4 scales. torch calls this
+# ``SwizzleType.SWIZZLE_32_4_4``.
+
+MX_BLOCK = 32
+_TILE_ROWS, _TILE_COLS = 128, 4
+
+
+def mx_scales_size(rows: int, cols: int) -> int:
+    """Bytes of the swizzled scales of ``rows`` outer indices by ``cols`` scales (padded)."""
+    return -(-rows // _TILE_ROWS) * _TILE_ROWS * (-(-cols // _TILE_COLS) * _TILE_COLS)
+
+
+def mx_scale_offset(row: int, col: int, cols: int) -> int:
+    """Where the scale of outer index ``row``, K block ``col`` (of ``cols``) sits in the flat
+    swizzled buffer, by the layout above: one index at a time, as the documentation states it."""
+    tiles_per_row = -(-cols // _TILE_COLS)
+    tile = (row // _TILE_ROWS) * tiles_per_row + col // _TILE_COLS
+    inside = (row % 32) * 16 + (row % _TILE_ROWS // 32) * 4 + col % _TILE_COLS
+    return tile * (_TILE_ROWS * _TILE_COLS) + inside
+
+
+@functools.cache
+def _mx_offsets(rows: int, cols: int) -> torch.Tensor:
+    offsets = [mx_scale_offset(r, c, cols) for r in range(rows) for c in range(cols)]
+    return torch.tensor(offsets, dtype=torch.long).reshape(rows, cols)
+
+
+def mx_unswizzle(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The (rows, cols) scales held by a swizzled buffer, as float32; a buffer of another size
+    or dtype raises ``RuntimeError`` naming it (cuBLAS would read past it or misread it)."""
+    if flat.dtype != torch.float8_e8m0fnu:
+        raise RuntimeError(f"MXFP8 scales must be float8_e8m0fnu, got {flat.dtype}")
+    want = mx_scales_size(rows, cols)
+    if flat.numel() != want:
+        raise RuntimeError(
+            f"MXFP8 scales for ({rows}, {cols}) need {want} swizzled bytes, got {flat.numel()}"
+        )
+    return flat.reshape(-1)[_mx_offsets(rows, cols)].float()
+
+
+def mx_scaled_mm(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    output_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``mat_a @ mat_b`` (A (M, K) row-major, B (K, N) column-major, FP8) with one E8M0 scale
+    per 32 values along K, scales in the swizzled layout: fp32 products and sums, the bias added
+    in fp32, one rounding to ``output_dtype`` (a block-scaled cuBLAS GEMM's arithmetic)."""
+    (m, k), n = mat_a.shape, mat_b.shape[1]
+    if mat_b.shape[0] != k or k % MX_BLOCK:
+        raise RuntimeError(f"MXFP8 GEMM of A {tuple(mat_a.shape)} and B {tuple(mat_b.shape)}")
+    if mat_a.stride(1) != 1 or mat_b.stride(0) != 1:
+        raise RuntimeError("MXFP8 GEMM wants A row-major and B column-major")
+    sa = mx_unswizzle(scale_a, m, k // MX_BLOCK).repeat_interleave(MX_BLOCK, dim=1)
+    sb = mx_unswizzle(scale_b, n, k // MX_BLOCK).repeat_interleave(MX_BLOCK, dim=1)
+    a = mat_a.float() * sa
+    b_t = mat_b.t().float() * sb
+    y = a @ b_t.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(output_dtype)
+
+
+@contextlib.contextmanager
+def mx_scaled_mm_stand_in(on_call: Callable[[], None]) -> Iterator[None]:
+    """While open, ``torch.nn.functional.scaled_mm`` of CPU ``BlockWise1x32`` operands with
+    ``SWIZZLE_32_4_4`` scales runs :func:`mx_scaled_mm` (``on_call`` first); every other call
+    goes to torch. Restores torch's function on exit."""
+    F = torch.nn.functional
+    original = F.scaled_mm
+
+    def scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, *args, **kw):
+        mx = getattr(F.ScalingType, "BlockWise1x32", None)
+        if mat_a.device.type != "cpu" or scale_recipe_a != mx:
+            return original(
+                mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, *args, **kw
+            )
+        names = ("swizzle_a", "swizzle_b", "bias", "output_dtype")
+        opts = {**dict(zip(names, args)), **kw}
+        swizzle = F.SwizzleType.SWIZZLE_32_4_4
+        if scale_recipe_b != mx or opts.get("swizzle_a") != swizzle:
+            raise RuntimeError("MXFP8 GEMM: both operands BlockWise1x32 with SWIZZLE_32_4_4")
+        if opts.get("swizzle_b") != swizzle:
+            raise RuntimeError("MXFP8 GEMM: both operands BlockWise1x32 with SWIZZLE_32_4_4")
+        on_call()
+        out_dtype = opts.get("output_dtype", torch.bfloat16)
+        return mx_scaled_mm(mat_a, mat_b, scale_a, scale_b, opts.get("bias"), out_dtype)
+
+    F.scaled_mm = scaled_mm
+    try:
+        yield
+    finally:
+        F.scaled_mm = original
+
+
+def stand_in_missing() -> str | None:
+    """Why this torch cannot host the MXFP8 stand-in (no ``F.scaled_mm`` / E8M0 dtype)."""
+    F = torch.nn.functional
+    if not hasattr(F, "scaled_mm") or not hasattr(torch, "float8_e8m0fnu"):
+        return f"torch {torch.__version__} has no torch.nn.functional.scaled_mm"
+    if not hasattr(F.ScalingType, "BlockWise1x32") or not hasattr(F, "SwizzleType"):
+        return f"torch {torch.__version__} has no BlockWise1x32 / SwizzleType"
+    return None
 
 
 class _OperatorCounter(torch.utils._python_dispatch.TorchDispatchMode):
@@ -92,8 +244,7 @@ def _inner(name: str, counted: bool = False) -> Callable[..., Any]:
     the path's operator while it runs when ``counted``)."""
 
     def method(self: ForcedPathBackend, *args: Any, **kwargs: Any) -> Any:
-        counting = counted and self.path.operator is not None
-        with _OperatorCounter(self) if counting else contextlib.nullcontext():
+        with self._running(counted):
             return getattr(self.inner, name)(*args, **kwargs)
 
     method.__name__ = name
@@ -115,6 +266,17 @@ class ForcedPathBackend(Backend):
         self.notes = (*inner.notes, f"forced path {path}: {self.path.summary}")
         self.operator_calls = 0
         self._warmed: set[tuple[str, str | None, str]] = set()
+
+    def _running(self, counted: bool) -> contextlib.AbstractContextManager:
+        """The context a call to the inner backend runs in: the path's CPU stand-in (counting
+        its calls when ``counted``), else the operator counter when ``counted``."""
+        if self.path.stand_in is not None:
+            return self.path.stand_in(self._count if counted else _nothing)
+        counting = counted and self.path.operator is not None
+        return _OperatorCounter(self) if counting else contextlib.nullcontext()
+
+    def _count(self) -> None:
+        self.operator_calls += 1
 
     def knob_missing(self, kind: str) -> str | None:
         """Why ``kind``'s modules cannot be forced onto the path (no such attribute)."""
@@ -152,6 +314,8 @@ class ForcedPathBackend(Backend):
         if self.path.recipes is None and config.recipe is not None:
             return f"the {self.path.name} path runs in high precision only"
         why = self.knob_missing(config.kind)
+        if why is None and self.path.stand_in is not None:
+            why = stand_in_missing()
         return why or self.inner.unsupported_reason(property_id, config)
 
     def cli_args(self) -> list[str]:
@@ -178,9 +342,10 @@ class ForcedPathBackend(Backend):
         (d,) = make_micro_batches(Case(config, (MicroBatch((rows,), splits),), 0))
         x = d.fresh_input()
         try:
-            with self.inner.fp8_autocast(config):
+            with self._running(False), self.inner.fp8_autocast(config):
                 y = self.inner.forward(module, x, splits, None)
-            self.inner.backward(module, [y], [d.dy])
+            with self._running(False):
+                self.inner.backward(module, [y], [d.dy])
         except Exception:
             self._warmed.discard(key)  # a real failure shows in the checks themselves
 
@@ -235,6 +400,10 @@ class ForcedPathBackend(Backend):
     @property
     def lib(self) -> Any:
         return getattr(self.inner, "lib", None)
+
+
+def _nothing() -> None:
+    pass
 
 
 def forced_path_error(backend: Backend, calls_before: int, examples: int) -> str | None:

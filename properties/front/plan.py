@@ -160,7 +160,8 @@ def _slices(dtypes, properties, recipes, impl_paths, examples) -> list[_Slice]:
         if path.recipes is None:
             slices.append(_Slice("none", (None,), properties, ds, examples, name))
             continue
-        for family in [f for f in families if f != "none"] or ["delayed", "current"]:
+        own = [f for f, rs in RECIPE_FAMILIES.items() if set(rs) & set(path.recipes)]
+        for family in [f for f in families if f != "none"] or own:
             rs = tuple(r for r in RECIPE_FAMILIES[family] if r in path.recipes)
             if rs:
                 slices.append(_Slice(family, rs, properties, ds, examples, name))
