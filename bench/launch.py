@@ -42,6 +42,9 @@ from collections.abc import Callable
 import splitgrad.impl as impl
 import torch
 import torch.nn.functional as F
+from splitgrad.impl.fp8 import quantize
+from splitgrad.impl.fp8_gemm import fp8_mm
+from splitgrad.reference.fp8 import fp8_active_recipe
 
 from .options import output_file, positive_int
 
@@ -109,6 +112,33 @@ class _FloorLinear(torch.autograd.Function):
             ctx.queue.append((dy, x))
             return dx, None, None, None
         return dx, torch.mm(dy.t(), x), dy.sum(0), None
+
+
+class _FloorFP8Linear(torch.autograd.Function):
+    """The FP8 floor: impl's own quantizer (:func:`splitgrad.impl.fp8.quantize`) and FP8 GEMM
+    (:func:`splitgrad.impl.fp8_gemm.fp8_mm`) calls, one row-wise copy per tensor serving both
+    directions (the per-tensor recipes' scales do), the bias gradient summed from the
+    unquantized dy as impl does."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, recipe, queue):
+        xq, wq = quantize(x, recipe, "input", 1), quantize(w, recipe, "weight", 1)
+        ctx.xq, ctx.wq, ctx.recipe, ctx.queue, ctx.w_dtype = xq, wq, recipe, queue, w.dtype
+        return fp8_mm(xq, False, wq, True, out_dtype=x.dtype, compute_dtype=_F32, bias=b)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, wq, ctx.xq, ctx.wq = ctx.xq, ctx.wq, None, None
+        dyq = quantize(dy, ctx.recipe, "grad_output", 1)
+        dx = fp8_mm(dyq, False, wq, False, out_dtype=dy.dtype, compute_dtype=_F32)
+        if ctx.queue is not None:
+            ctx.queue.append((dyq, xq, dy.sum(0)))
+            return dx, None, None, None, None
+        dw = fp8_mm(dyq, True, xq, False, out_dtype=ctx.w_dtype, compute_dtype=_F32)
+        return dx, dw, dy.sum(0), None, None
+
+
+_F32 = torch.float32
 
 
 class _FloorLayerNormLinear(torch.autograd.Function):
@@ -209,6 +239,9 @@ class _Floor(torch.nn.Module):
     def forward(self, x, m_splits=None):
         q, ps = self.queue, self.params
         if self.kind == "Linear":
+            recipe = fp8_active_recipe()
+            if recipe is not None:
+                return _FloorFP8Linear.apply(x, *ps, recipe, q)
             return _FloorLinear.apply(x, *ps, q)
         if self.kind == "LayerNormLinear":
             return _FloorLayerNormLinear.apply(x, *ps, q, self.eps)
@@ -219,7 +252,12 @@ class _Floor(torch.nn.Module):
     def backward_dw(self) -> None:
         saved, ps = self.queue.pop(0), self.params
         with torch.no_grad():
-            if self.kind in ("Linear", "LayerNormLinear"):
+            if len(saved) == 3:  # FP8 Linear
+                dyq, xq, db = saved
+                w = ps[0]
+                _write(w, fp8_mm(dyq, True, xq, False, out_dtype=w.dtype, compute_dtype=_F32))
+                _write(ps[1], db)
+            elif self.kind in ("Linear", "LayerNormLinear"):
                 dy, x = saved
                 _write(ps[-2], torch.mm(dy.t(), x))
                 _write(ps[-1], dy.sum(0))
