@@ -20,7 +20,8 @@ _OPTIONS = {
     "property": "property ids, comma-separated (default: all)",
     "recipe": "FP8 recipe families: none, delayed, current, mxfp8, block, all (default: high "
     "precision plus a small FP8 slice)",
-    "impl-path": "forced fast paths: none, grouped, scaled_mm, recompute, all (default: a small "
+    "impl-path": "forced fast paths: none, grouped, scaled_mm, recompute, norm_cuda, mxfp8_scaled, "
+    "all (default: a small "
     "slice of each where the backend has the knob)",
     "autocast": "torch.autocast dtypes for float32 modules: none, bfloat16, float16, all "
     "(default: a small bfloat16 slice)",
