@@ -25,6 +25,7 @@ from ..cases.data import (
     gemm_bias_names,
     gemm_weight_names,
     make_micro_batches,
+    make_state,
     param_specs,
 )
 from ..cases.strategies import KINDS, Case, ModuleConfig, boundary_cases, cases, make_recipe
@@ -508,9 +509,13 @@ class _HookedRun:
     twice shows in the values. A recording wgrad hook (when the kind is another) shows which
     module hooks ran."""
 
-    def __init__(self, m: _Misused, at: HookPosition, raises: bool) -> None:
+    def __init__(
+        self, m: _Misused, at: HookPosition, raises: bool, module: torch.nn.Module | None = None
+    ) -> None:
         self.m, self.at = m, at
-        self.run = ModuleRun(m.backend, m.case, delay=m.case.delay, prefill_grads=True, hooks=0)
+        self.run = ModuleRun(
+            m.backend, m.case, delay=m.case.delay, prefill_grads=True, hooks=0, module=module
+        )
         self.data = _raising_data(m.case)
         self.log: list[str] = []
         self.step_logs: list[list[str]] = []
@@ -521,7 +526,7 @@ class _HookedRun:
         self.labels = [self._label(i) for i in range(HOOKS_AT_SITE)]
         for i in range(HOOKS_AT_SITE):
             self.handles.append(self._register(i))
-        if m.name != "hook_raises" and m.backend.has_hooks():
+        if m.name != "hook_raises" and m.backend.has_hooks() and module is None:
             m.backend.register_hook(self.run.module, lambda: self.log.append("wgrad hook"))
 
     def _fire(self, label: str, index: int, calls: list[int]) -> None:
@@ -712,6 +717,8 @@ def _raising_hook(m: _Misused) -> None:
     nothing = kind in ("backward_hook_raises", "backward_pre_hook_raises", "forward_hook_raises")
     if nothing or (kind == "tensor_hook_raises" and at.param not in _norm_names(m.config)):
         t.expect(x is None or x.grad is None, f"{where}: the input got a gradient")
+    if _has_torch_nn_twin(m):
+        _as_torch_nn_linear(m, at, a, site, before, after)
     without_twin = _HookedRun(m, at, raises=False)
     skipped = _schedule(delay, skipped=at.micro_batch)
     without_snaps = _run_all(without_twin, skipped, fail)
@@ -736,6 +743,62 @@ def _raising_hook(m: _Misused) -> None:
             final[key],
             twin[key],
         )
+
+
+class _TorchNNLinear(torch.nn.Linear):
+    """``torch.nn.Linear`` taking the forward's ``is_first_microbatch`` (and ignoring it), with
+    nothing ever pending: where autograd alone decides what a raising hook does."""
+
+    pending_wgrad_count = 0
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        return super().forward(inp)
+
+
+def _has_torch_nn_twin(m: _Misused) -> bool:
+    c = m.config
+    plain = not (m.case.delay or c.fuse_wgrad_accumulation or c.recipe or c.autocast)
+    return plain and c.kind == "Linear" and isinstance(m.case.variant, Misuse)
+
+
+def _as_torch_nn_linear(m: _Misused, at: HookPosition, a: _HookedRun, site, before, after):
+    """Without delay a ``Linear``'s hooks raise as ``torch.nn.Linear``'s with the same weights,
+    gradients and hooks do: the same hook object propagates from the same step, the hooks
+    called in that step up to the raising one are the same (SPEC §4's wgrad hooks aside:
+    ``torch.nn`` has none), and the raising parameter's gradient is written or not alike (and,
+    for a module hook, the input's). Parameters that neither autograd nor SPEC orders (which
+    leaf autograd reaches first) are not compared here."""
+    t, c = m.t, m.config
+    where = f"{m.name} at {at}, torch.nn.Linear twin"
+    module = _TorchNNLinear(
+        c.in_features, c.out_features, bias=c.bias, dtype=c.torch_dtype, device=c.device
+    )
+    m.backend.load_state(module, make_state(c, m.case.seed))
+    twin = _HookedRun(m, at, raises=True, module=module)
+    schedule = _schedule(False)
+    fail = schedule.index(site)
+    for step in schedule[:fail]:
+        twin.do(step)
+    twin_before = twin.run.all_snapshot()
+    try:
+        twin.do(site)
+    except Exception as exc:
+        t.expect(exc is twin.error, f"{where}: autograd raised {exc!r}, not the hook's own")
+    else:
+        raise PropertyViolation(f"{where}: autograd swallowed the hook's exception")
+    twin_after = twin.run.all_snapshot()
+    ours = [c for c in a.step_logs[fail] if c != "wgrad hook"]
+    t.equal(f"{where}: hooks called in the failing step", ours, twin.step_logs[fail])
+    if at.param is not None:
+        key = f"{at.param}.grad"
+        ours_written = not _same(after[key], before[key])
+        theirs_written = not _same(twin_after[key], twin_before[key])
+        t.equal(f"{where}: {key} written by the failed backward", ours_written, theirs_written)
+    else:
+        x, x_twin = a.inputs.get(at.micro_batch), twin.inputs.get(at.micro_batch)
+        ours_x = x is not None and x.grad is not None
+        theirs_x = x_twin is not None and x_twin.grad is not None
+        t.equal(f"{where}: inp.grad written by the failed backward", ours_x, theirs_x)
 
 
 def _written_at_failure(m, at, a, before, after, twin_after, queued) -> dict[str, bool]:
