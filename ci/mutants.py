@@ -690,7 +690,96 @@ TP_MUTANTS = (
 # Issue 32's classes, one tuple per class (each filled by the change that adds its checks).
 #: P18 hook semantics (chained tensor hooks, a kept tensor, post-accumulate before reduce hooks)
 #: and differentiated backwards that defer nothing.
-HOOK_MUTANTS: tuple[Mutant, ...] = ()
+_TWIN_ROUTE = "    targets = route_differentiable(module, param_targets(ctx, module), fp8=False)\n"
+
+
+def _twin_refusal(condition: str, why: str) -> str:
+    """impl's twin backward refusing whenever ``condition`` holds, before routing."""
+    return (
+        f"    if {condition}:\n"
+        "        raise RuntimeError(\n"
+        f'            f"{{qualified_name(module)}} {why} cannot be differentiated twice"\n'
+        "        )\n" + _TWIN_ROUTE
+    )
+
+
+HOOK_MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "tensor-hooks-unchained",
+        "impl runs a leaf's tensor hooks in a loop of its own, each on the gradient as computed "
+        "(not on the previous hook's result), and keeps the last result",
+        (
+            (
+                "base.py",
+                'acc.apply_tensor_hooks(leaf, value, f"{kind}.{names[id(leaf)]}")',
+                "_each_hook_on(leaf, value)",
+            ),
+            (
+                "base.py",
+                "def _on_cuda(entry: WgradEntry) -> bool:\n",
+                "def _each_hook_on(leaf, grad):\n"
+                "    out = grad\n"
+                "    for hook in acc._user_tensor_hooks(leaf):\n"
+                "        result = hook(grad)\n"
+                "        out = out if result is None else result\n"
+                "    return out\n\n\n"
+                "def _on_cuda(entry: WgradEntry) -> bool:\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "hook-tensor-installed",
+        "a gradient the leaf's tensor hooks saw becomes .grad without a copy (the copy dropped "
+        "as per-call cost): a hook that keeps the tensor it was shown sees it change when the "
+        "next micro-batch accumulates into .grad in place",
+        (
+            (
+                "base.py",
+                "acc.accumulate(leaf, value, own=not acc.has_hooks(leaf))",
+                "acc.accumulate(leaf, value)",
+            ),
+        ),
+    ),
+    Mutant(
+        "reduce-hooks-before-post-accumulate",
+        "backward_dw() calls the module's reduce hooks before the written leaves' "
+        "post-accumulate hooks: a reducer sends the gradient before a clipping hook changed it",
+        (
+            (
+                "base.py",
+                "        for leaf in written:\n            acc.run_post_accumulate_hooks(leaf)\n",
+                "",
+            ),
+            (
+                "base.py",
+                "        del entry\n",
+                "        del entry\n"
+                "        self._run_hooks()\n"
+                "        for leaf in written:\n"
+                "            acc.run_post_accumulate_hooks(leaf)\n"
+                "        return\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "create-graph-refused-under-delay",
+        "a differentiated backward of a delayed module is refused even when it defers nothing "
+        "(torch.autograd.grad of the input or of every parameter, create_graph=True)",
+        (("twin.py", _TWIN_ROUTE, _twin_refusal("module.delay_wgrad_compute", "with delay")),),
+    ),
+    Mutant(
+        "create-graph-refused-when-fused",
+        "a differentiated backward of a fused-accumulation module is refused even when nothing "
+        "goes to main_grad (torch.autograd.grad(..., [x, *params], create_graph=True))",
+        (
+            (
+                "twin.py",
+                _TWIN_ROUTE,
+                _twin_refusal("module.fuse_wgrad_accumulation", "with fused accumulation"),
+            ),
+        ),
+    ),
+)
 #: Every hook kind raising at every position (P10 misuse).
 _POP = (
     "        store.pop_and_release()\n"

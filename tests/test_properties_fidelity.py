@@ -57,7 +57,12 @@ _TARGETS = {
     "tensor_hook": ("weight", "layer_norm_bias"),
     "tensor_hook_wrong_size": ("weight",),
     "post_accumulate_hook": ("weight", "bias", "layer_norm_weight"),
+    "tensor_hook_chain": ("weight", "layer_norm_bias"),
+    "tensor_hook_kept": ("weight", "bias"),
+    "post_accumulate_reduce": ("weight", "bias"),
 }
+#: The kinds that act on some parameters (at least one target drawn).
+_TARGETED_KINDS = tuple(_TARGETS)
 
 
 def _variant_case(variant: str, kind: str = "LayerNormLinear", **kw) -> Case:
@@ -85,6 +90,10 @@ def _mutated(tmp_path: Path, mutant) -> Backend:
 
 def _ci_mutant(tmp_path: Path, name: str) -> Backend:
     return _mutated(tmp_path, next(m for m in ci_mutants().P18_MUTANTS if m.name == name))
+
+
+def _hook_mutant(tmp_path: Path, name: str) -> Backend:
+    return _mutated(tmp_path, next(m for m in ci_mutants().HOOK_MUTANTS if m.name == name))
 
 
 def _planted(tmp_path: Path, bug: str, *edits: tuple[str, str, str]) -> Backend:
@@ -141,6 +150,9 @@ _TE_LIKE_FAILURES = {
     "tensor_hook": "the tensor hook saw None",
     "tensor_hook_wrong_size": "tensor hook calls during backward(): got 2, expected 0",
     "post_accumulate_hook": "the phases its post-accumulate hook fired in",
+    "tensor_hook_chain": "weight: its first tensor hook saw None",
+    "tensor_hook_kept": "weight: its logger hook saw None",
+    "post_accumulate_reduce": "weight: the phases its post-accumulate hook fired in",
 }
 
 
@@ -164,7 +176,11 @@ def test_errors_from_inside_torch_fail_the_differentiating_kinds(variant: str) -
     """A Function without setup_context (torch.func) or marked once_differentiable (double
     backward) fails inside torch, without naming the module: not SPEC §2's clear refusal."""
     for delay in (True, False):
-        _fails(_te_like(), _case(variant, "Linear", delay=delay), "does not name the module")
+        why = "does not name the module"
+        if variant == "gradient_penalty" and delay:
+            # Its first pass asks for x alone, but a TE-like split queues whatever is asked.
+            why = "inputs=[x], create_graph=True) queued 1 entries"
+        _fails(_te_like(), _case(variant, "Linear", delay=delay), why)
 
 
 def test_te_like_failures_are_what_the_transformer_engine_backend_declares() -> None:
@@ -337,13 +353,25 @@ def test_explicit_cases_enumerate_every_kind() -> None:
         cases = explicit_cases("P18", (kind,), ("float32",))
         # The autograd kinds first, then the module-protocol ones (test_properties_protocol.py).
         assert [c.variant for c in cases[: len(EXPLICIT)]] == [v for v, *_ in EXPLICIT]
-        assert {c.variant for c in cases[len(EXPLICIT) :]} == set(PROTOCOL_VARIANTS)
+        protocol = {c.variant for c in cases[len(EXPLICIT) :]}
+        # (Some module-protocol kinds apply to the modules with a norm only.)
+        assert protocol <= set(PROTOCOL_VARIANTS)
+        assert protocol == set(PROTOCOL_VARIANTS) or kind != "LayerNormMLP"
         cases = cases[: len(EXPLICIT)]
         for variant in VARIANTS[:7]:  # the kinds whose timing depends on delay
             delays = {c.delay for c in cases if c.variant == variant}
             assert delays == {True, False}, (kind, variant)
         for c in cases:
             assert set(c.asked) <= {s for s in _names(c)}
+            fused = c.config.fuse_wgrad_accumulation
+            if c.variant in ("tensor_hook_chain", "tensor_hook_kept") and fused:
+                assert c.asked and not any("weight" in n and "norm" not in n for n in c.asked)
+            if c.variant == "tensor_hook_kept":
+                assert len(c.micro_batches) >= 2
+            if c.variant == "post_accumulate_reduce":
+                assert c.delay and not any(n.startswith("layer_norm") for n in c.asked)
+            if c.variant == "gradient_penalty":
+                assert not fused
             if c.variant in ("parametrize", "tensor_hook_wrong_size"):
                 assert len(c.asked) == 1
             if c.variant == "tensor_hook_wrong_size":
@@ -366,6 +394,9 @@ def test_torch_split_declares_what_it_shows() -> None:
         "grad_of_grad",
         "backward_create_graph",
         "tensor_hook_wrong_size",
+        "tensor_hook_kept",
+        "post_accumulate_reduce",
+        "gradient_penalty",
     ):
         case = _variant_case(variant, "Linear", delay=True)
         message = _fails(backend, case, f"P18 {variant} (delay")
@@ -386,10 +417,123 @@ def test_strategy_draws_every_kind_with_valid_targets() -> None:
         assert 1 <= len(case.micro_batches) <= 2
         if case.variant in ("parametrize", "tensor_hook_wrong_size"):
             assert len(case.asked) == 1
-        elif case.variant in ("functional_call", "tensor_hook", "post_accumulate_hook"):
+        elif case.variant in _TARGETED_KINDS:
             assert case.asked
         else:
             assert case.asked == ()
 
     draw()
     assert seen == set(VARIANTS)
+
+
+# ---- hooks beyond one, kept tensors, module hooks, differentiated backwards (HOOK_MUTANTS) ---
+
+
+@pytest.mark.parametrize("delay", [True, False], ids=["delay", "no-delay"])
+def test_unchained_tensor_hooks_are_caught(tmp_path: Path, delay: bool) -> None:
+    """Each hook run on the gradient as computed: the second hook does not see the first's."""
+    backend = _hook_mutant(tmp_path, "tensor-hooks-unchained")
+    case = _case("tensor_hook_chain", "Linear", delay=delay, asked=("weight",))
+    message = "weight: what its second (observer) hook saw in call 0 vs the clip's result"
+    _fails(backend, case, message, "not bitwise identical")
+    run_case(get_backend("impl"), "P18", case)
+
+
+@pytest.mark.parametrize("delay", [True, False], ids=["delay", "no-delay"])
+def test_a_hook_tensor_installed_as_grad_is_caught(tmp_path: Path, delay: bool) -> None:
+    backend = _hook_mutant(tmp_path, "hook-tensor-installed")
+    phase = "backward_dw 0" if delay else "backward 0"
+    case = _case("tensor_hook_kept", "Linear", delay=delay, asked=("weight",))
+    _fails(backend, case, f"weight: the tensor shown to its logger in {phase} is weight.grad's")
+    # On a bias, the running statistic's result (what the hooks pass on) is installed.
+    case = _case("tensor_hook_kept", "Linear", delay=delay, asked=("bias",))
+    _fails(backend, case, f"bias: the tensor returned by its running statistic in {phase} is")
+    for asked in (("weight",), ("bias",)):
+        run_case(get_backend("impl"), "P18", _case("tensor_hook_kept", "Linear", asked=asked))
+
+
+def test_a_kept_tensor_changed_later_is_caught(tmp_path: Path) -> None:
+    """A .grad that shares the first shown tensor's memory only through a view: the memory
+    check and the value check both see the later accumulation."""
+    edit = (
+        "base.py",
+        "acc.accumulate(leaf, value, own=not acc.has_hooks(leaf))",
+        "acc.accumulate(leaf, value.view(value.shape), own=True)",
+    )
+    backend = _planted(tmp_path, "a hook's tensor installed through a view", edit)
+    case = _case("tensor_hook_kept", "Linear", delay=False, asked=("weight",))
+    _fails(backend, case, "weight: the tensor shown to its logger in backward 0 is weight.grad")
+
+
+def test_reduce_hooks_before_post_accumulate_hooks_are_caught(tmp_path: Path) -> None:
+    backend = _hook_mutant(tmp_path, "reduce-hooks-before-post-accumulate")
+    for kind, asked, fused in (
+        ("GroupedLinear", ("weight0", "bias1"), False),
+        ("LayerNormMLP", ("fc1_weight",), True),
+    ):
+        case = _case("post_accumulate_reduce", kind, fused=fused, asked=asked)
+        _fails(backend, case, "the hooks that ran in backward_dw 0, in order: got ['module hook'")
+        run_case(get_backend("impl"), "P18", case)
+
+
+def test_a_reducer_seeing_the_unclipped_gradient_is_caught(tmp_path: Path) -> None:
+    """The hooks in the right order, but the module hooks are shown what the entry wrote
+    before the post-accumulate hooks clipped it (a snapshot taken too early)."""
+    loop = "        for leaf in written:\n            acc.run_post_accumulate_hooks(leaf)\n"
+    early = (
+        "        saved = {id(leaf): leaf.grad.clone() for leaf in written}\n"
+        + loop
+        + "        for leaf in written:\n"
+        "            leaf.grad, saved[id(leaf)] = saved[id(leaf)], leaf.grad\n"
+        "        self._run_hooks()\n"
+        "        for leaf in written:\n"
+        "            leaf.grad = saved[id(leaf)]\n"
+        "        return\n"
+    )
+    backend = _planted(tmp_path, "module hooks see the pre-clip gradient", ("base.py", loop, early))
+    case = _case("post_accumulate_reduce", "Linear", asked=("weight",))
+    _fails(backend, case, "weight.grad seen by the module hook in backward_dw 0 vs what its")
+
+
+@pytest.mark.parametrize("variant", ["grad_of_grad", "gradient_penalty"])
+def test_create_graph_refused_under_delay_is_caught(tmp_path: Path, variant: str) -> None:
+    backend = _hook_mutant(tmp_path, "create-graph-refused-under-delay")
+    case = _case(variant, "LayerNormLinear", delay=True)
+    _fails(backend, case, f"P18 {variant} (delay", "nothing here is deferred")
+    run_case(get_backend("impl"), "P18", case)
+    # Where the delay does defer a gradient, the refusal is still SPEC's clear error.
+    assert run_case(backend, "P18", _case("backward_create_graph", delay=True)).comparisons == 0
+
+
+def test_create_graph_refused_when_fused_is_caught(tmp_path: Path) -> None:
+    backend = _hook_mutant(tmp_path, "create-graph-refused-when-fused")
+    case = _case("grad_of_grad", "Linear", delay=False, fused=True)
+    _fails(backend, case, "P18 grad_of_grad (no delay, fused)", "nothing here is deferred")
+    run_case(get_backend("impl"), "P18", case)
+    fused = _case("backward_create_graph", delay=False, fused=True)
+    assert run_case(backend, "P18", fused).comparisons == 0
+
+
+def test_a_refused_plain_double_backward_is_caught(tmp_path: Path) -> None:
+    """backward(create_graph=True) refused on a module with neither delay nor fused
+    accumulation; torch.func transforms, refused by the same edit, stay accepted."""
+    route = "    targets = route_differentiable(module, param_targets(ctx, module), fp8=False)\n"
+    refuse = (
+        "    if torch.is_grad_enabled():\n"
+        '        raise RuntimeError(f"{qualified_name(module)} cannot be differentiated twice")\n'
+    )
+    backend = _planted(
+        tmp_path, "every differentiated backward refused", ("twin.py", route, refuse + route)
+    )
+    case = _case("backward_create_graph", "Linear", delay=False)
+    _fails(backend, case, "P18 backward_create_graph (no delay)", "nothing here is deferred")
+    assert run_case(backend, "P18", _case("func.grad", "Linear", delay=False)).comparisons == 0
+
+
+def test_the_gradient_penalty_defers_only_its_second_pass() -> None:
+    """The penalty's first pass (x alone) writes and queues nothing; its second queues one
+    entry under delay; both packages' results are judged."""
+    for name in ("reference", "impl"):
+        for kind in ("Linear", "LayerNormMLP", "GroupedLinear"):
+            case = _case("gradient_penalty", kind, delay=True)
+            assert run_case(get_backend(name), "P18", case).comparisons > 0

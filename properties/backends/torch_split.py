@@ -175,6 +175,32 @@ _P18 = (
         "module)",
         _PIPELINING,
     ),
+    delayed_p18(
+        "tensor_hook_chain",
+        "norm-parameter gradients are deferred too, so the tensor hooks chained on a norm "
+        "parameter run in backward_dw() (stage_backward_weight) rather than in backward()",
+        _PIPELINING,
+    ),
+    delayed_p18(
+        "tensor_hook_kept",
+        "stage_backward_weight stores the gradient torch.autograd.grad returned as .grad "
+        "without a copy (weight.grad = dw): the tensor a weight's tensor hook was shown and "
+        "kept becomes .grad, and the next micro-batch's weight.grad += dw changes it",
+        _PIPELINING,
+    ),
+    delayed_p18(
+        "post_accumulate_reduce",
+        "post-accumulate hooks of deferred parameters never fire (stage_backward_weight adds "
+        "into .grad past autograd's accumulator), so none runs before the module hooks",
+        _PIPELINING,
+    ),
+    delayed_p18(
+        "gradient_penalty",
+        "the backward of a penalty on x's gradient goes through stage_backward_input / "
+        "stage_backward_weight like any backward under delay: the second-order gradients "
+        "of the parameters are lost",
+        _PIPELINING,
+    ),
 )
 
 

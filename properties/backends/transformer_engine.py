@@ -112,7 +112,11 @@ _P18 = (
         "never see or replace the gradient, and a hook returning a wrong size raises "
         "nothing",
         f"{_LINEAR_BACKWARD}; {_BACKWARD_DW}",
-        lambda case: case.delay and case.variant in ("tensor_hook", "tensor_hook_wrong_size"),
+        lambda case: (
+            case.delay
+            and case.variant
+            in ("tensor_hook", "tensor_hook_wrong_size", "tensor_hook_chain", "tensor_hook_kept")
+        ),
         "P18 tensor_hook",
     ),
     delayed_p18(
@@ -120,6 +124,13 @@ _P18 = (
         "under delay a weight's post-accumulate hooks fire in backward() (autograd's "
         "accumulator runs on the None gradient _Linear.backward returns), before the "
         "deferred gradient exists, and not in backward_dw(), which sets .grad itself" + _UNRUN,
+        f"{_LINEAR_BACKWARD}; {_BACKWARD_DW}",
+    ),
+    delayed_p18(
+        "post_accumulate_reduce",
+        "under delay a weight's post-accumulate hooks fire in backward(), not in "
+        "backward_dw() before the module's wgrad-accumulation-and-reduce hooks: a reducer "
+        "hook never sees what a post-accumulate hook made of the deferred gradient" + _UNRUN,
         f"{_LINEAR_BACKWARD}; {_BACKWARD_DW}",
     ),
     _unrun(
@@ -150,7 +161,7 @@ _P18 = (
         "naming the module (not confirmed: which of the two happens was not seen in the "
         "source)",
         _LINEAR_BACKWARD,
-        lambda case: case.variant in ("grad_of_grad", "backward_create_graph"),
+        lambda case: case.variant in ("grad_of_grad", "backward_create_graph", "gradient_penalty"),
         "P18 ",
     ),
     # Linear.__init__ takes device="cuda" and calls reset_parameters(defer_init=device ==

@@ -1,11 +1,15 @@
 """P18 (SPEC §2, §3, §7): autograd fidelity. A module that writes its own GEMM gradients (now,
 or at ``backward_dw()``) must behave as autograd does for whatever a user attaches to its
 parameters or wraps around it: ``functional_call``, ``parametrize``, tensor hooks (also one that
-returns another size), post-accumulate hooks, double backward and ``torch.func`` transforms
-(``case.variant``: :data:`VARIANTS`, on the parameters ``case.asked``; docs/harness.md lists
-what each kind checks). The differentiating kinds give the right result or raise a
-``RuntimeError`` naming the module; under FP8 only the error (docs/budgets.md says how the
-results are judged). The module-protocol half of SPEC §2's list is :mod:`.protocol`'s.
+returns another size, several chained on one parameter, one that keeps the tensor it is shown),
+post-accumulate hooks (also before the module's reduce hooks), double backward, a gradient
+penalty and ``torch.func`` transforms (``case.variant``: :data:`VARIANTS`, on the parameters
+``case.asked``; docs/harness.md lists what each kind checks). The differentiating kinds give the
+right result or raise a ``RuntimeError`` naming the module, and only the error under FP8; they
+may refuse only where a gradient would be deferred or accumulated into ``main_grad``
+(``backward(create_graph=True)`` with delay or fused accumulation) or under a ``torch.func``
+transform (:func:`_refusal_allowed`; docs/budgets.md says how the results are judged). The
+module-protocol half of SPEC §2's list is :mod:`.protocol`'s.
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ _TARGETED = {
     "tensor_hook": 2,
     "tensor_hook_wrong_size": 1,
     "post_accumulate_hook": None,
+    "tensor_hook_chain": 2,
+    "tensor_hook_kept": 2,
+    "post_accumulate_reduce": None,
 }
 
 
@@ -94,6 +101,20 @@ def _targets(case: Case, run: ModuleRun) -> list[str]:
     if unknown:
         raise ValueError(f"P18 case targets unknown parameters {unknown}")
     return list(case.asked)
+
+
+def _refusal_allowed(case: Case) -> str | None:
+    """Why a differentiating kind may refuse ``case`` (SPEC §2, §6), or ``None`` when nothing in
+    it is deferred, fused or quantized and only a result will do."""
+    if case.config.recipe is not None:
+        return "FP8 GEMMs have no derivative (SPEC §6)"
+    if case.variant.startswith("func."):
+        return "SPEC §2 lets a torch.func transform raise a RuntimeError naming the module"
+    if case.variant == "backward_create_graph" and case.delay:
+        return "a deferred gradient cannot carry a graph"
+    if case.variant == "backward_create_graph" and case.config.fuse_wgrad_accumulation:
+        return "main_grad is outside autograd: a gradient added into it loses its graph"
+    return None
 
 
 def _refused(case: Case, what: str, exc: BaseException) -> None:
@@ -386,6 +407,229 @@ def _check_post_accumulate_hook(backend: Backend, case: Case) -> CheckResult:
     return t.result
 
 
+# ---- several hooks, a hook that keeps its tensor, post-accumulate hooks and module hooks -----
+def _accumulated(start: torch.Tensor | None, parts: list[torch.Tensor], dtype) -> torch.Tensor:
+    """``start`` plus each of ``parts`` in order, as autograd's accumulator stores them (the
+    first set when ``start`` is ``None``, each cast to the leaf's ``dtype``)."""
+    acc = start
+    for part in parts:
+        part = part.to(dtype)
+        acc = part.clone() if acc is None else acc + part
+    return acc
+
+
+def _no_nones(t: Tracker, what: str, rec: _Recorder, name: str, hook: str) -> None:
+    nones = sum(g is None for _, g in rec.calls.get(name, []))
+    t.expect(
+        nones == 0,
+        f"{what}{name}: its {hook} saw None in {nones} of its calls ({rec.phases(name)}); it "
+        "must see each gradient the module writes",
+    )
+
+
+def _judge_seen(t, case, run, xgrads, seen: dict, prefill_grads: bool, what: str) -> None:
+    """What the first hook on each target saw, accumulated as autograd would have stored it
+    without hooks (``seen``: ``{"<name>.grad": tensor}``), and the rest of the module's
+    gradients, against the float64 truth."""
+    norm, gemm = run.norm_snapshot(), run.gemm_snapshot()
+    for key, value in seen.items():
+        (norm if key.split(".")[0] in run.norm_names else gemm)[key] = value
+    label = f"{what}what the first hooks saw (accumulated) and the rest: "
+    _judge(t, case, xgrads, norm, gemm, prefill_grads=prefill_grads, label=label)
+
+
+@_kind(_CHECKS, "tensor_hook_chain")
+def _check_tensor_hook_chain(backend: Backend, case: Case) -> CheckResult:
+    """Three hooks on each target, as autograd chains them: a clip (returns a new tensor), an
+    observer (returns ``None``), a scale by 1/2: each sees what the last one that returned a
+    tensor returned, and ``.grad`` gets the last result."""
+    t, what, data, run = _start(backend, case, prefill_grads=True)
+    names = _targets(case, run)
+    prefill = run.all_snapshot()
+    calls: dict[str, list[list[torch.Tensor]]] = {n: [[], [], [], []] for n in names}
+    rec = _Recorder()
+
+    def make_hooks(name: str):
+        seen_clip, clipped, seen_observer, seen_scale = calls[name]
+
+        def p18_clip_hook(g):
+            rec.record(name, clone_of(g))
+            if g is None:
+                return None
+            seen_clip.append(clone_of(g))
+            bound = g.abs().amax() * 0.5
+            out = g.clamp(-bound, bound)
+            clipped.append(clone_of(out))
+            return out
+
+        def p18_observer_hook(g):
+            if g is not None:
+                seen_observer.append(clone_of(g))
+
+        def p18_scale_hook(g):
+            if g is None:
+                return None
+            seen_scale.append(clone_of(g))
+            return g * 0.5
+
+        return p18_clip_hook, p18_observer_hook, p18_scale_hook
+
+    for name in names:
+        for hook in make_hooks(name):
+            run.params[name].register_hook(hook)
+    xgrads, _ = rec.drive(run, data, case.delay)
+    seen: dict[str, torch.Tensor] = {}
+    for name in names:
+        p = run.params[name]
+        expected = _expected_phases(run, name, case.delay, len(data))
+        _no_nones(t, what, rec, name, "first tensor hook")
+        label = f"{what}{name}: the phases its first tensor hook ran in"
+        t.equal(label, rec.phases(name), expected)
+        seen_clip, clipped, seen_observer, seen_scale = calls[name]
+        for hook, got in (("second (observer)", seen_observer), ("third (scale)", seen_scale)):
+            t.equal(f"{what}{name}: calls of its {hook} hook", len(got), len(clipped))
+            for i, (a, e) in enumerate(zip(got, clipped)):
+                label = f"{what}{name}: what its {hook} hook saw in call {i} vs the clip's result"
+                t.bitwise(label, a, e)
+        last = [g * 0.5 for g in clipped]  # what the scale hook returned, when it saw the clip's
+        grad = _accumulated(prefill[f"{name}.grad"], last, p.dtype)
+        label = f"{what}{name}.grad vs its prefill plus the last hook's results"
+        t.bitwise(label, clone_of(p.grad), grad)
+        seen[f"{name}.grad"] = _accumulated(prefill[f"{name}.grad"], seen_clip, p.dtype)
+    _judge_seen(t, case, run, xgrads, seen, True, what)
+    return t.result
+
+
+@_kind(_CHECKS, "tensor_hook_kept")
+def _check_tensor_hook_kept(backend: Backend, case: Case) -> CheckResult:
+    """A logger that keeps the very tensor it is shown (returns ``None``), and on a target that
+    is not a GEMM weight after it a running statistic that keeps what it returns (half), from
+    ``.grad`` unset over two or more micro-batches: autograd never makes a tensor a hook holds
+    ``.grad`` (it stores a copy), so nothing changes a kept tensor after it was shown."""
+    t, what, data, run = _start(backend, case)  # no prefill: the first write sets .grad
+    names = _targets(case, run)
+    rec = _Recorder()
+    kept: dict[str, list[tuple[str, str, torch.Tensor, torch.Tensor]]] = {n: [] for n in names}
+    stored: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+
+    def make_hooks(name: str, statistic: bool):
+        def p18_logger_hook(g):
+            rec.record(name, clone_of(g))
+            if g is None:
+                return
+            kept[name].append((rec.phase, "shown to its logger", g, clone_of(g)))
+            if not statistic:
+                stored[name].append(clone_of(g))
+
+        def p18_statistic_hook(g):
+            if g is None:
+                return None
+            out = g * 0.5
+            kept[name].append((rec.phase, "returned by its running statistic", out, clone_of(out)))
+            stored[name].append(clone_of(out))
+            return out
+
+        return (p18_logger_hook, p18_statistic_hook) if statistic else (p18_logger_hook,)
+
+    for name in names:
+        for hook in make_hooks(name, statistic=role_of(name) != GEMM_WEIGHT):
+            run.params[name].register_hook(hook)
+    xgrads, _ = rec.drive(run, data, case.delay)
+    seen: dict[str, torch.Tensor] = {}
+    for name in names:
+        p = run.params[name]
+        expected = _expected_phases(run, name, case.delay, len(data))
+        _no_nones(t, what, rec, name, "logger hook")
+        t.equal(f"{what}{name}: the phases its logger hook ran in", rec.phases(name), expected)
+        grad = p.grad
+        for phase, role, tensor, value in kept[name]:
+            about = f"{what}{name}: the tensor {role} in {phase}"
+            t.expect(
+                grad is None
+                or tensor.untyped_storage().data_ptr() != grad.untyped_storage().data_ptr(),
+                f"{about} is {name}.grad's memory: autograd stores a copy of a gradient a hook "
+                "holds (SPEC §3), so later accumulation cannot change what the hook kept",
+            )
+            t.bitwise(f"{about}, after the run vs when it was", tensor, value)
+        label = f"{what}{name}.grad vs the sum of what its last hook passed on"
+        t.bitwise(label, clone_of(grad), _accumulated(None, stored[name], p.dtype))
+        shown = [v for _, role, _, v in kept[name] if role.startswith("shown")]
+        seen[f"{name}.grad"] = _accumulated(None, shown, p.dtype)
+    _judge_seen(t, case, run, xgrads, seen, False, what)
+    return t.result
+
+
+@_kind(_CHECKS, "post_accumulate_reduce")
+def _check_post_accumulate_reduce(backend: Backend, case: Case) -> CheckResult:
+    """A post-accumulate hook on each target clips its gradient in place; a module hook
+    (``register_wgrad_accumulation_and_reduce_hooks``, a reducer) records every target's
+    gradient. In each ``backward_dw()`` the post-accumulate hooks run as part of writing the
+    entry's gradients (SPEC §3), before the module hooks (SPEC §4): a reducer sends the clipped
+    gradient. In both modes nothing changes a gradient after its last post-accumulate hook."""
+    if not backend.has_hooks():
+        raise BackendUnavailable(
+            f"P18 post_accumulate_reduce is n/a on {backend.name}: no module hooks (SPEC §4)"
+        )
+    t, what, data, run = _start(backend, case, prefill_grads=True)
+    names = _targets(case, run)
+    rec = _Recorder()
+    events: list[tuple[str, str]] = []
+    left: dict[str, list[tuple[str, torch.Tensor]]] = {n: [] for n in names}
+    reduced: list[tuple[str, Snapshot]] = []
+
+    def make_hook(name: str):
+        def p18_clip_post_hook(leaf):
+            g = leaf.main_grad if run.uses_main_grad(name) else leaf.grad
+            rec.record(name, clone_of(g))
+            if g is None:
+                return
+            with torch.no_grad():
+                bound = g.abs().amax() * 0.5
+                g.clamp_(-bound, bound)
+            left[name].append((rec.phase, clone_of(g)))
+            events.append((rec.phase, name))
+
+        return p18_clip_post_hook
+
+    def p18_reduce_hook() -> None:
+        events.append((rec.phase, "module hook"))
+        reduced.append((rec.phase, {n: clone_of(run.grad_of(n)) for n in names}))
+
+    for name in names:
+        run.params[name].register_post_accumulate_grad_hook(make_hook(name))
+    backend.register_hook(run.module, p18_reduce_hook)
+    rec.drive(run, data, case.delay)
+    for name in names:
+        expected = _expected_phases(run, name, case.delay, len(data))
+        label = f"{what}{name}: the phases its post-accumulate hook fired in"
+        t.equal(label, rec.phases(name), expected)
+        key = f"{name}.main_grad" if run.uses_main_grad(name) else f"{name}.grad"
+        if left[name]:
+            label = f"{what}{key} after the run vs what its last post-accumulate hook left"
+            t.bitwise(label, clone_of(run.grad_of(name)), left[name][-1][1])
+    if not case.delay:
+        return t.result  # the module hooks run inside backward(), before autograd's call
+    gemm = [n for n in names if n in run.gemm_names]
+    for i in range(len(data)):
+        phase = f"backward_dw {i}"
+        order = [e for p, e in events if p == phase]
+        label = f"{what}the hooks that ran in {phase}, in order"
+        t.equal(label, order, [e for e in order if e != "module hook"] + ["module hook"])
+        t.equal(f"{what}post-accumulate hooks in {phase}", sorted(order[:-1]), sorted(gemm))
+        seen = [s for p, s in reduced if p == phase]
+        for name in gemm:
+            mine = [g for p, g in left[name] if p == phase]
+            if not (seen and mine):
+                continue
+            key = f"{name}.main_grad" if run.uses_main_grad(name) else f"{name}.grad"
+            label = (
+                f"{what}{key} seen by the module hook in {phase} vs what its post-accumulate "
+                "hook left (a reducer must send the clipped gradient)"
+            )
+            t.bitwise(label, seen[0][name], mine[0])
+    return t.result
+
+
 # ---- double backward and torch.func --------------------------------------------------------
 def _budget_of(key: str) -> B.ErrorBudget:
     if key.startswith("second order"):
@@ -485,10 +729,51 @@ def _torch_func(run: ModuleRun, data: list, case: Case) -> dict:
     return {"inp.grad": gx, **{f"{n}.grad": g for n, g in gp.items()}}
 
 
+def _gradient_penalty(run: ModuleRun, data: list, case: Case) -> dict:
+    """A gradient penalty: ``x``'s gradient alone taken with ``create_graph=True`` (of the loss
+    ``(dy * y).sum() + (y * y).sum() / 2``, whose output gradient ``dy + y`` depends on ``y``),
+    which writes and queues nothing; then the backward of a penalty on it (a random vector's
+    dot product), which goes back through the module's backward with grad mode off, so a
+    delayed module queues one entry there, drained here."""
+    what = _what(case)
+    d = data[0]
+    x = d.fresh_input()
+    before = run.all_snapshot()
+    y = run.forward(x, d.spec.m_splits, None)
+    (gx,) = run.backend.grad(run.module, [y], [d.dy + y], [x], create_graph=True)
+    if run.pending() or any(not _same(a, before[k]) for k, a in run.all_snapshot().items()):
+        raise PropertyViolation(
+            f"{what}torch.autograd.grad(..., inputs=[x], create_graph=True) queued "
+            f"{run.pending()} entries or wrote a parameter's gradient: it asks for x alone "
+            "(SPEC §3, only what the backward asks for)"
+        )
+    if gx is None or not gx.requires_grad:
+        raise PropertyViolation(f"{what}x's gradient taken with create_graph=True has no graph")
+    v = torch.randn(gx.shape, generator=generator(case.seed, 41_000), dtype=torch.float64)
+    penalty = (gx * v.to(dtype=gx.dtype, device=gx.device)).sum()
+    run.backend.backward(run.module, [penalty], [torch.ones((), dtype=y.dtype)])
+    queued = 1 if run.delay else 0
+    if run.pending() != queued:
+        raise PropertyViolation(
+            f"{what}pending_wgrad_count after the penalty's backward: got {run.pending()}, "
+            f"expected {queued} (one entry per module per backward, SPEC §4)"
+        )
+    run.drain()
+    out = {"first order inp.grad": clone_of(gx), "second order inp.grad": clone_of(x.grad)}
+    for n, p in _params(run).items():
+        out[f"second order {n}.grad"] = clone_of(p.grad)
+    return out
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b if a is None or b is None else torch.equal(a, b)
+
+
 #: How each differentiating kind gets its result from ``(run, micro-batches, case)``.
 _PROCEDURES: dict[str, Callable[[ModuleRun, list, Case], dict]] = {
     "grad_of_grad": functools.partial(_double_backward, returned=True),
     "backward_create_graph": functools.partial(_double_backward, returned=False),
+    "gradient_penalty": _gradient_penalty,
     **dict.fromkeys(("func.grad", "func.vjp", "func.jacrev", "func.vmap"), _torch_func),
 }
 
@@ -533,6 +818,14 @@ def _check_differentiating(backend: Backend, case: Case) -> CheckResult:
         raise
     except Exception as exc:
         _refused(case, what, exc)
+        why = _refusal_allowed(case)
+        if why is None:
+            raise PropertyViolation(
+                f"{what}refused ({type(exc).__name__}: {str(exc).strip()[:300]}), but nothing "
+                "here is deferred, accumulated into main_grad or quantized: the gradients are "
+                "returned through autograd or written by a module without delay or fused "
+                "accumulation, so they carry their graph (SPEC §2-§3) and a result is required"
+            ) from exc
         return t.result
     if case.config.recipe is not None:
         raise PropertyViolation(
@@ -570,7 +863,8 @@ def _check_differentiating(backend: Backend, case: Case) -> CheckResult:
     naive_got, truth_got = procedure(naive, data, case), procedure(truth, wide, case)
 
     def keep(key: str) -> bool:
-        return not key.startswith("first order") and not_fused(key)
+        first = key.startswith("first order") and case.variant != "gradient_penalty"
+        return not first and not_fused(key)
 
     _compare(t, what, one, got, naive_got, truth_got, keep)
     return t.result
@@ -580,8 +874,8 @@ def _check_differentiating(backend: Backend, case: Case) -> CheckResult:
 
 #: The substitution kinds (``case.variant``), enumerated by every cell (SPEC §7).
 VARIANTS = tuple(_CHECKS)
-#: Kinds that differentiate the module's backward or transform it: the right result or a
-#: ``RuntimeError`` naming the module.
+#: Kinds that differentiate the module's backward or transform it: the right result or, where
+#: :func:`_refusal_allowed` says, a ``RuntimeError`` naming the module.
 DIFFERENTIATING_VARIANTS = tuple(_PROCEDURES)
 
 
@@ -599,22 +893,40 @@ def check_p18(backend: Backend, case: Case) -> CheckResult:
     return check(backend, case)
 
 
+#: Kinds whose hooks must be accepted: on a fused weight (refused, SPEC §3) they target none.
+_HOOKS_ACCEPTED = ("tensor_hook_chain", "tensor_hook_kept")
+
+
 def _ordered(case: Case, variant: str) -> list[str]:
     """The parameters ``variant`` may target, GEMM weights first, norm parameters last."""
     order = {GEMM_WEIGHT: 0, GEMM_BIAS: 1, NORM: 2}
     names = [s.name for s in sorted(param_specs(case.config), key=lambda s: order[s.role])]
-    if variant == "tensor_hook_wrong_size":
-        names = [n for n in names if role_of(n) != NORM]
+    if variant in ("tensor_hook_wrong_size", "post_accumulate_reduce"):
+        names = [n for n in names if role_of(n) != NORM]  # (reduce hooks: GEMM parameters')
+    if variant in _HOOKS_ACCEPTED and case.config.fuse_wgrad_accumulation:
+        names = [n for n in names if role_of(n) != GEMM_WEIGHT]
     return names
 
 
-def _fit(case: Case, variant: str, targets: tuple[str, ...]) -> Case:
-    """``case`` made into a P18 case of ``variant`` on ``targets`` (the wrong-size hook without
-    fused accumulation: a fused weight refuses any tensor hook)."""
-    config = case.config
-    if variant == "tensor_hook_wrong_size" and config.fuse_wgrad_accumulation:
+def _prepare(case: Case, variant: str) -> Case:
+    """``case`` made into a P18 case of ``variant``, before its targets are chosen: the
+    wrong-size hook and the gradient penalty without fused accumulation (a fused weight
+    refuses any tensor hook; the penalty's second pass splits a weight's gradient between
+    main_grad and .grad), the kinds of :data:`_HOOKS_ACCEPTED` too where a fused module leaves
+    them no target, the module hooks' kind under delay (they run in ``backward_dw()``), the
+    kept tensor over at least two micro-batches (the second accumulates)."""
+    config, delay, mbs = case.config, case.delay, case.micro_batches
+    plain = variant in ("tensor_hook_wrong_size", "gradient_penalty")
+    if variant in _HOOKS_ACCEPTED:
+        case = dataclasses.replace(case, variant=variant)
+        plain = not _ordered(case, variant)
+    if plain and config.fuse_wgrad_accumulation:
         config = dataclasses.replace(config, fuse_wgrad_accumulation=False)
-    return dataclasses.replace(case, config=config, variant=variant, asked=targets)
+    if variant == "post_accumulate_reduce":
+        delay = True
+    if variant == "tensor_hook_kept" and len(mbs) == 1:
+        mbs = mbs * 2
+    return dataclasses.replace(case, config=config, variant=variant, delay=delay, micro_batches=mbs)
 
 
 @st.composite
@@ -624,13 +936,14 @@ def p18_cases(draw, kinds, dtypes, devices, recipes):
     goes to them."""
     case = draw(cases(kinds, dtypes, devices, n_micro_batches=(1, 2), recipes=recipes))
     variant = draw(st.sampled_from(VARIANTS))
+    case = _prepare(case, variant)
     names = _ordered(case, variant)
     targets: tuple[str, ...] = ()
     if variant in _TARGETED:
         order = draw(st.permutations(names))
         count = draw(st.integers(1, min(_TARGETED[variant] or len(names), len(names))))
         targets = tuple(n for n in names if n in order[:count])
-    return _fit(case, variant, targets)
+    return dataclasses.replace(case, asked=targets)
 
 
 #: The explicit cases of a cell: (kind, delay, fused, targets), targets ``"all"``, ``"w"``
@@ -650,8 +963,19 @@ EXPLICIT = (
     ("post_accumulate_hook", True, False, "all"),
     ("post_accumulate_hook", False, False, "o"),
     ("post_accumulate_hook", True, True, "w"),
+    ("tensor_hook_chain", True, False, "w"),
+    ("tensor_hook_chain", False, False, "o"),
+    ("tensor_hook_chain", True, True, "o"),
+    ("tensor_hook_kept", True, False, "w"),
+    ("tensor_hook_kept", False, False, "w"),
+    ("post_accumulate_reduce", True, False, "all"),
+    ("post_accumulate_reduce", True, True, "w"),
     ("grad_of_grad", False, False, ""),
     ("grad_of_grad", True, True, ""),
+    ("grad_of_grad", True, False, ""),
+    ("grad_of_grad", False, True, ""),
+    ("gradient_penalty", True, False, ""),
+    ("gradient_penalty", False, False, ""),
     ("backward_create_graph", False, False, ""),
     ("backward_create_graph", True, False, ""),
     ("backward_create_graph", False, True, ""),
@@ -674,11 +998,12 @@ def p18_explicit(base: list[Case]) -> list[Case]:
         c = dataclasses.replace(
             c, config=dataclasses.replace(c.config, fuse_wgrad_accumulation=fused)
         )
+        c = _prepare(c, variant)
         names = _ordered(c, variant)
         targets = tuple(names) if pick == "all" else ()
         if pick in ("w", "o"):
             start = 0 if pick == "w" else len(names) // 2
             picked = [names[(start + j) % len(names)] for j in range(_TARGETED[variant] or 2)]
             targets = tuple(dict.fromkeys(picked))
-        out.append(_fit(c, variant, targets))
+        out.append(dataclasses.replace(c, asked=targets))
     return out + protocol_explicit(base)
