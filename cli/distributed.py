@@ -68,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
         "seeds) (default: ci)",
     )
     p.add_argument(
+        "--reducer",
+        default=None,
+        help="the reducer class p16 builds, as MODULE:CLASS (an importable module; default: "
+        "splitgrad.distributed:GradientReducer)",
+    )
+    p.add_argument(
         "--timeout",
         type=positive_float,
         default=600.0,
@@ -94,6 +100,15 @@ def _plan(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...], tuple]:
                 "run on fixed worlds (p14: 2 ranks, p16: 2 and 3, p16-pp: 4, p19: 2 and 4); use "
                 "--check p15 with it"
             )
+    if args.reducer is not None:
+        if "p16" not in checks:
+            raise ValueError(f"--reducer {args.reducer} applies to p16 only; use --check p16")
+        try:
+            harness.load_library(args.reducer)
+        except Exception as exc:  # an import error, a missing attribute
+            raise ValueError(
+                f"--reducer {args.reducer}: cannot load it ({type(exc).__name__}: {exc})"
+            ) from None
     return checks, schedules, recipes
 
 
@@ -110,6 +125,7 @@ def _load(backend: str, checks: list[str]) -> None:
 def _runs(args: argparse.Namespace, schedules: tuple[str, ...], recipes: tuple) -> dict:
     """Each check's run, by name."""
     backend, timeout = args.backend, args.timeout
+    reducer = {"reducer": args.reducer} if args.reducer else {}
     return {
         "p14": lambda: harness.check_expert_parallel(backend, timeout_s=timeout),
         "p15": lambda: harness.check_pipeline(
@@ -121,8 +137,8 @@ def _runs(args: argparse.Namespace, schedules: tuple[str, ...], recipes: tuple) 
         ),
         "p16": lambda: harness.merge_reports(
             f"P16 {backend} alone and under fully_shard",
-            harness.check_data_parallel(backend, timeout_s=timeout),
-            harness.check_fully_sharded(backend, timeout_s=timeout),
+            harness.check_data_parallel(backend, timeout_s=timeout, **reducer),
+            harness.check_fully_sharded(backend, timeout_s=timeout, **reducer),
         ),
         "p16-pp": lambda: harness.merge_reports(
             f"P16 x P15 {backend}: replicated and under fully_shard",
