@@ -187,9 +187,7 @@ class _FloorGrouped(torch.autograd.Function):
     def forward(ctx, x, m_splits, queue, *params):
         n = len(params) // 2
         xs = torch.split(x, m_splits)
-        out = torch.empty(x.shape[0], params[0].shape[0], dtype=x.dtype)
-        for o, xi, w, b in zip(torch.split(out, m_splits), xs, params[:n], params[n:]):
-            torch.addmm(b, xi, w.t(), out=o)
+        out = torch.cat([torch.addmm(b, xi, w.t()) for xi, w, b in zip(xs, params[:n], params[n:])])
         ctx.save_for_backward(x, *params[:n])
         ctx.m_splits, ctx.queue = m_splits, queue
         return out
@@ -198,9 +196,7 @@ class _FloorGrouped(torch.autograd.Function):
     def backward(ctx, dy):
         x, *ws = ctx.saved_tensors
         dys, xs = torch.split(dy, ctx.m_splits), torch.split(x, ctx.m_splits)
-        dx = torch.empty_like(x)
-        for o, d, w in zip(torch.split(dx, ctx.m_splits), dys, ws):
-            torch.mm(d, w, out=o)
+        dx = torch.cat([torch.mm(d, w) for d, w in zip(dys, ws)])
         if ctx.queue is not None:
             ctx.queue.append((dys, xs))
             return dx, None, None, *(None,) * (2 * len(ws))

@@ -148,9 +148,9 @@ def _backward(
         if use_grouped:
             dx = gemm.grouped_mm_dgrad(dy, _stacked(weights), m_splits)
         else:
-            dx = dy.new_empty(dy.shape[0], weights[0].shape[1])
-            for i, (dy_g, dx_g) in enumerate(zip(dy.split(m_splits), dx.split(m_splits))):
-                torch.mm(dy_g, weights[i], out=dx_g)
+            dx = torch.cat(
+                [torch.mm(dy_g, weights[i]) for i, dy_g in enumerate(dy.split(m_splits))]
+            )
     if written:
 
         def wgrad_closure(dy, x=None):
@@ -187,14 +187,15 @@ class _GroupedLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x, *weights)
         if use_grouped:
             return gemm.grouped_mm_forward(x, _stacked(weights), biases, m_splits)
-        # One GEMM per group, each written into its (contiguous) row block of the output.
-        y = x.new_empty(x.shape[0], weights[0].shape[0])
-        for i, (x_g, y_g) in enumerate(zip(x.split(m_splits), y.split(m_splits))):
-            if biases is None:
-                torch.mm(x_g, weights[i].t(), out=y_g)
-            else:
-                torch.addmm(biases[i], x_g, weights[i].t(), out=y_g)
-        return y
+        # One GEMM per group, concatenated: a GEMM written into a row block of a larger output
+        # can round differently from Linear's (an unaligned start picks another kernel path),
+        # and P12 holds GroupedLinear bitwise to a list of Linears.
+        return torch.cat(
+            [
+                gemm.linear_forward(x_g, weights[i], None if biases is None else biases[i])
+                for i, x_g in enumerate(x.split(m_splits))
+            ]
+        )
 
     @staticmethod
     @without_autocast
