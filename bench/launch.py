@@ -20,8 +20,8 @@ Measurement: one intra-op thread, process CPU time, ``--rounds`` interleaved rou
 runs every variant of a cell ``--calls`` times back to back, in a rotating order), the median of
 the per-round ratios. Ratios from one run only: this machine is noisy, so nothing here is a test.
 
-    python -m splitgrad.bench.launch [--rounds 15] [--calls 200] [--markdown] [--json PATH]
-        [--module Linear ...] [--dtype float32 ...] [--no-fp8] [--calls-only]
+    splitgrad launch [--rounds 15] [--calls 200] [--markdown] [--json PATH]
+        [--modules Linear,...] [--dtypes float32,bfloat16] [--no-fp8] [--calls-only]
 
 ``--calls-only`` prints the number of Python function calls (``cProfile``) of one forward +
 backward of each variant instead: a count that does not depend on timing
@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from splitgrad.impl.fp8 import quantize
 from splitgrad.impl.fp8_gemm import fp8_mm
+from splitgrad.properties.front.command_line import pick
 from splitgrad.reference.fp8 import fp8_active_recipe
 
 from .options import output_file, positive_int
@@ -482,24 +483,34 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m splitgrad.bench.launch",
+        prog="splitgrad launch",
         description="Per-call CPU cost of splitgrad.impl's modules against the thinnest "
-        "Python split (the floor) and torch.nn, at small shapes.",
+        "Python split (the floor) and torch.nn, at small shapes (one thread, CPU time, "
+        "interleaved rounds, medians of per-round ratios).",
     )
-    parser.add_argument("--rounds", type=positive_int, default=15)
-    parser.add_argument("--calls", type=positive_int, default=200)
-    parser.add_argument("--module", action="append", choices=MODULES)
-    parser.add_argument("--dtype", action="append", choices=tuple(DTYPES))
+    parser.add_argument("--rounds", type=positive_int, default=15, help="(default: 15)")
+    parser.add_argument(
+        "--calls", type=positive_int, default=200, help="calls per variant per round (200)"
+    )
+    parser.add_argument("--modules", default=",".join(MODULES), help="comma-separated")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated")
     parser.add_argument("--no-fp8", action="store_true", help="skip the FP8 Linear rows")
-    parser.add_argument("--calls-only", action="store_true", help="print call counts only")
-    parser.add_argument("--markdown", action="store_true")
-    parser.add_argument("--json", type=output_file)
+    parser.add_argument(
+        "--calls-only", action="store_true", help="print Python calls per step only (no timing)"
+    )
+    parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
+    parser.add_argument("--json", type=output_file, help="write the rows to this file")
     args = parser.parse_args(argv)
-    modules, dtypes = args.module or MODULES, args.dtype or tuple(DTYPES)
+    try:
+        modules = pick("modules", args.modules, "module", MODULES, everything=None)
+        dtypes = pick("dtypes", args.dtypes, "dtype", tuple(DTYPES), everything=None)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.calls_only:
         for kind in modules:
             for d in dtypes:
-                print(kind, d, call_counts(kind, DTYPES[d]))
+                for column in COLUMNS[1:]:
+                    print(f"{kind:16s} {d:9s} {column:20s}", call_counts(kind, DTYPES[d], column))
         return 0
     rows = run(modules, dtypes, args.rounds, args.calls, not args.no_fp8)
     if args.markdown:

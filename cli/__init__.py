@@ -2,7 +2,8 @@
 :mod:`splitgrad.properties.front.verify`), ``splitgrad bench`` (speed and memory ratios,
 :mod:`splitgrad.bench.modules`), ``splitgrad distributed`` (P14-P16, P19, :mod:`.distributed`),
 ``splitgrad pipeline`` and ``splitgrad moe`` (what the split buys across ranks,
-:mod:`splitgrad.bench.pipeline`, :mod:`splitgrad.bench.moe`).
+:mod:`splitgrad.bench.pipeline`, :mod:`splitgrad.bench.moe`), ``splitgrad launch`` (per-call
+cost against the thinnest split, :mod:`splitgrad.bench.launch`).
 
 It sits above every other package: it may import any of them, and none imports it. Each command
 is imported only when run, so ``splitgrad --help`` stays cheap."""
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: splitgrad [--version] {verify,bench,distributed,pipeline,moe} [options]
+USAGE = """usage: splitgrad [--version] {verify,bench,distributed,pipeline,moe,launch} [options]
 
 Split backward (deferred weight gradients) for PyTorch linear layers: check an implementation
 against the contract in SPEC.md, or measure splitgrad.impl.
@@ -25,6 +26,8 @@ commands:
            schedules, splitgrad's dw_builder next to torch's own split (splitgrad pipeline --help)
   moe      the share of the expert-parallel dispatch all-to-all hidden behind backward_dw()
            (splitgrad moe --help)
+  launch   per-call CPU cost of splitgrad.impl's modules at small shapes against the thinnest
+           Python split and torch.nn, and Python calls per step (splitgrad launch --help)
 
 options:
   -h, --help  show this message and exit
@@ -43,7 +46,7 @@ def version() -> str:
         return "unknown"
 
 
-COMMANDS = ("verify", "bench", "distributed", "pipeline", "moe")
+COMMANDS = ("verify", "bench", "distributed", "pipeline", "moe", "launch")
 
 
 def _usage_error(message: str) -> int:
@@ -84,4 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         from splitgrad.bench.moe import moe_main
 
         return moe_main(rest)
+    if command == "launch":
+        from splitgrad.bench.launch import main as launch_main
+
+        return launch_main(rest)
     return _usage_error(f"unknown command {command!r}")

@@ -190,12 +190,11 @@ class _GroupedLinearFunction(torch.autograd.Function):
         # One GEMM per group, concatenated: a GEMM written into a row block of a larger output
         # can round differently from Linear's (an unaligned start picks another kernel path),
         # and P12 holds GroupedLinear bitwise to a list of Linears.
-        return torch.cat(
-            [
-                gemm.linear_forward(x_g, weights[i], None if biases is None else biases[i])
-                for i, x_g in enumerate(x.split(m_splits))
-            ]
-        )
+        # (gemm.linear_forward's two calls, inlined: once per group per forward)
+        if biases is None:
+            return torch.cat([torch.mm(x_g, w.t()) for x_g, w in zip(x.split(m_splits), weights)])
+        groups = zip(x.split(m_splits), weights, biases)
+        return torch.cat([torch.addmm(b, x_g, w.t()) for x_g, w, b in groups])
 
     @staticmethod
     @without_autocast

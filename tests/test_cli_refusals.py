@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from splitgrad import cli
 from splitgrad.bench import modules as bench
-from splitgrad.bench import moe, pipeline, ranks
+from splitgrad.bench import launch, moe, pipeline, ranks
 from splitgrad.cli import distributed as distributed_cli
 from splitgrad.properties.cases.strategies import KINDS
 from splitgrad.properties.checks import distributed as distributed_checks
@@ -382,6 +382,7 @@ def test_every_documented_command_line_is_accepted(line, monkeypatch, capsys, tm
     monkeypatch.setattr(verify, "_xfails_file", lambda path: {})
     monkeypatch.setattr(verify, "_backend", _accept)
     monkeypatch.setattr(bench, "run", _accept)
+    monkeypatch.setattr(launch, "run", _accept)
     for module in (distributed_checks, pipeline, moe):
         monkeypatch.setattr(module, "preload_library", lambda name: None)
     monkeypatch.setattr(distributed_cli, "_runs", _accept)
