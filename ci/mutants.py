@@ -1073,6 +1073,80 @@ CUDA_BRANCH_MUTANTS: tuple[Mutant, ...] = (
     ),
 )
 
+# Data parallel (SPEC §8, P16), in a copy of splitgrad.distributed: ``splitgrad distributed
+# --check p16 --reducer COPY:GradientReducer`` (3 steps alone on 2 ranks; fully_shard on 2 and 3
+# ranks, Shard(1) weights, 3 micro-batches, hooks on the sharded parameters) must catch each.
+P16_MUTANTS = (
+    Mutant(
+        "p16-tied-count-kept",
+        "the end-of-step reset forgets how many of a tied weight's modules ran their last entry "
+        "(finality tested with >=): from step 2 on the shared weight launches after the first",
+        (
+            (
+                "reducer_finality.py",
+                "            st.passes, st.last_task, st.ready, st.owners_final = "
+                "0, -1, False, 0\n",
+                "            st.passes, st.last_task, st.ready = 0, -1, False\n",
+            ),
+            (
+                "reducer_finality.py",
+                "            if st.owners_final == len(st.owners):\n",
+                "            if st.owners_final >= len(st.owners) and not st.ready:\n",
+            ),
+        ),
+        "distributed",
+    ),
+    Mutant(
+        "p16-shard0-assumed",
+        "the FSDP2 reduce-scatter copies every gradient in as Shard(0): a Shard(1) weight "
+        "(shard_placement_fn) is not rearranged into dim-0 chunks first",
+        (("fsdp.py", "            if dim != 0 and world > 1:\n", "            if False:\n"),),
+        "distributed",
+    ),
+    Mutant(
+        "p16-divide-order-swapped",
+        "FSDP2's pre- and post-divide factors taken in swapped order: forced sum divides "
+        "before the SUM (exact on 2 ranks, rounded on 3)",
+        (
+            (
+                "fsdp.py",
+                "        pre, self.post, op, _ = _torch_private.gradient_divide_factors(\n",
+                "        self.post, pre, op, _ = _torch_private.gradient_divide_factors(\n",
+            ),
+        ),
+        "distributed",
+    ),
+    Mutant(
+        "p16-sharded-hooks-skipped",
+        "the reduced shard is written into the sharded .grad without running the parameter's "
+        "post-accumulate-grad hooks (FSDP2 runs them)",
+        (
+            (
+                "fsdp.py",
+                "            for hook in _torch_private.post_accumulate_grad_hooks(sharded):\n"
+                "                hook(sharded)\n",
+                "",
+            ),
+        ),
+        "distributed",
+    ),
+    Mutant(
+        "p16-later-passes-param-dtype",
+        "under a reduce_dtype other than the gradients', only the first non-final pass moves "
+        "into the reduce_dtype sum; later ones accumulate on .grad in the parameter dtype",
+        (
+            (
+                "fsdp.py",
+                "    if accumulated is not None:\n        accumulated += grad\n"
+                "        _torch_private.unsharded_param(fsdp_param).grad = None\n"
+                "        return accumulated\n",
+                "    if accumulated is not None:\n        return accumulated\n",
+            ),
+        ),
+        "distributed",
+    ),
+)
+
 ALL_MUTANTS = (
     MUTANTS
     + FP8_MUTANTS
@@ -1082,6 +1156,7 @@ ALL_MUTANTS = (
     + P18_MUTANTS
     + PROTOCOL_MUTANTS
     + TP_MUTANTS
+    + P16_MUTANTS
     + HOOK_MUTANTS
     + RAISING_HOOK_MUTANTS
     + CONTRACT_MUTANTS
@@ -1123,6 +1198,8 @@ def run_mutant(mutant: Mutant, profile: str, full: bool, workdir: Path) -> Mutan
         return MutantResult(mutant.name, mutant.bug, "edit does not apply", detail=why)
     if mutant in TP_MUTANTS:
         return _run_tp_mutant(mutant, dest, start)
+    if mutant in P16_MUTANTS:
+        return _run_p16_mutant(mutant, dest, start)
     if mutant.name in SUITE_CAUGHT:
         return _run_suite_mutant(mutant, start)
     out = workdir / f"{mutant.name}.json"
@@ -1199,6 +1276,24 @@ def _run_tp_mutant(mutant: Mutant, dest: Path, start: float) -> MutantResult:
     if proc.returncode == 1 and any(line.startswith("p19     FAIL") for line in lines):
         failures = [line.strip() for line in lines if line.startswith("        ")]
         result.status, result.caught_by = "caught", ["P19 (splitgrad distributed)"]
+        result.detail = failures[0][:200] if failures else ""
+    elif proc.returncode != 0:
+        result.status, result.detail = "error", (proc.stdout + proc.stderr)[-2000:]
+    return result
+
+
+def _run_p16_mutant(mutant: Mutant, dest: Path, start: float) -> MutantResult:
+    """A P16 mutant (a copy of splitgrad.distributed, importable by its folder's name):
+    ``splitgrad distributed --check p16`` with the copy's ``GradientReducer``; caught when P16
+    fails (exit status 1)."""
+    cmd = [sys.executable, "-m", "splitgrad.cli", "distributed", "--check", "p16"]
+    cmd += ["--reducer", f"{dest.name}:GradientReducer"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=dest.parent, timeout=1800)
+    result = MutantResult(mutant.name, mutant.bug, "SURVIVED", seconds=time.perf_counter() - start)
+    lines = proc.stdout.splitlines()
+    if proc.returncode == 1 and any(line.startswith("p16     FAIL") for line in lines):
+        failures = [line.strip() for line in lines if line.startswith("        ")]
+        result.status, result.caught_by = "caught", ["P16 (splitgrad distributed)"]
         result.detail = failures[0][:200] if failures else ""
     elif proc.returncode != 0:
         result.status, result.detail = "error", (proc.stdout + proc.stderr)[-2000:]
