@@ -100,6 +100,11 @@ def test_cli_runs_an_outside_package_from_a_directory(tmp_path, capsys):
         (["--check", "p15", "--world-size", "0"], "--world-size must be >= 1, got 0"),
         (["--check", "p15", "--schedule", "ScheduleFoo"], "unknown schedule 'ScheduleFoo'"),
         (["--check", "p15", "--recipe", "fp4"], "unknown recipe 'fp4'"),
+        (["--check", "p15", "--reducer", "a:B"], "--reducer a:B applies to p16 only"),
+        (
+            ["--check", "p16", "--reducer", "distributed_mutants:Nope"],
+            "--reducer distributed_mutants:Nope: cannot load it (AttributeError",
+        ),
     ],
 )
 def test_cli_refuses_bad_options_naming_them(argv, needle, capsys):
