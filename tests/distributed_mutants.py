@@ -12,6 +12,7 @@ import splitgrad.distributed.expert_parallel as _ep
 import splitgrad.impl as _impl
 import torch.distributed as dist
 from splitgrad.distributed import ExpertParallelMoE, GradientReducer
+from splitgrad.distributed.reducer_allreduce import AllReduceBuckets
 
 
 def _package(name: str, **overrides) -> types.ModuleType:
@@ -171,6 +172,41 @@ class TiedCountKeptReducer(GradientReducer):
 
         tracker.reset = reset_keeping_tied_counts
         tracker._owner_final = owner_final
+
+
+class _PreDividingBuckets(AllReduceBuckets):
+    """The all-reduce back-end dividing each flat bucket by the world size before its SUM and
+    not after it."""
+
+    def launch(self, bucket) -> None:
+        real_all_reduce = dist.all_reduce
+
+        def divided_first(tensor, *args, **kwargs):
+            tensor.div_(self.world_size)
+            return real_all_reduce(tensor, *args, **kwargs)
+
+        dist.all_reduce = divided_first  # for this launch only
+        try:
+            super().launch(bucket)
+        finally:
+            dist.all_reduce = real_all_reduce
+
+    def complete(self, bucket, timeout, errors) -> None:
+        world, self.world_size = self.world_size, 1  # divided already
+        try:
+            super().complete(bucket, timeout, errors)
+        finally:
+            self.world_size = world
+
+
+class DividesBeforeAllReduceReducer(GradientReducer):
+    """The reducer without fully_shard averaging each bucket by dividing before the all-reduce
+    instead of after it: bitwise the same on 2 replicas (halving is exact), rounded otherwise
+    on 3."""
+
+    def __init__(self, module, *args, **kwargs) -> None:
+        super().__init__(module, *args, **kwargs)
+        self._backend = _PreDividingBuckets(self.process_group, self.world_size, self._step)
 
 
 def sp_sum_forgets_norms(model, tp_group) -> None:

@@ -10,6 +10,7 @@ what the parent asserts on; a failing or stuck rank fails the test with its trac
 from __future__ import annotations
 
 import importlib
+import re
 
 import pytest
 import torch
@@ -24,8 +25,9 @@ pytestmark = pytest.mark.distributed
 
 @pytest.mark.parametrize("lib_name", ["splitgrad.impl", "splitgrad.reference"])
 def test_p16_alone(lib_name):
-    """fused/plain x no_sync()/num_microbatches x untied/tied, 3 optimizer steps on one
-    reducer: in every step bitwise (replica0 + replica1) / 2, within the data-parallel budget
+    """2 replicas: fused/plain x no_sync()/num_microbatches x untied/tied, 3 optimizer steps
+    on one reducer; 3 replicas: fp32, num_microbatches, 2 steps. In every step bitwise
+    (replica0 + replica1) / 2 (on 3, one of the summation orders), within the data-parallel budget
     of the float64 global batch, every launch before finish() and logged under that step, and
     the first block's reductions before the second block's last backward_dw()."""
     dtypes = (torch.float32, torch.bfloat16) if lib_name == "splitgrad.impl" else (torch.float32,)
@@ -43,7 +45,7 @@ def test_p16_catches_tied_finality_kept_across_steps():
         "splitgrad.impl", reducer="distributed_mutants:TiedCountKeptReducer", timeout_s=240
     )
     assert not report.ok
-    assert all(" tied rank " in f for f in report.failures), report.failures[:3]
+    assert all(" tied " in f for f in report.failures), report.failures[:3]
     assert {f.split(" step ")[1].split()[0].rstrip(":") for f in report.failures} == {"2", "3"}
     assert any(
         "proj.weight: backward_dw() wrote it again after its reduction had started" in f
@@ -55,9 +57,30 @@ def test_p16_catches_tied_finality_kept_across_steps():
     )
 
 
-def test_p16_alone_refuses_a_bad_step_count():
+def test_p16_catches_a_division_before_the_all_reduce_on_3_replicas():
+    """Dividing each bucket by the world size before the SUM instead of after: exact on 2
+    replicas (every 2-replica cell stays right), rounded on 3, where elements match none of the
+    three summation orders of the replicas' mean."""
+    report = check_data_parallel(
+        "splitgrad.impl", reducer="distributed_mutants:DividesBeforeAllReduceReducer", timeout_s=240
+    )
+    assert not report.ok
+    assert all(" on 3 replicas rank " in f for f in report.failures), report.failures[:3]
+    assert any(
+        re.search(
+            r"0\.mlp\.fc1_weight vs the means of the 3 replicas in each summation order: "
+            r"\d+ of 512 elements match none",
+            f,
+        )
+        for f in report.failures
+    ), report.failures[:3]
+
+
+def test_p16_alone_refuses_bad_options():
     with pytest.raises(ValueError, match="steps must be a positive int, got 0"):
         check_data_parallel("splitgrad.impl", steps=0)
+    with pytest.raises(ValueError, match=r"world_sizes must be some of \(2, 3\), got \(4,\)"):
+        check_data_parallel("splitgrad.impl", world_sizes=(4,))
 
 
 def test_p16_with_a_zero_bubble_pipeline():

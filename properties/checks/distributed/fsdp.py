@@ -15,11 +15,9 @@ dividing before or after the sum rounds differently.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .data_parallel import REDUCER, compare_replica, dp_truth, replica_step
+from .data_parallel import REDUCER, compare_replica, dp_truth, one_of_the_orders, replica_step
 from .library import load_library
 from .model import blocks, gradient_copies, sizes
 from .report import DistributedReport, check_buckets, run_checked
@@ -170,39 +168,6 @@ def _fsdp_rank(
         truths = dp_truth(0, 1, lib_name, truth_configs, world)
         out["truth"] = [truths[keys.index(_truth_key(c))] for c in configs]
     return out
-
-
-def one_of_the_orders(
-    report: DistributedReport, where: str, grads: dict, replicas: list[dict], n_mb: int
-) -> None:
-    """Each element of every full gradient in ``grads`` bitwise one of the means of three
-    ``replicas`` a collective can form, ``((x_i + x_j) + x_k) / 3 / n_mb``: on 3 ranks the
-    summation order of an element depends on where it lies in the reduce-scatter's buffer
-    (every order is one of these three), so the reducer's value and FSDP2's own may differ by
-    order alone; a division before the sum matches none of them."""
-    for name, g in grads.items():
-        xs = [r[name] for r in replicas]
-        if g is None or any(x is None for x in xs):
-            report.bitwise(f"{where} {name} vs a mean of the replicas", g, None)
-            continue
-        k = len(xs)
-        candidates = []
-        for last in range(k):
-            rest = [xs[i] for i in range(k) if i != last]
-            total = sum(rest[1:], rest[0].clone()) + xs[last]
-            candidates.append(total.div_(k).div_(n_mb))
-        hit = torch.zeros_like(g, dtype=torch.bool)
-        for c in candidates:
-            hit |= g == c
-        report.counted(0.0 if bool(hit.all()) else math.inf, bitwise=True)
-        if not bool(hit.all()):
-            i = int((~hit).flatten().nonzero()[0])
-            report.failures.append(
-                f"{where} {name} vs the means of the {k} replicas in each summation order: "
-                f"{int((~hit).sum())} of {g.numel()} elements match none (flat index {i}: "
-                f"{g.flatten()[i].item()!r}, orders give "
-                f"{[c.flatten()[i].item() for c in candidates]})"
-            )
 
 
 def compare_hooks(
