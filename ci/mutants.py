@@ -1074,8 +1074,9 @@ CUDA_BRANCH_MUTANTS: tuple[Mutant, ...] = (
 )
 
 # Data parallel (SPEC §8, P16), in a copy of splitgrad.distributed: ``splitgrad distributed
-# --check p16 --reducer COPY:GradientReducer`` (3 steps alone on 2 ranks; fully_shard on 2 and 3
-# ranks, Shard(1) weights, 3 micro-batches, hooks on the sharded parameters) must catch each.
+# --check p16 --reducer COPY:GradientReducer`` (alone: 3 steps on 2 ranks, 2 on 3; fully_shard on
+# 2 and 3 ranks, Shard(1) weights, 3 micro-batches, hooks on the sharded parameters) must catch
+# each.
 P16_MUTANTS = (
     Mutant(
         "p16-tied-count-kept",
