@@ -327,17 +327,24 @@ def _twin(kind: str, source: torch.nn.Module) -> torch.nn.Module:
 TWINS = {k: (lambda source, k=k: _twin(k, source)) for k in MODULES}
 
 
-def build(kind: str, dtype: torch.dtype, delay: bool, seed: int = 0) -> torch.nn.Module:
-    """The impl module of the small shapes, parameters in ``dtype``."""
+def build(
+    kind: str, dtype: torch.dtype, delay: bool, seed: int = 0, package=impl
+) -> torch.nn.Module:
+    """The module of the small shapes from ``package`` (impl, or a baseline copy of it),
+    parameters in ``dtype``."""
     torch.manual_seed(seed)
     s, opts = SHAPES, {"params_dtype": dtype, "delay_wgrad_compute": delay}
     if kind == "Linear":
-        return impl.Linear(s["hidden"], s["out"], **opts)
+        return package.Linear(s["hidden"], s["out"], **opts)
     if kind == "LayerNormLinear":
-        return impl.LayerNormLinear(s["hidden"], s["out"], **opts)
+        return package.LayerNormLinear(s["hidden"], s["out"], **opts)
     if kind == "LayerNormMLP":
-        return impl.LayerNormMLP(s["hidden"], s["ffn"], **opts)
-    return impl.GroupedLinear(s["groups"], s["hidden"], s["out"], **opts)
+        return package.LayerNormMLP(s["hidden"], s["ffn"], **opts)
+    return package.GroupedLinear(s["groups"], s["hidden"], s["out"], **opts)
+
+
+#: A second impl (``--baseline DIR``: a copy of an older ``impl/``), timed in the same rounds.
+BASELINE: list = []
 
 
 # ---- one call of each column -----------------------------------------------------------------
@@ -383,6 +390,9 @@ def _variants(kind: str, dtype: torch.dtype, column: str, fp8: bool = False) -> 
         out["torch.nn"] = _calls(TWINS[kind](source), x, dy, args, column, False)
     out["floor"] = _calls(FLOORS[kind](source, delayed), x, dy, args, column, delayed)
     out["impl"] = _calls(source, x, dy, args, column, delayed)
+    for package in BASELINE:
+        other = build(kind, dtype, delayed, package=package)
+        out["baseline"] = _calls(other, x, dy, args, column, delayed)
     if fp8:
         return {k: _under_fp8(v) for k, v in out.items() if k != "torch.nn"}
     return out
@@ -462,21 +472,21 @@ def _line(row: dict) -> str:
 
 def markdown(rows: list[dict]) -> str:
     s = SHAPES
+    ratios = ["impl / floor", "baseline / floor", "impl / torch.nn", "floor / torch.nn"]
+    ratios = [k for k in ratios if any(k in r for r in rows)]
     lines = [
         f"Small shapes: {s['tokens']} tokens, hidden {s['hidden']}, out {s['out']}, ffn "
         f"{s['ffn']}, {s['groups']} groups; one thread, CPU time, median of per-round ratios.",
         "",
-        "| module | dtype | column | impl / floor | impl / torch.nn | floor / torch.nn | impl µs |",
-        "|---|---|---|---|---|---|---|",
+        "| module | dtype | column | " + " | ".join(ratios) + " | impl µs |",
+        "|---|---|---|" + "---|" * (len(ratios) + 1),
     ]
     for r in rows:
-
-        def f(key, r=r):
-            return f"{r[key]:.3f}" if key in r else "—"
-
+        cells = [f"{r[k]:.3f}" if k in r else "—" for k in ratios]
         lines.append(
-            f"| {r['module']} | {r['dtype']} | {r['column']} | {f('impl / floor')} | "
-            f"{f('impl / torch.nn')} | {f('floor / torch.nn')} | {r['impl us']:.1f} |"
+            f"| {r['module']} | {r['dtype']} | {r['column']} | "
+            + " | ".join(cells)
+            + f" | {r['impl us']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -500,7 +510,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
     parser.add_argument("--json", type=output_file, help="write the rows to this file")
+    parser.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="a copy of another impl/ package (e.g. an older commit's), timed in the same "
+        "interleaved rounds as 'baseline'",
+    )
     args = parser.parse_args(argv)
+    if args.baseline:
+        from splitgrad.properties.backends.library import load_library_from_path
+
+        BASELINE.append(load_library_from_path(args.baseline, "splitgrad_launch_baseline"))
     try:
         modules = pick("modules", args.modules, "module", MODULES, everything=None)
         dtypes = pick("dtypes", args.dtypes, "dtype", tuple(DTYPES), everything=None)
