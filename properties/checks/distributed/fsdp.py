@@ -227,19 +227,20 @@ def _cells(
 ) -> list[dict]:
     """The cells of one world size: every precision with no_sync() and num_microbatches
     draining after the last backward and no_sync() draining each micro-batch right after its
-    backward (on 3 ranks, :data:`WORLD3_PRECISIONS` only, num_microbatches and no_sync() each);
-    ``Shard(1)`` with num_microbatches for :data:`SHARD1_PRECISIONS`, where some weight's dim 1
-    divides ``world``."""
+    backward (on 3 ranks, :data:`WORLD3_PRECISIONS` only, with num_microbatches, and forced
+    sum with no_sync() each too); ``Shard(1)`` with num_microbatches for
+    :data:`SHARD1_PRECISIONS`, where some weight's dim 1 divides ``world``."""
     hidden, ffn, _ = sizes(None)
-    if world == 2:
-        modes = (("no_sync", "late"), ("count", "late"), ("no_sync", "each"))
-    else:
-        modes = (("count", "late"), ("no_sync", "each"))
-        precisions = tuple(p for p in precisions if p in WORLD3_PRECISIONS)
+    every = (("no_sync", "late"), ("count", "late"), ("no_sync", "each"))
+    modes = {p: every for p in precisions}
+    if world != 2:
+        modes = {p: (("count", "late"),) for p in precisions if p in WORLD3_PRECISIONS}
+        if "fp32 sum" in modes:
+            modes["fp32 sum"] += (("no_sync", "each"),)
     cells = [
         {"mode": m, "n_mb": n_mb, "precision": p, "drain": d, "placement": "Shard(0)"}
-        for p in precisions
-        for m, d in modes
+        for p in modes
+        for m, d in modes[p]
         if "Shard(0)" in placements
     ]
     if "Shard(1)" in placements and (hidden % world == 0 or ffn % world == 0):
