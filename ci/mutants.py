@@ -390,8 +390,8 @@ SHARED_PATH_MUTANTS = (
             ),
             (
                 "linear.py",
-                "        params = (p.get(\"weight\"), p.get(\"bias\"))\n",
-                "        params = (p.get(\"weight\"), p.get(\"bias\"))\n"
+                '        params = (p.get("weight"), p.get("bias"))\n',
+                '        params = (p.get("weight"), p.get("bias"))\n'
                 "        self._uses = getattr(self, '_uses', 0) + 1\n",
             ),
         ),

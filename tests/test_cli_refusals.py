@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from splitgrad import cli
-from splitgrad.bench import modules as bench
 from splitgrad.bench import launch, moe, pipeline, ranks
+from splitgrad.bench import modules as bench
 from splitgrad.cli import distributed as distributed_cli
 from splitgrad.properties.cases.strategies import KINDS
 from splitgrad.properties.checks import distributed as distributed_checks
