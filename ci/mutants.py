@@ -97,6 +97,13 @@ MUTANTS = (
                 '        """Set or accumulate an already reduced bias gradient into '
                 '``param.grad``."""\n        return\n',
             ),
+            (
+                "base.py",
+                "        :meth:`_write_bias_value` of it, inlined (it runs once per bias per "
+                'backward)."""\n',
+                "        :meth:`_write_bias_value` of it, inlined (it runs once per bias per "
+                'backward)."""\n        return\n',
+            ),
         ),
     ),
     Mutant(
