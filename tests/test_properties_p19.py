@@ -147,7 +147,7 @@ def test_cli_p19_not_supported_and_refusals(capsys):
     out = capsys.readouterr().out
     assert "p19     n/a" in out and "not supported" in out
     # a package that cannot be loaded is still an error, not "not supported"
-    assert main(["--check", "p19", "--backend", "no_such_package_p19"]) == 2
+    assert main(["--check", "p19", "--backend", "module:no_such_package_p19"]) == 2
     assert "cannot load it" in capsys.readouterr().err
     assert main(["--check", "p19", "--world-size", "3"]) == 2
     assert "p19: 2 and 4" in capsys.readouterr().err

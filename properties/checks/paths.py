@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
@@ -210,10 +211,25 @@ def mx_scaled_mm_stand_in(on_call: Callable[[], None]) -> Iterator[None]:
         return mx_scaled_mm(mat_a, mat_b, scale_a, scale_b, opts.get("bias"), out_dtype)
 
     F.scaled_mm = scaled_mm
+    _forget_scaled_mm_probes()
     try:
         yield
     finally:
         F.scaled_mm = original
+        _forget_scaled_mm_probes()
+
+
+def _forget_scaled_mm_probes() -> None:
+    """Clear the cached verdicts of every loaded ``fp8_gemm.scaled_mm_works`` (impl's, and a
+    copy's loaded as a ``path:`` backend): a verdict probed without the stand-in ("no MXFP8
+    GEMM on the CPU") must not keep the forced path from running under it, and one probed under
+    it must not outlive it. Without this the cells' outcome depended on which test of the
+    process probed first."""
+    for name, module in list(sys.modules.items()):
+        if name == "fp8_gemm" or name.endswith(".fp8_gemm"):
+            probe = getattr(module, "scaled_mm_works", None)
+            if probe is not None and hasattr(probe, "cache_clear"):
+                probe.cache_clear()
 
 
 def stand_in_missing() -> str | None:
