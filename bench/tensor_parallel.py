@@ -530,6 +530,14 @@ def _timing_rank(rank: int, world: int, cfg: TimingConfig, device: str) -> dict:
             del xi, dyi
             grads = tuple(p.grad for p in stack.parameters() if p.grad is not None)
             out = live.alive_bytes(leave_out=grads)
+            # gloo's worker threads let go of a collective's tensors a moment after wait()
+            # returns (more so on a loaded machine): read again until two readings agree.
+            for _ in range(100):
+                time.sleep(0.01)
+                again = live.alive_bytes(leave_out=grads)
+                if again == out:
+                    break
+                out = again
         for layer in reversed(stack):
             layer.backward_dw()
         return out
