@@ -97,13 +97,6 @@ MUTANTS = (
                 '        """Set or accumulate an already reduced bias gradient into '
                 '``param.grad``."""\n        return\n',
             ),
-            (
-                "base.py",
-                "        :meth:`_write_bias_value` of it, inlined (it runs once per bias per "
-                'backward)."""\n',
-                "        :meth:`_write_bias_value` of it, inlined (it runs once per bias per "
-                'backward)."""\n        return\n',
-            ),
         ),
     ),
     Mutant(
@@ -486,11 +479,6 @@ P17_MUTANTS = (
                 "            dest = node_destination(node)\n",
                 "            dest = ACCUMULATE if node_destination(node) else None\n",
             ),
-            (
-                "base.py",
-                "                    if _will_execute(node):\n",
-                "                    if _will_execute(node) or True:\n",
-            ),
         ),
     ),
     Mutant(
@@ -602,10 +590,15 @@ PROTOCOL_MUTANTS = (
         (
             (
                 "linear.py",
-                "            return y if x is inp else "
-                "y.reshape(*inp.shape[:-1], self.out_features)\n",
-                "            return y.view(y.shape) if x is inp else "
-                "y.reshape(*inp.shape[:-1], self.out_features)\n",
+                "            return self._plain_forward(\n"
+                "                inp, params, _LinearFunction, _c_apply, is_first_microbatch, "
+                "self.out_features\n"
+                "            )\n",
+                "            y = self._plain_forward(\n"
+                "                inp, params, _LinearFunction, _c_apply, is_first_microbatch, "
+                "self.out_features\n"
+                "            )\n"
+                "            return y.view(y.shape) if inp.dim() == 2 else y\n",
             ),
         ),
     ),

@@ -32,16 +32,13 @@ from splitgrad.reference import accumulate as acc
 from splitgrad.reference import pending
 from splitgrad.reference._fsdp_guard import check_not_under_fsdp
 from splitgrad.reference._torch_private import (
-    TorchMoved,
     active_ddp_module,
     fsdp_in_use,
     functorch_active,
     has_hooks,
 )
-from splitgrad.reference._torch_private import will_engine_execute_node as _will_execute
 from splitgrad.reference.contract import (
     ACCUMULATE,
-    RETURN,
     ModuleContract,
     autocast_off,
     check_not_under_ddp,
@@ -118,18 +115,9 @@ def edge_routes(ctx, present: Sequence[bool]) -> tuple[list[str | None], list[to
         dest = leaf = None
         if is_tensor:
             node = edges[i][0]
-            if node is not None and type(node).__name__ == "AccumulateGrad":
-                # node_destination(node), inlined for the usual leaf parameter: the engine's
-                # plan, or RETURN where torch.autograd.grad captures the leaf.
-                try:
-                    if _will_execute(node):
-                        dest, leaf = ACCUMULATE, node.variable
-                except TorchMoved:
-                    raise
-                except RuntimeError:
-                    dest = RETURN
-            else:
-                dest = node_destination(node)
+            dest = node_destination(node)
+            if dest == ACCUMULATE:
+                leaf = node.variable
             i += 1
         dests.append(dest)
         leaves.append(leaf)
@@ -405,15 +393,8 @@ class SplitBackwardModule(ModuleContract):
             gemm.wgrad_accumulate_(param.grad, dy, x)
 
     def _write_bias_grad(self, param: torch.Tensor, dy: torch.Tensor) -> None:
-        """Write ``sum over rows of dy`` to ``param.grad`` (biases never use ``main_grad``):
-        :meth:`_write_bias_value` of it, inlined (it runs once per bias per backward)."""
-        db = dy.sum(dim=0)
-        if self._collected is not None:
-            self._collected.append((param, db, None))
-        elif param.grad is None:
-            param.grad = _in_dtype_of(param, db)
-        else:
-            param.grad.add_(db)
+        """Write ``sum over rows of dy`` to ``param.grad`` (biases never use ``main_grad``)."""
+        self._write_bias_value(param, dy.sum(dim=0))
 
     def _write_bias_value(self, param: torch.Tensor, db: torch.Tensor) -> None:
         """Set or accumulate an already reduced bias gradient into ``param.grad``."""
@@ -585,10 +566,7 @@ class SplitBackwardModule(ModuleContract):
                 pending.queued(self)
             store.push(WgradEntry(closure, saved, written))
             return
-        if hooked is False and not _grad_enabled():
-            closure(*saved)  # _execute's own first case, a call fewer
-        else:
-            self._execute(closure, saved, written, hooked)
+        self._execute(closure, saved, written, hooked)
         if self._wgrad_hooks:
             self._run_hooks()
 

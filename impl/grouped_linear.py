@@ -110,7 +110,7 @@ def _returned_grads(to_w, to_b, dy, x, m_splits) -> list[torch.Tensor | None]:
 def _written(module, leaves, need_w, need_b) -> tuple:
     """The (name, leaf) pairs a closure writes: the weights, then the biases."""
     names = module._gemm_weight_names + module._gemm_bias_names
-    return tuple((n, leaf) for n, leaf, need in zip(names, leaves, [*need_w, *need_b]) if need)
+    return tuple([(n, leaf) for n, leaf, need in zip(names, leaves, [*need_w, *need_b]) if need])
 
 
 def _backward(
@@ -136,11 +136,7 @@ def _backward(
     need_w = [d == ACCUMULATE for d in to_w]
     need_b = [d == ACCUMULATE for d in to_b] or [False] * n
     n_w = sum(need_w)
-    if n_w == n and (not to_b or sum(need_b) == n):
-        # Every leaf written (the usual case): _written's pairs without its filter.
-        written = tuple(zip(module._gemm_weight_names + module._gemm_bias_names, leaves))
-    else:
-        written = _written(module, leaves, need_w, need_b)
+    written = _written(module, leaves, need_w, need_b)
     named_weights = written[:n_w]
     hooked = module._begin_writes(written)
     dx = None

@@ -65,7 +65,7 @@ def _written(leaves, need_w1: bool, need_b1: bool, need_w2: bool, need_b2: bool)
     _, _, w1, b1, w2, b2 = leaves
     pairs = (("fc2_weight", w2, need_w2), ("fc2_bias", b2, need_b2))
     pairs += (("fc1_weight", w1, need_w1), ("fc1_bias", b1, need_b1))
-    return tuple((name, leaf) for name, leaf, need in pairs if need)
+    return tuple([(name, leaf) for name, leaf, need in pairs if need])
 
 
 def _backward(module, dy, saved, need_x, dest, leaves, overwrite, compiled_graph=False):
@@ -80,10 +80,7 @@ def _backward(module, dy, saved, need_x, dest, leaves, overwrite, compiled_graph
     need_w1, need_b1 = to_w1 == ACCUMULATE, to_b1 == ACCUMULATE
     need_w2, need_b2 = to_w2 == ACCUMULATE, to_b2 == ACCUMULATE
     _, _, w1, b1, w2, b2 = leaves
-    if need_w1 and need_b1 and need_w2 and need_b2:
-        written = (("fc2_weight", w2), ("fc2_bias", b2), ("fc1_weight", w1), ("fc1_bias", b1))
-    else:
-        written = _written(leaves, need_w1, need_b1, need_w2, need_b2)
+    written = _written(leaves, need_w1, need_b1, need_w2, need_b2)
     hooked = module._begin_writes(written)
 
     need_norm = need_x or need_lnw or need_lnb

@@ -8,7 +8,6 @@ from splitgrad.reference.contract import ACCUMULATE, RETURN, LinearContract
 from . import compiled, gemm
 from . import parallel as tp_ops
 from ._torch_compat import function_c_apply
-from ._torch_compat import unwrap_if_dead as _unwrap_if_dead
 from .base import (
     FP8WgradPart,
     SplitBackwardModule,
@@ -17,7 +16,6 @@ from .base import (
     differentiated,
     edge_routes,
     fast_apply,
-    has_hooks,
     take_fp8,
     twin_backward,
     without_autocast,
@@ -51,22 +49,6 @@ def linear_wgrad(module, dy, x, dests, leaves, overwrite, compiled_graph=False):
     or queued for them). ``dests`` / ``leaves``: of (weight, bias)."""
     (to_w, to_b), (w, b) = dests, leaves
     need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
-    if (
-        not (module.delay_wgrad_compute or module.fuse_wgrad_accumulation or compiled_graph)
-        and not (need_w and has_hooks(w))
-        and not (need_b and has_hooks(b))
-    ):
-        # Written now, no hook on either leaf: the closure's writes, made directly (the same
-        # GEMM calls as the queued closure's, so delayed and non-delayed stay bitwise equal).
-        if need_w:
-            module._write_weight_grad(w, dy, x, overwrite)
-        if need_b:
-            module._write_bias_grad(b, dy)
-        if (need_w or need_b) and module._wgrad_hooks:
-            module._run_hooks()
-        dw = gemm.wgrad(dy, x) if to_w == RETURN else None
-        db = dy.sum(dim=0) if to_b == RETURN else None
-        return dw, db
     written = (("weight", w),) * need_w + (("bias", b),) * need_b
     named_weights = written[:1] if need_w else ()
     hooked = module._begin_writes(written)
@@ -153,7 +135,6 @@ class _LinearFunction(torch.autograd.Function):
 
 _apply = fast_apply(_LinearFunction)
 _c_apply = function_c_apply(_LinearFunction)
-_grad_enabled = torch.is_grad_enabled
 
 
 @compiled.backward_op("splitgrad::linear_backward")
@@ -480,17 +461,9 @@ class Linear(LinearContract, SplitBackwardModule):
         params = (p.get("weight"), p.get("bias"))
         k = self.in_features
         if self._plain_call(inp, params, _NAMES, k):
-            x = inp if inp.ndim == 2 else inp.reshape(-1, k)
-            w, b = params
-            if _grad_enabled() and (
-                x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)
-            ):
-                ow = bool(is_first_microbatch) and self.fuse_wgrad_accumulation
-                y = _c_apply(_unwrap_if_dead(x), w, b, self, ow, None)
-            else:
-                # Nothing needs a gradient: no Function, the forward's own GEMM call.
-                y = torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
-            return y if x is inp else y.reshape(*inp.shape[:-1], self.out_features)
+            return self._plain_forward(
+                inp, params, _LinearFunction, _c_apply, is_first_microbatch, self.out_features
+            )
         x, recipe = self._check_input(inp, k)
         try:
             params = (p["weight"], p["bias"])

@@ -20,14 +20,14 @@ from splitgrad.bench import launch
 
 #: (module, column) -> the most calls impl's step may make beyond the floor's.
 EXTRA_CALLS = {
-    ("Linear", "fwd+bwd"): 19,
-    ("Linear", "delayed fwd+bwd+dw"): 36,
-    ("LayerNormLinear", "fwd+bwd"): 39,
-    ("LayerNormLinear", "delayed fwd+bwd+dw"): 56,
-    ("LayerNormMLP", "fwd+bwd"): 58,
-    ("LayerNormMLP", "delayed fwd+bwd+dw"): 68,
-    ("GroupedLinear", "fwd+bwd"): 51,
-    ("GroupedLinear", "delayed fwd+bwd+dw"): 61,
+    ("Linear", "fwd+bwd"): 30,
+    ("Linear", "delayed fwd+bwd+dw"): 41,
+    ("LayerNormLinear", "fwd+bwd"): 50,
+    ("LayerNormLinear", "delayed fwd+bwd+dw"): 61,
+    ("LayerNormMLP", "fwd+bwd"): 69,
+    ("LayerNormMLP", "delayed fwd+bwd+dw"): 78,
+    ("GroupedLinear", "fwd+bwd"): 65,
+    ("GroupedLinear", "delayed fwd+bwd+dw"): 74,
 }
 
 
