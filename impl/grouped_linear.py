@@ -45,6 +45,7 @@ from .base import (
     edge_routes,
     fast_apply,
     functorch_active,
+    store_grad,
     take_fp8,
     twin,
     wants_graph,
@@ -125,20 +126,25 @@ def _backward(
     leaves,
     overwrite,
     compiled_graph=False,
+    direct=False,
 ):
     """``(dx, *weight grads, *bias grads)``: dgrad now; one wgrad closure for all groups run
-    now or queued, writing the leaves the forward used; the gradients ``torch.autograd.grad``
-    asked for returned. ``dest`` / ``leaves``: of weight0..n-1, then of bias0..n-1 (none
-    without biases). The body of both the eager Function's backward and the compiled op."""
+    now or queued, writing the leaves the forward used (``direct``: direct routes, see
+    :func:`~.base.edge_routes`: without delay its writes run here); the gradients
+    ``torch.autograd.grad`` asked for returned. ``dest`` / ``leaves``: of weight0..n-1, then of
+    bias0..n-1 (none without biases). The body of both the eager Function's backward and the
+    compiled op."""
     n = module.num_gemms
     weight_params, bias_params = leaves[:n], leaves[n:] or [None] * n
-    to_w, to_b = dest[:n], dest[n:]
-    need_w = [d == ACCUMULATE for d in to_w]
-    need_b = [d == ACCUMULATE for d in to_b] or [False] * n
-    n_w = sum(need_w)
-    written = _written(module, leaves, need_w, need_b)
-    named_weights = written[:n_w]
-    hooked = module._begin_writes(written)
+    now = direct and not module.delay_wgrad_compute  # the closure's writes, here
+    if not now:
+        to_w, to_b = dest[:n], dest[n:]
+        need_w = [d == ACCUMULATE for d in to_w]
+        need_b = [d == ACCUMULATE for d in to_b] or [False] * n
+        n_w = sum(need_w)
+        written = _written(module, leaves, need_w, need_b)
+        named_weights = written[:n_w]
+        hooked = not direct and module._begin_writes(written)
     dx = None
     if need_x:
         if use_grouped:
@@ -147,6 +153,16 @@ def _backward(
             dx = torch.cat(
                 [torch.mm(dy_g, weights[i]) for i, dy_g in enumerate(dy.split(m_splits))]
             )
+    if now:
+        xs = x.split(m_splits)
+        for i, dy_g in enumerate(dy.split(m_splits)):
+            if weight_params[i] is not None:
+                store_grad(weight_params[i], gemm.wgrad(dy_g, xs[i]))
+            if bias_params[i] is not None:
+                store_grad(bias_params[i], dy_g.sum(dim=0))
+        if module._wgrad_hooks and any(leaf is not None for leaf in leaves):
+            module._run_hooks()
+        return (dx, *(None,) * len(leaves))
     if written:
 
         def wgrad_closure(dy, x=None):
@@ -219,7 +235,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 ctx, module, dy, x, ctx.params, ctx.autocast, ctx.m_splits
             )
             return (grads[0], *(None,) * (_N_ARGS - 1), *grads[1:])
-        dest, leaves = edge_routes(ctx, present)
+        routes = edge_routes(ctx, present, module)
+        direct = routes is not None
+        dest, leaves = routes if direct else edge_routes(ctx, present)
         dx, *returned = _backward(
             module,
             dy,
@@ -231,6 +249,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             dest,
             leaves,
             ctx.overwrite,
+            direct=direct,
         )
         return (dx, *(None,) * (_N_ARGS - 1), *returned)
 

@@ -36,7 +36,9 @@ __all__ = ["LayerNormLinear"]
 _NAMES = LayerNormLinearContract._parameter_names
 
 
-def _backward(module, dy, saved, need_x, dests, leaves, overwrite, compiled_graph=False):
+def _backward(
+    module, dy, saved, need_x, dests, leaves, overwrite, compiled_graph=False, direct=False
+):
     """``(dx, d_layer_norm_weight, d_layer_norm_bias, dW, db)`` from the forward's ``saved``
     tensors: dgrad and the norm backward now, then the ``Linear``'s weight half
     (:func:`.linear.linear_wgrad`) on the norm's output. The body of both the eager Function's
@@ -45,7 +47,9 @@ def _backward(module, dy, saved, need_x, dests, leaves, overwrite, compiled_grap
     needs = (need_x, dests[0] is not None, dests[1] is not None)
     d_ln_out = torch.mm(dy, weight) if any(needs) else None
     norm = norm_bwd(module, d_ln_out, x, ln_weight, ln_bias, stats, needs)
-    wgrad = linear_wgrad(module, dy, ln_out, dests[2:], leaves[2:], overwrite, compiled_graph)
+    wgrad = linear_wgrad(
+        module, dy, ln_out, dests[2:], leaves[2:], overwrite, compiled_graph, direct
+    )
     return (*norm, *wgrad)
 
 

@@ -26,6 +26,7 @@ from .base import (
     edge_routes,
     fast_apply,
     norm_module_backward,
+    store_grad,
     take_fp8,
     without_autocast,
 )
@@ -68,11 +69,15 @@ def _written(leaves, need_w1: bool, need_b1: bool, need_w2: bool, need_b2: bool)
     return tuple([(name, leaf) for name, leaf, need in pairs if need])
 
 
-def _backward(module, dy, saved, need_x, dest, leaves, overwrite, compiled_graph=False):
+def _backward(
+    module, dy, saved, need_x, dest, leaves, overwrite, compiled_graph=False, direct=False
+):
     """``(dx, d_layer_norm_weight, d_layer_norm_bias, dW1, db1, dW2, db2)`` from the forward's
     ``saved`` tensors: fc2 dgrad, activation, fc1 dgrad and norm backward now; one wgrad
-    closure for fc2 and fc1 run now or queued; the gradients ``torch.autograd.grad`` asked for
-    returned. The body of both the eager Function's backward and the compiled op."""
+    closure for fc2 and fc1 run now or queued (``direct``: direct routes, see
+    :func:`~.base.edge_routes`: without delay its writes run here); the gradients
+    ``torch.autograd.grad`` asked for returned. The body of both the eager Function's backward
+    and the compiled op."""
     x, ln_weight, ln_bias, ln_out, fc1_weight, fc1_out, act_out, fc2_weight, *stats = saved
     to_lnw, to_lnb, to_w1, to_b1, to_w2, to_b2 = dest
     # _needs(dest) and _written(...), inlined: this runs once per backward.
@@ -80,8 +85,10 @@ def _backward(module, dy, saved, need_x, dest, leaves, overwrite, compiled_graph
     need_w1, need_b1 = to_w1 == ACCUMULATE, to_b1 == ACCUMULATE
     need_w2, need_b2 = to_w2 == ACCUMULATE, to_b2 == ACCUMULATE
     _, _, w1, b1, w2, b2 = leaves
-    written = _written(leaves, need_w1, need_b1, need_w2, need_b2)
-    hooked = module._begin_writes(written)
+    now = direct and not module.delay_wgrad_compute  # the closure's writes, here
+    if not now:
+        written = _written(leaves, need_w1, need_b1, need_w2, need_b2)
+        hooked = not direct and module._begin_writes(written)
 
     need_norm = need_x or need_lnw or need_lnb
     d_fc1_out = None
@@ -101,6 +108,18 @@ def _backward(module, dy, saved, need_x, dest, leaves, overwrite, compiled_graph
     )
     del d_ln_out
 
+    if now:
+        if need_w2:
+            store_grad(w2, gemm.wgrad(dy, act_out))
+        if need_b2:
+            store_grad(b2, dy.sum(dim=0))
+        if need_w1:
+            store_grad(w1, gemm.wgrad(d_fc1_out, ln_out))
+        if need_b1:
+            store_grad(b1, d_fc1_out.sum(dim=0))
+        if module._wgrad_hooks and (need_w1 or need_b1 or need_w2 or need_b2):
+            module._run_hooks()
+        return dx, d_lnw, d_lnb, None, None, None, None
     if written:
 
         def wgrad_closure(dy, act_out, d_fc1_out, ln_out):

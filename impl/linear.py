@@ -16,6 +16,7 @@ from .base import (
     differentiated,
     edge_routes,
     fast_apply,
+    store_grad,
     take_fp8,
     twin_backward,
     without_autocast,
@@ -41,17 +42,26 @@ __all__ = ["Linear"]
 _NAMES = LinearContract._parameter_names
 
 
-def linear_wgrad(module, dy, x, dests, leaves, overwrite, compiled_graph=False):
+def linear_wgrad(module, dy, x, dests, leaves, overwrite, compiled_graph=False, direct=False):
     """The weight half of the backward of ``y = x @ weight^T + bias`` (also ``LayerNormLinear``'s,
     whose ``x`` is the norm's output): one wgrad closure writing ``dW = dy^T x`` and
     ``db = sum(dy)`` into the leaves the forward used, run now or queued; ``(dW, db)`` where
     ``torch.autograd.grad`` asked for them (``RETURN``: computed and returned, nothing written
-    or queued for them). ``dests`` / ``leaves``: of (weight, bias)."""
+    or queued for them). ``dests`` / ``leaves``: of (weight, bias); ``direct``: they are direct
+    routes (:func:`~.base.edge_routes`): without delay the closure's writes run here."""
     (to_w, to_b), (w, b) = dests, leaves
+    if direct and not module.delay_wgrad_compute:
+        if w is not None:
+            store_grad(w, gemm.wgrad(dy, x))
+        if b is not None:
+            store_grad(b, dy.sum(dim=0))
+        if module._wgrad_hooks and (w is not None or b is not None):
+            module._run_hooks()
+        return None, None
     need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE
     written = (("weight", w),) * need_w + (("bias", b),) * need_b
     named_weights = written[:1] if need_w else ()
-    hooked = module._begin_writes(written)
+    hooked = not direct and module._begin_writes(written)
     if written:
 
         def wgrad_closure(dy, x=None):
@@ -126,10 +136,13 @@ class _LinearFunction(torch.autograd.Function):
             return (out[0] if need_x else None), None, None, None, None, None
         if differentiated():  # create_graph, torch.func: see .twin
             return twin_backward(ctx, _NAMES, dy, x)
-        dests, leaves = edge_routes(ctx, ctx.present)
+        module = ctx.module
+        routes = edge_routes(ctx, ctx.present, module)
+        direct = routes is not None
+        dests, leaves = routes if direct else edge_routes(ctx, ctx.present)
         # _backward's body, inlined (a call fewer per backward).
         dx = torch.mm(dy, weight) if need_x else None
-        dw, db = linear_wgrad(ctx.module, dy, x, dests, leaves, ctx.overwrite)
+        dw, db = linear_wgrad(module, dy, x, dests, leaves, ctx.overwrite, direct=direct)
         return dx, dw, db, None, None, None
 
 

@@ -74,6 +74,7 @@ from .parallel import divide, mark_parallel_parameter, resolve_tensor_parallel, 
 __all__ = [
     "ACCUMULATE",
     "RETURN",
+    "LEAF_NODE",
     "ACTIVATIONS",
     "GATED_ACTIVATIONS",
     "NORMALIZATIONS",
@@ -170,7 +171,12 @@ def node_destination(node: torch.autograd.graph.Node | None) -> str | None:
         return RETURN  # a leaf captured by torch.autograd.grad()
     if not executes:
         return None
-    return ACCUMULATE if type(node).__name__ == "AccumulateGrad" else RETURN
+    return ACCUMULATE if type(node) is LEAF_NODE else RETURN
+
+
+#: The type of a leaf's autograd node (``torch._C._functions.AccumulateGrad``), read from a leaf
+#: so that a renamed class path cannot break it.
+LEAF_NODE = type(torch.zeros(1, requires_grad=True).expand(1).grad_fn.next_functions[0][0])
 
 
 def gradient_destination(param: torch.Tensor | None) -> str | None:
