@@ -82,8 +82,8 @@ MUTANTS = (
         "lifo",
         "backward_dw() runs the newest entry (LIFO) instead of the oldest",
         (
-            ("store.py", "return self._entries[0]", "return self._entries[-1]"),
-            ("store.py", "self._entries.popleft().release()", "self._entries.pop().release()"),
+            ("store.py", "return self[0]", "return self[-1]"),
+            ("store.py", "self.popleft().release()", "self.pop().release()"),
         ),
     ),
     Mutant(
@@ -183,8 +183,8 @@ MUTANTS = (
         (
             (
                 "store.py",
-                "        self._entries.popleft().release()\n",
-                "        self.last_entry = self._entries.popleft()\n",
+                "        self.popleft().release()\n",
+                "        self.last_entry = self.popleft()\n",
             ),
         ),
     ),
@@ -846,7 +846,7 @@ RAISING_HOOK_MUTANTS: tuple[Mutant, ...] = (
             (
                 "base.py",
                 "        entry = store.head()\n",
-                "        entry = store._entries.popleft()\n",
+                "        entry = store.popleft()\n",
             ),
             ("base.py", "        store.pop_and_release()\n", "        entry.release()\n"),
         ),

@@ -36,9 +36,11 @@ from splitgrad.reference._torch_private import (
     fsdp_in_use,
     functorch_active,
     has_hooks,
+    will_engine_execute_node,
 )
 from splitgrad.reference.contract import (
     ACCUMULATE,
+    LEAF_NODE,
     RETURN,
     ModuleContract,
     autocast_off,
@@ -61,6 +63,7 @@ __all__ = [
     "autocast_off",
     "differentiated",
     "edge_routes",
+    "direct_routes",
     "store_grad",
     "fp8_not_differentiable",
     "functorch_active",
@@ -101,49 +104,67 @@ def without_autocast(backward: Callable) -> Callable:
     return run
 
 
-def edge_routes(ctx, present: Sequence[bool], direct=None, returned: int = 0) -> tuple | None:
-    """``(dests, leaves)``: where the running backward wants the gradients of the Function's
-    parameters (the inputs after ``x``; ``present[i]``: parameter ``i`` was a tensor, ``None``
-    such as no bias has no autograd edge), and for each one the module writes itself
+def edge_routes(ctx, present: Sequence[bool]) -> tuple[list[str | None], list[torch.Tensor | None]]:
+    """Where the running backward wants the gradients of the Function's parameters (the inputs
+    after ``x``; ``present[i]``: parameter ``i`` was a tensor, ``None`` such as no bias has no
+    autograd edge), and for each one the module writes itself
     (:data:`~splitgrad.reference.contract.ACCUMULATE`) the leaf its edge leads to: the tensor the
     forward was given (SPEC §3), never the module's attribute (``None`` for the others). Each
     destination is :func:`~splitgrad.reference.contract.node_destination` of that input's
-    autograd edge. Call it inside the Function's backward.
-
-    ``direct``: the module, asking for *direct* routes, those of the usual case, whose writes
-    need no preparation (:meth:`SplitBackwardModule._begin_writes`) and, without delay, can run
-    at once, straight into ``.grad`` (:func:`store_grad`, in the order the wgrad closure
-    would), before the module's SPEC §4 hooks. The first ``returned`` parameters (a norm's) are
-    not written: their gradients are returned. ``None`` (the general way) under fused
-    accumulation or a forward under ``torch.autocast`` (its gradients are cast), when a written
-    parameter is returned (captured by ``torch.autograd.grad``, not a leaf) or its leaf has
-    hooks."""
-    if direct is not None and (direct.fuse_wgrad_accumulation or ctx.autocast is not None):
-        return None
+    autograd edge. Call it inside the Function's backward."""
     edges = ctx.next_functions
     dests: list[str | None] = []
     leaves: list[torch.Tensor | None] = []
     i = 1  # edge 0 is x
-    for k, is_tensor in enumerate(present):
+    for is_tensor in present:
         dest = leaf = None
         if is_tensor:
             node = edges[i][0]
             dest = node_destination(node)
             if dest == ACCUMULATE:
                 leaf = node.variable
-                if direct is not None and k >= returned and has_hooks(leaf):
-                    return None
-            elif dest == RETURN and direct is not None and k >= returned:
-                return None
             i += 1
         dests.append(dest)
         leaves.append(leaf)
     return dests, leaves
 
 
+def direct_routes(ctx, module, present: Sequence[bool], returned: int = 0) -> tuple | None:
+    """:func:`edge_routes` for the usual backward, whose writes need no preparation
+    (:meth:`SplitBackwardModule._begin_writes`) and, without delay, run at once, straight into
+    ``.grad`` (:func:`store_grad`, in the order the wgrad closure would), before the module's
+    SPEC §4 hooks. The first ``returned`` parameters (a norm's) are not written: their
+    gradients are returned (destination ``RETURN`` where the backward computes them). ``None``
+    (the general way) under fused accumulation or a forward under ``torch.autocast`` (its
+    gradients are cast), and when a written parameter is returned (captured by
+    ``torch.autograd.grad``, not a leaf) or its leaf has hooks."""
+    if module.fuse_wgrad_accumulation or ctx.autocast is not None:
+        return None
+    routes: tuple[list, list] = ([], [])
+    dests, leaves = routes
+    nodes = iter(ctx.next_functions[1:])  # edge 0 is x; a None input has none
+    for k, is_tensor in enumerate(present):
+        node = next(nodes)[0] if is_tensor else None
+        try:
+            executes = node is not None and will_engine_execute_node(node)
+        except RuntimeError:  # captured (TorchMoved: raised again on the general way)
+            if k >= returned:
+                return None
+            executes = True
+        if not executes or k < returned:
+            dests.append(RETURN if executes else None)
+            leaves.append(None)
+        elif type(node) is LEAF_NODE and not has_hooks(leaf := node.variable):
+            dests.append(ACCUMULATE)
+            leaves.append(leaf)
+        else:
+            return None
+    return routes
+
+
 def store_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     """``param.grad = grad`` when it is ``None``, else ``param.grad += grad`` (SPEC §3, plain):
-    what the wgrad closure's plain writes do, for direct routes (:func:`edge_routes`)."""
+    what the wgrad closure's plain writes do, for :func:`direct_routes`' leaves."""
     current = param.grad
     if current is None:
         param.grad = grad
@@ -174,7 +195,7 @@ def norm_module_backward(op_name: str, names, n_saved: int, backward: Callable) 
     by ``torch.compile``: one call to the module's backward op, registered here as ``op_name``
     (:func:`.compiled.norm_module_backward_op`); differentiated itself: the twin
     (:func:`twin_backward`); otherwise ``backward``, the eager body, on the leaves the
-    Function's edges lead to (``direct=True``: direct routes, see :func:`edge_routes`)."""
+    Function's edges lead to (``direct=True``: direct routes, see :func:`direct_routes`)."""
     op = compiled.norm_module_backward_op(op_name, names, backward)
 
     @without_autocast
@@ -188,7 +209,7 @@ def norm_module_backward(op_name: str, names, n_saved: int, backward: Callable) 
         if differentiated():  # create_graph, torch.func: see .twin
             return twin_backward(ctx, names, dy, saved[0])
         module, need_x = ctx.module, ctx.needs_input_grad[0]
-        routes = edge_routes(ctx, ctx.present, module, returned=2)  # the norm's are returned
+        routes = direct_routes(ctx, module, ctx.present, returned=2)  # the norm's: returned
         direct = routes is not None
         dests, leaves = routes if direct else edge_routes(ctx, ctx.present)
         grads = backward(module, dy, saved, need_x, dests, leaves, ctx.overwrite, direct=direct)

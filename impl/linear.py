@@ -14,6 +14,7 @@ from .base import (
     autocast_cast,
     autocast_off,
     differentiated,
+    direct_routes,
     edge_routes,
     fast_apply,
     store_grad,
@@ -48,7 +49,7 @@ def linear_wgrad(module, dy, x, dests, leaves, overwrite, compiled_graph=False, 
     ``db = sum(dy)`` into the leaves the forward used, run now or queued; ``(dW, db)`` where
     ``torch.autograd.grad`` asked for them (``RETURN``: computed and returned, nothing written
     or queued for them). ``dests`` / ``leaves``: of (weight, bias); ``direct``: they are direct
-    routes (:func:`~.base.edge_routes`): without delay the closure's writes run here."""
+    routes (:func:`~.base.direct_routes`): without delay the closure's writes run here."""
     (to_w, to_b), (w, b) = dests, leaves
     if direct and not module.delay_wgrad_compute:
         if w is not None:
@@ -137,7 +138,7 @@ class _LinearFunction(torch.autograd.Function):
         if differentiated():  # create_graph, torch.func: see .twin
             return twin_backward(ctx, _NAMES, dy, x)
         module = ctx.module
-        routes = edge_routes(ctx, ctx.present, module)
+        routes = direct_routes(ctx, module, ctx.present)
         direct = routes is not None
         dests, leaves = routes if direct else edge_routes(ctx, ctx.present)
         # _backward's body, inlined (a call fewer per backward).

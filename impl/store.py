@@ -9,7 +9,7 @@ operands, and tests can see exactly what an entry keeps alive.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -59,26 +59,19 @@ def _released(*_: torch.Tensor) -> None:
     raise RuntimeError("this weight-gradient entry has already run and was released")
 
 
-class WeightGradStore:
-    """FIFO of :class:`WgradEntry`, one per module (no global state: SPEC §8)."""
-
-    def __init__(self) -> None:
-        self._entries: collections.deque[WgradEntry] = collections.deque()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __iter__(self) -> Iterator[WgradEntry]:
-        return iter(self._entries)
+class WeightGradStore(collections.deque):
+    """FIFO of :class:`WgradEntry`, one per module (no global state: SPEC §8). A ``deque``
+    itself, so that ``len`` and iteration, asked on every backward and ``backward_dw()``, are
+    C calls."""
 
     def push(self, entry: WgradEntry) -> None:
         """Queue ``entry`` behind every pending one."""
-        self._entries.append(entry)
+        self.append(entry)
 
     def head(self) -> WgradEntry:
         """The oldest entry, left in place (so a failing wgrad keeps it queued)."""
-        return self._entries[0]
+        return self[0]
 
     def pop_and_release(self) -> None:
         """Remove the oldest entry and drop its tensors."""
-        self._entries.popleft().release()
+        self.popleft().release()
