@@ -381,12 +381,12 @@ SHARED_PATH_MUTANTS = (
             (
                 "linear.py",
                 "    (to_w, to_b), (w, b) = dests, leaves\n"
-                "    need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE\n",
+                "    if direct and not module.delay_wgrad_compute:\n",
                 "    (to_w, to_b), (w, b) = dests, leaves\n"
-                "    need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE\n"
                 "    if getattr(module, '_uses', 1) > 1:\n"
-                "        need_b = False\n"
-                "    module._uses = 0\n",
+                "        to_b, b = None, None\n"
+                "    module._uses = 0\n"
+                "    if direct and not module.delay_wgrad_compute:\n",
             ),
             (
                 "linear.py",
@@ -488,11 +488,9 @@ P17_MUTANTS = (
         (
             (
                 "linear.py",
-                "    (to_w, to_b), (w, b) = dests, leaves\n"
-                "    need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE\n",
-                "    (to_w, to_b), (w, b) = dests, leaves\n"
+                "    need_w, need_b = to_w == ACCUMULATE, to_b == ACCUMULATE\n    written = (",
                 "    need_w, need_b = to_w is not None, to_b == ACCUMULATE\n"
-                "    w = module.weight if w is None else w\n",
+                "    w = module.weight if w is None else w\n    written = (",
             ),
         ),
     ),
@@ -1148,6 +1146,55 @@ P16_MUTANTS = (
     ),
 )
 
+#: The direct routes of the usual backward (launch cost, issue 31): its writes straight into
+#: ``.grad`` and the choice to take them.
+_STORE = (
+    "    if current is None:\n        param.grad = grad\n    else:\n        current.add_(grad)\n"
+)
+DIRECT_MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "direct-overwrites",
+        "the usual backward's direct write sets .grad instead of accumulating into it",
+        (("base.py", _STORE, "    param.grad = grad\n"),),
+    ),
+    Mutant(
+        "direct-hooks-ignored",
+        "direct routes taken for a leaf with hooks: its gradient written past its tensor hooks",
+        (
+            (
+                "base.py",
+                "        elif type(node) is LEAF_NODE and not has_hooks(leaf := node.variable):\n",
+                "        elif type(node) is LEAF_NODE and (leaf := node.variable) is not None:\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "direct-captured-dropped",
+        "a weight captured by torch.autograd.grad read as not computed on the direct routes",
+        (
+            (
+                "base.py",
+                "            if k >= returned:\n"
+                "                return None\n"
+                "            executes = True\n",
+                "            executes = k < returned\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "direct-reduce-hooks-skipped",
+        "without delay, the direct writes of Linear skip the module's SPEC §4 hooks",
+        (
+            (
+                "linear.py",
+                "        if module._wgrad_hooks and (w is not None or b is not None):\n"
+                "            module._run_hooks()\n",
+                "",
+            ),
+        ),
+    ),
+)
+
 ALL_MUTANTS = (
     MUTANTS
     + FP8_MUTANTS
@@ -1162,6 +1209,7 @@ ALL_MUTANTS = (
     + RAISING_HOOK_MUTANTS
     + CONTRACT_MUTANTS
     + CUDA_BRANCH_MUTANTS
+    + DIRECT_MUTANTS
 )
 
 

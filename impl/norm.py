@@ -110,7 +110,7 @@ def norm_fwd(
             # fp32), so the graph normalizes an fp32 copy; it fuses the casts.
             y, mean, rstd = torch.native_layer_norm(x.to(cdt), [k], gamma, beta, module.eps)
             return y.to(x.dtype), (mean, rstd)
-        if x.dtype != cdt and (x.is_cuda or _forced_cuda(module)):
+        if x.dtype != cdt and (x.is_cuda or module.norm_kernel != "auto" and _forced_cuda(module)):
             affine = _cuda_affine(weight, bias, module.zero_centered_gamma, x.dtype)
             if affine is not None:
                 if not x.is_cuda:
@@ -184,7 +184,7 @@ def norm_bwd(
         else:
             dx = dw = db = None
             affine = (gamma, beta)
-            if need[0] and (x.is_cuda or _forced_cuda(module)):
+            if need[0] and (x.is_cuda or module.norm_kernel != "auto" and _forced_cuda(module)):
                 # CUDA: gamma/beta in x's dtype (see _cuda_affine), else on fp32 copies.
                 affine = _cuda_affine(weight, bias, module.zero_centered_gamma, x.dtype)
                 if affine is None:

@@ -143,3 +143,58 @@ def test_the_function_count_sees_a_function() -> None:
     m = _module("Linear", {}, torch.float32, False)
     _, applied = _functions_applied(lambda: m(torch.randn(2, 16)))
     assert applied == 1
+
+
+# ---- the usual backward's direct routes ---------------------------------------------------------
+
+
+def _grads(m) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kind_options", _OPTIONS, ids=lambda ko: f"{ko[0]}{sorted(ko[1])}")
+def test_the_usual_backward_writes_directly_and_agrees_with_the_general_way(
+    kind_options, monkeypatch
+) -> None:
+    """Without delay and with nothing hooked, a backward writes its GEMM gradients directly
+    (no closure is submitted); an identity hook on the first GEMM weight sends it the general
+    way (one closure). Two micro-batches each (set, then accumulate): the same gradients bitwise
+    both ways, and as the delayed module's after ``backward_dw()``."""
+    kind, options = kind_options
+    submitted = []
+    original = impl.base.SplitBackwardModule._submit_wgrad
+
+    def counting(self, *args, **kwargs):
+        submitted.append(type(self).__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(impl.base.SplitBackwardModule, "_submit_wgrad", counting)
+    g = torch.Generator().manual_seed(2)
+    batches = [
+        (
+            torch.randn(6, 16, generator=g),
+            torch.randn(6, 16 if kind == "LayerNormMLP" else 12, generator=g),
+        )
+        for _ in range(2)
+    ]
+    args = ([2, 1, 3],) if kind == "GroupedLinear" else ()
+    runs = {}
+    for way in ("direct", "general", "delayed"):
+        m = _module(kind, options, torch.float32, way == "delayed")
+        if way == "general":
+            weight = m._parameters[m._gemm_weight_names[0]]
+            weight.register_hook(lambda grad: grad)
+        submitted.clear()
+        for x, dy in batches:
+            m(x.requires_grad_(True), *args).backward(dy)
+            if way == "delayed":
+                m.backward_dw()
+        expected = {"direct": 0, "general": 2, "delayed": 2}[way]
+        assert len(submitted) == expected, f"{way}: {len(submitted)} closures submitted"
+        runs[way] = _grads(m)
+    assert runs["direct"].keys() == runs["general"].keys() == runs["delayed"].keys()
+    for name, value in runs["direct"].items():
+        for other in ("general", "delayed"):
+            torch.testing.assert_close(
+                runs[other][name], value, rtol=0, atol=0, msg=f"{name}: {other} vs direct"
+            )

@@ -239,3 +239,16 @@ def test_planted_swizzle_mutants_are_caught(name):
     only a layout that differs can: impl's own passes the same shapes above)."""
     planted = _planted(_cuda_branch_mutants()[name])
     assert _layout_mismatch(planted, PINNED) is not None
+
+
+@pytest.mark.parametrize("name", ["mx-swizzle-inner-transposed", "mx-swizzle-32-4-swapped"])
+def test_a_probe_that_rejects_a_planted_layout_is_not_the_path_running(name, monkeypatch):
+    """Under the stand-in verify's ``mxfp8_scaled`` cells use, impl's probe GEMMs on a planted
+    wrong layout: the probe says no, and none of its calls counts as the forced path running
+    (they did once: the cells then passed on the dequantize path and the mutants survived)."""
+    monkeypatch.setattr(fp8_gemm, "_mx_blocked", _planted(_cuda_branch_mutants()[name]))
+    calls = []
+    with paths.mx_scaled_mm_stand_in(lambda: calls.append(1)):
+        assert not fp8_gemm.scaled_mm_works(torch.device("cpu"), "mx")
+        assert calls == []
+    assert not fp8_gemm.scaled_mm_works.cache_info().currsize  # no verdict outlives it

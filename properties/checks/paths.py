@@ -189,9 +189,13 @@ def mx_scaled_mm(
 def mx_scaled_mm_stand_in(on_call: Callable[[], None]) -> Iterator[None]:
     """While open, ``torch.nn.functional.scaled_mm`` of CPU ``BlockWise1x32`` operands with
     ``SWIZZLE_32_4_4`` scales runs :func:`mx_scaled_mm` (``on_call`` first); every other call
-    goes to torch. Restores torch's function on exit."""
+    goes to torch. Restores torch's function on exit. Every loaded ``scaled_mm_works`` probes
+    the CPU's MXFP8 GEMM once on entry, with ``on_call`` off: a probe's own GEMMs are not the
+    path running (a wrong scale layout fails the probe, the module keeps the dequantize path,
+    and the cell must see that the forced path never ran)."""
     F = torch.nn.functional
     original = F.scaled_mm
+    counting = [False]
 
     def scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, *args, **kw):
         mx = getattr(F.ScalingType, "BlockWise1x32", None)
@@ -206,30 +210,36 @@ def mx_scaled_mm_stand_in(on_call: Callable[[], None]) -> Iterator[None]:
             raise RuntimeError("MXFP8 GEMM: both operands BlockWise1x32 with SWIZZLE_32_4_4")
         if opts.get("swizzle_b") != swizzle:
             raise RuntimeError("MXFP8 GEMM: both operands BlockWise1x32 with SWIZZLE_32_4_4")
-        on_call()
+        if counting[0]:
+            on_call()
         out_dtype = opts.get("output_dtype", torch.bfloat16)
         return mx_scaled_mm(mat_a, mat_b, scale_a, scale_b, opts.get("bias"), out_dtype)
 
     F.scaled_mm = scaled_mm
-    _forget_scaled_mm_probes()
     try:
+        for probe in _forget_scaled_mm_probes():
+            probe(torch.device("cpu"), "mx")
+        counting[0] = True
         yield
     finally:
         F.scaled_mm = original
         _forget_scaled_mm_probes()
 
 
-def _forget_scaled_mm_probes() -> None:
+def _forget_scaled_mm_probes() -> list[Callable]:
     """Clear the cached verdicts of every loaded ``fp8_gemm.scaled_mm_works`` (impl's, and a
-    copy's loaded as a ``path:`` backend): a verdict probed without the stand-in ("no MXFP8
-    GEMM on the CPU") must not keep the forced path from running under it, and one probed under
-    it must not outlive it. Without this the cells' outcome depended on which test of the
-    process probed first."""
+    copy's loaded as a ``path:`` backend), and return those probes: a verdict probed without the
+    stand-in ("no MXFP8 GEMM on the CPU") must not keep the forced path from running under it,
+    and one probed under it must not outlive it. Without this the cells' outcome depended on
+    which test of the process probed first."""
+    probes = []
     for name, module in list(sys.modules.items()):
         if name == "fp8_gemm" or name.endswith(".fp8_gemm"):
             probe = getattr(module, "scaled_mm_works", None)
             if probe is not None and hasattr(probe, "cache_clear"):
                 probe.cache_clear()
+                probes.append(probe)
+    return probes
 
 
 def stand_in_missing() -> str | None:
