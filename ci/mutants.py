@@ -304,6 +304,33 @@ FP8_MUTANTS = (
 # Blind spots of a harness that compares an implementation only with itself:
 # each bug sits on the path the delayed and the non-delayed run share, under one condition a
 # differential property draws; P3 (fresh modules, no .grad prefill, no zeroing) never meets it.
+#: The direct routes' write (impl/base.py store_grad): a shared-path mutant edits it too, so that
+#: the delayed and the non-delayed run keep sharing the bug (only the truth can catch it).
+_STORE_BODY = (
+    "    current = param.grad\n"
+    "    if current is None:\n"
+    "        param.grad = grad\n"
+    "    else:\n"
+    "        current.add_(grad)\n"
+)
+
+
+def _direct_empty_rows(indent: str, guard: str, leaf: str, rows: str, call: str) -> tuple[str, str]:
+    """(old, new) for a direct weight write ``if guard: store_grad(leaf, call)``: over zero rows
+    a prefilled ``.grad`` not yet written is zeroed (empty-rows-reset-prefill)."""
+    old = f"{indent}if {guard}:\n{indent}    store_grad({leaf}, {call})\n"
+    new = (
+        f"{indent}if {guard} and {leaf}.grad is not None and {rows} == 0 "
+        f"and not getattr({leaf}, '_written_once', False):\n"
+        f"{indent}    {leaf}.grad.zero_()\n"
+        f"{indent}elif {guard}:\n"
+        f"{indent}    store_grad({leaf}, {call})\n"
+        f"{indent}if {guard}:\n"
+        f"{indent}    {leaf}._written_once = True\n"
+    )
+    return old, new
+
+
 SHARED_PATH_MUTANTS = (
     Mutant(
         "prefill-counted-twice",
@@ -321,6 +348,19 @@ SHARED_PATH_MUTANTS = (
                 "            gemm.wgrad_accumulate_(param.grad, dy, x)\n"
                 "        param._written_once = True\n",
             ),
+            (
+                "base.py",
+                _STORE_BODY,
+                "    current = param.grad\n"
+                "    if current is None:\n"
+                "        param.grad = grad\n"
+                "    else:\n"
+                "        if param.dim() == 2 and not getattr(param, '_written_once', False):\n"
+                "            current.add_(grad)\n"
+                "        current.add_(grad)\n"
+                "    if param.dim() == 2:\n"
+                "        param._written_once = True\n",
+            ),
         ),
     ),
     Mutant(
@@ -336,6 +376,18 @@ SHARED_PATH_MUTANTS = (
                 "                param.grad = _in_dtype_of(param, gemm.wgrad(dy, x))\n"
                 "        else:\n"
                 "            gemm.wgrad_accumulate_(param.grad, dy, x)\n"
+                "        param._written_once = True\n",
+            ),
+            (
+                "base.py",
+                _STORE_BODY,
+                "    current = param.grad\n"
+                "    if current is None:\n"
+                "        if not (param.dim() == 2 and getattr(param, '_written_once', False)):\n"
+                "            param.grad = grad\n"
+                "    else:\n"
+                "        current.add_(grad)\n"
+                "    if param.dim() == 2:\n"
                 "        param._written_once = True\n",
             ),
         ),
@@ -356,6 +408,38 @@ SHARED_PATH_MUTANTS = (
                 "            gemm.wgrad_accumulate_(param.grad, dy, x)\n"
                 "        param._written_once = True\n",
             ),
+            (
+                "linear.py",
+                *_direct_empty_rows(
+                    "        ", "w is not None", "w", "x.shape[0]", "gemm.wgrad(dy, x)"
+                ),
+            ),
+            (
+                "grouped_linear.py",
+                *_direct_empty_rows(
+                    "            ",
+                    "weight_params[i] is not None",
+                    "weight_params[i]",
+                    "xs[i].shape[0]",
+                    "gemm.wgrad(dy_g, xs[i])",
+                ),
+            ),
+            (
+                "layernorm_mlp.py",
+                *_direct_empty_rows(
+                    "        ", "need_w2", "w2", "dy.shape[0]", "gemm.wgrad(dy, act_out)"
+                ),
+            ),
+            (
+                "layernorm_mlp.py",
+                *_direct_empty_rows(
+                    "        ",
+                    "need_w1",
+                    "w1",
+                    "d_fc1_out.shape[0]",
+                    "gemm.wgrad(d_fc1_out, ln_out)",
+                ),
+            ),
         ),
     ),
     Mutant(
@@ -370,6 +454,14 @@ SHARED_PATH_MUTANTS = (
                 "            frozen_b1 = b1_mod is not None and not b1_mod.requires_grad\n"
                 "            if need_w2 and not frozen_b1:\n"
                 "                module._write_weight_grad(w2, dy, act_out",
+            ),
+            (
+                "layernorm_mlp.py",
+                "        if need_w2:\n            store_grad(w2, gemm.wgrad(dy, act_out))\n",
+                "        b1_mod = module.fc1_bias\n"
+                "        frozen_b1 = b1_mod is not None and not b1_mod.requires_grad\n"
+                "        if need_w2 and not frozen_b1:\n"
+                "            store_grad(w2, gemm.wgrad(dy, act_out))\n",
             ),
         ),
     ),
