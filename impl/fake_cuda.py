@@ -35,7 +35,8 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
-from splitgrad.reference.contract import ACCUMULATE
+from splitgrad.reference._torch_private import has_hooks
+from splitgrad.reference.contract import ACCUMULATE, RETURN
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from . import gemm_paths
@@ -278,6 +279,27 @@ def _edge_routes(ctx: _Ctx, present: Sequence[bool]) -> tuple[list, list]:
     return dests, leaves
 
 
+def _direct_routes(ctx: _Ctx, module, present: Sequence[bool], returned: int = 0) -> tuple | None:
+    """:func:`.base.direct_routes` for a plain ``backward()``: the general way (``None``) where
+    the real one takes it for the module (fused accumulation, ``torch.autocast``) or for a
+    hooked leaf; otherwise :func:`_edge_routes`, the first ``returned`` parameters (a norm's)
+    returned. So the step traces the usual backward: its direct writes, not the closure."""
+    if module.fuse_wgrad_accumulation or ctx.autocast is not None:
+        return None
+    dests, leaves = _edge_routes(ctx, present)
+    for k, leaf in enumerate(leaves):
+        if k < returned:
+            dests[k], leaves[k] = (RETURN if dests[k] is not None else None), None
+        elif leaf is not None and has_hooks(leaf):
+            return None
+    return dests, leaves
+
+
+def _direct_in(namespace: object) -> dict:
+    """``{"direct_routes": _direct_routes}`` where ``namespace`` calls it, else nothing."""
+    return {"direct_routes": _direct_routes} if hasattr(namespace, "direct_routes") else {}
+
+
 def _tp_function_table() -> dict[str, tuple[type, type]]:
     """The (plain, FP8) Functions of each module that communicates (SPEC §9)."""
     from . import layernorm_linear, layernorm_mlp, linear
@@ -387,8 +409,9 @@ def module_step(
     flat = grad.reshape(-1, grad.shape[-1]) if grad.dim() != 2 else grad
     with (
         torch.no_grad(),
-        _patched(namespace, edge_routes=_edge_routes),
-        _patched(base, edge_routes=_edge_routes),  # the norm modules' shared backward
+        _patched(namespace, edge_routes=_edge_routes, **_direct_in(namespace)),
+        # the norm modules' shared backward
+        _patched(base, edge_routes=_edge_routes, direct_routes=_direct_routes),
     ):
         grads = fn.backward(ctx, flat)
         # What autograd's AccumulateGrad does with the gradients the Function returns (norm

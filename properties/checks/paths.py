@@ -189,13 +189,12 @@ def mx_scaled_mm(
 def mx_scaled_mm_stand_in(on_call: Callable[[], None]) -> Iterator[None]:
     """While open, ``torch.nn.functional.scaled_mm`` of CPU ``BlockWise1x32`` operands with
     ``SWIZZLE_32_4_4`` scales runs :func:`mx_scaled_mm` (``on_call`` first); every other call
-    goes to torch. Restores torch's function on exit. Every loaded ``scaled_mm_works`` probes
-    the CPU's MXFP8 GEMM once on entry, with ``on_call`` off: a probe's own GEMMs are not the
-    path running (a wrong scale layout fails the probe, the module keeps the dequantize path,
-    and the cell must see that the forced path never ran)."""
+    goes to torch. Restores torch's function on exit. A call made by a loaded
+    ``scaled_mm_works`` (impl's probe of the kernel, on first use) runs without ``on_call``: a
+    probe's own GEMMs are not the path running (a wrong scale layout fails the probe, the
+    module keeps the dequantize path, and the cell must see that the forced path never ran)."""
     F = torch.nn.functional
     original = F.scaled_mm
-    counting = [False]
 
     def scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, *args, **kw):
         mx = getattr(F.ScalingType, "BlockWise1x32", None)
@@ -210,36 +209,50 @@ def mx_scaled_mm_stand_in(on_call: Callable[[], None]) -> Iterator[None]:
             raise RuntimeError("MXFP8 GEMM: both operands BlockWise1x32 with SWIZZLE_32_4_4")
         if opts.get("swizzle_b") != swizzle:
             raise RuntimeError("MXFP8 GEMM: both operands BlockWise1x32 with SWIZZLE_32_4_4")
-        if counting[0]:
+        if not _called_by_a_probe():
             on_call()
         out_dtype = opts.get("output_dtype", torch.bfloat16)
         return mx_scaled_mm(mat_a, mat_b, scale_a, scale_b, opts.get("bias"), out_dtype)
 
     F.scaled_mm = scaled_mm
+    _forget_scaled_mm_probes()
     try:
-        for probe in _forget_scaled_mm_probes():
-            probe(torch.device("cpu"), "mx")
-        counting[0] = True
         yield
     finally:
         F.scaled_mm = original
         _forget_scaled_mm_probes()
 
 
-def _forget_scaled_mm_probes() -> list[Callable]:
-    """Clear the cached verdicts of every loaded ``fp8_gemm.scaled_mm_works`` (impl's, and a
-    copy's loaded as a ``path:`` backend), and return those probes: a verdict probed without the
-    stand-in ("no MXFP8 GEMM on the CPU") must not keep the forced path from running under it,
-    and one probed under it must not outlive it. Without this the cells' outcome depended on
-    which test of the process probed first."""
+def _called_by_a_probe() -> bool:
+    """Whether a loaded ``fp8_gemm.scaled_mm_works`` is on the call stack."""
+    probes = {probe.__wrapped__.__code__ for probe in _scaled_mm_probes()}
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code in probes:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _scaled_mm_probes() -> list[Callable]:
+    """Every loaded ``fp8_gemm.scaled_mm_works`` (impl's, and a copy's loaded as a ``path:``
+    backend): a cached function."""
     probes = []
     for name, module in list(sys.modules.items()):
         if name == "fp8_gemm" or name.endswith(".fp8_gemm"):
             probe = getattr(module, "scaled_mm_works", None)
             if probe is not None and hasattr(probe, "cache_clear"):
-                probe.cache_clear()
                 probes.append(probe)
     return probes
+
+
+def _forget_scaled_mm_probes() -> None:
+    """Clear the cached verdicts of every loaded probe (:func:`_scaled_mm_probes`): a verdict
+    probed without the stand-in ("no MXFP8 GEMM on the CPU") must not keep the forced path from
+    running under it, and one probed under it must not outlive it. Without this the cells'
+    outcome depended on which test of the process probed first."""
+    for probe in _scaled_mm_probes():
+        probe.cache_clear()
 
 
 def stand_in_missing() -> str | None:
