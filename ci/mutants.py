@@ -1255,8 +1255,8 @@ DIRECT_MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "base.py",
-                "        elif type(node) is LEAF_NODE and not has_hooks(leaf := node.variable):\n",
-                "        elif type(node) is LEAF_NODE and (leaf := node.variable) is not None:\n",
+                "            elif type(node) is LEAF_NODE and not has_hooks(leaf := node.variable)",
+                "            elif type(node) is LEAF_NODE and (leaf := node.variable) is not None",
             ),
         ),
     ),
@@ -1266,10 +1266,10 @@ DIRECT_MUTANTS: tuple[Mutant, ...] = (
         (
             (
                 "base.py",
-                "            if k >= returned:\n"
-                "                return None\n"
-                "            executes = True\n",
-                "            executes = k < returned\n",
+                "                if k >= returned:\n"
+                "                    break\n"
+                "                executes = True\n",
+                "                executes = k < returned\n",
             ),
         ),
     ),
@@ -1409,32 +1409,29 @@ def _run_suite_mutant(mutant: Mutant, start: float) -> MutantResult:
 def _run_tp_mutant(mutant: Mutant, dest: Path, start: float) -> MutantResult:
     """A P19 mutant: ``splitgrad distributed --check p19`` on the mutated copy (the ``ci``
     matrix on 2 and 4 ranks); caught when P19 fails (exit status 1)."""
-    cmd = [sys.executable, "-m", "splitgrad.cli", "distributed", "--check", "p19"]
-    cmd += ["--backend", f"path:{dest}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=dest.parent, timeout=1800)
-    result = MutantResult(mutant.name, mutant.bug, "SURVIVED", seconds=time.perf_counter() - start)
-    lines = proc.stdout.splitlines()
-    if proc.returncode == 1 and any(line.startswith("p19     FAIL") for line in lines):
-        failures = [line.strip() for line in lines if line.startswith("        ")]
-        result.status, result.caught_by = "caught", ["P19 (splitgrad distributed)"]
-        result.detail = failures[0][:200] if failures else ""
-    elif proc.returncode != 0:
-        result.status, result.detail = "error", (proc.stdout + proc.stderr)[-2000:]
-    return result
+    return _run_distributed_mutant(mutant, "p19", ["--backend", f"path:{dest}"], dest, start)
 
 
 def _run_p16_mutant(mutant: Mutant, dest: Path, start: float) -> MutantResult:
     """A P16 mutant (a copy of splitgrad.distributed, importable by its folder's name):
     ``splitgrad distributed --check p16`` with the copy's ``GradientReducer``; caught when P16
     fails (exit status 1)."""
-    cmd = [sys.executable, "-m", "splitgrad.cli", "distributed", "--check", "p16"]
-    cmd += ["--reducer", f"{dest.name}:GradientReducer"]
+    reducer = ["--reducer", f"{dest.name}:GradientReducer"]
+    return _run_distributed_mutant(mutant, "p16", reducer, dest, start)
+
+
+def _run_distributed_mutant(
+    mutant: Mutant, check: str, args: list[str], dest: Path, start: float
+) -> MutantResult:
+    """``splitgrad distributed --check CHECK ARGS`` run beside the mutated copy ``dest``:
+    caught when the check's row says FAIL (exit status 1), an error on any other failure."""
+    cmd = [sys.executable, "-m", "splitgrad.cli", "distributed", "--check", check, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=dest.parent, timeout=1800)
     result = MutantResult(mutant.name, mutant.bug, "SURVIVED", seconds=time.perf_counter() - start)
     lines = proc.stdout.splitlines()
-    if proc.returncode == 1 and any(line.startswith("p16     FAIL") for line in lines):
+    if proc.returncode == 1 and any(line.startswith(f"{check}     FAIL") for line in lines):
         failures = [line.strip() for line in lines if line.startswith("        ")]
-        result.status, result.caught_by = "caught", ["P16 (splitgrad distributed)"]
+        result.status, result.caught_by = "caught", [f"{check.upper()} (splitgrad distributed)"]
         result.detail = failures[0][:200] if failures else ""
     elif proc.returncode != 0:
         result.status, result.detail = "error", (proc.stdout + proc.stderr)[-2000:]

@@ -63,7 +63,7 @@ __all__ = [
     "autocast_off",
     "differentiated",
     "edge_routes",
-    "direct_routes",
+    "backward_routes",
     "store_grad",
     "fp8_not_differentiable",
     "functorch_active",
@@ -129,42 +129,45 @@ def edge_routes(ctx, present: Sequence[bool]) -> tuple[list[str | None], list[to
     return dests, leaves
 
 
-def direct_routes(ctx, module, present: Sequence[bool], returned: int = 0) -> tuple | None:
-    """:func:`edge_routes` for the usual backward, whose writes need no preparation
-    (:meth:`SplitBackwardModule._begin_writes`) and, without delay, run at once, straight into
-    ``.grad`` (:func:`store_grad`, in the order the wgrad closure would), before the module's
-    SPEC §4 hooks. The first ``returned`` parameters (a norm's) are not written: their
-    gradients are returned (destination ``RETURN`` where the backward computes them). ``None``
-    (the general way) under fused accumulation or a forward under ``torch.autocast`` (its
+def backward_routes(ctx, module, present: Sequence[bool], returned: int = 0) -> tuple:
+    """``(dests, leaves, direct)``: the routes of the running backward (as :func:`edge_routes`
+    gives them) and whether they are *direct*. Direct routes are those of the usual backward,
+    whose writes need no preparation (:meth:`SplitBackwardModule._begin_writes`) and, without
+    delay, run at once, straight into ``.grad`` (:func:`store_grad`, in the order the wgrad
+    closure would), before the module's SPEC §4 hooks: one loop over the Function's edges. The
+    first ``returned`` parameters (a norm's) are not written: their gradients are returned
+    (destination ``RETURN`` where the backward computes them). Not direct (the general way,
+    :func:`edge_routes`) under fused accumulation or a forward under ``torch.autocast`` (its
     gradients are cast), and when a written parameter is returned (captured by
     ``torch.autograd.grad``, not a leaf) or its leaf has hooks."""
-    if module.fuse_wgrad_accumulation or ctx.autocast is not None:
-        return None
-    routes: tuple[list, list] = ([], [])
-    dests, leaves = routes
-    nodes = iter(ctx.next_functions[1:])  # edge 0 is x; a None input has none
-    for k, is_tensor in enumerate(present):
-        node = next(nodes)[0] if is_tensor else None
-        try:
-            executes = node is not None and will_engine_execute_node(node)
-        except RuntimeError:  # captured (TorchMoved: raised again on the general way)
-            if k >= returned:
-                return None
-            executes = True
-        if not executes or k < returned:
-            dests.append(RETURN if executes else None)
-            leaves.append(None)
-        elif type(node) is LEAF_NODE and not has_hooks(leaf := node.variable):
-            dests.append(ACCUMULATE)
-            leaves.append(leaf)
+    if not (module.fuse_wgrad_accumulation or ctx.autocast is not None):
+        dests: list[str | None] = []
+        leaves: list[torch.Tensor | None] = []
+        nodes = iter(ctx.next_functions[1:])  # edge 0 is x; a None input has none
+        for k, is_tensor in enumerate(present):
+            node = next(nodes)[0] if is_tensor else None
+            try:
+                executes = node is not None and will_engine_execute_node(node)
+            except RuntimeError:  # captured (TorchMoved: raised again on the general way)
+                if k >= returned:
+                    break
+                executes = True
+            if not executes or k < returned:
+                dests.append(RETURN if executes else None)
+                leaves.append(None)
+            elif type(node) is LEAF_NODE and not has_hooks(leaf := node.variable):
+                dests.append(ACCUMULATE)
+                leaves.append(leaf)
+            else:
+                break
         else:
-            return None
-    return routes
+            return dests, leaves, True
+    return (*edge_routes(ctx, present), False)
 
 
 def store_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     """``param.grad = grad`` when it is ``None``, else ``param.grad += grad`` (SPEC §3, plain):
-    what the wgrad closure's plain writes do, for :func:`direct_routes`' leaves."""
+    what the wgrad closure's plain writes do, for direct routes (:func:`backward_routes`)."""
     current = param.grad
     if current is None:
         param.grad = grad
@@ -195,7 +198,7 @@ def norm_module_backward(op_name: str, names, n_saved: int, backward: Callable) 
     by ``torch.compile``: one call to the module's backward op, registered here as ``op_name``
     (:func:`.compiled.norm_module_backward_op`); differentiated itself: the twin
     (:func:`twin_backward`); otherwise ``backward``, the eager body, on the leaves the
-    Function's edges lead to (``direct=True``: direct routes, see :func:`direct_routes`)."""
+    Function's edges lead to (``direct``: direct routes, see :func:`backward_routes`)."""
     op = compiled.norm_module_backward_op(op_name, names, backward)
 
     @without_autocast
@@ -209,9 +212,7 @@ def norm_module_backward(op_name: str, names, n_saved: int, backward: Callable) 
         if differentiated():  # create_graph, torch.func: see .twin
             return twin_backward(ctx, names, dy, saved[0])
         module, need_x = ctx.module, ctx.needs_input_grad[0]
-        routes = direct_routes(ctx, module, ctx.present, returned=2)  # the norm's: returned
-        direct = routes is not None
-        dests, leaves = routes if direct else edge_routes(ctx, ctx.present)
+        dests, leaves, direct = backward_routes(ctx, module, ctx.present, returned=2)  # norm's
         grads = backward(module, dy, saved, need_x, dests, leaves, ctx.overwrite, direct=direct)
         return (*grads, None, None, None)
 
@@ -616,12 +617,7 @@ class SplitBackwardModule(ModuleContract):
                 pending.queued(self)
             store.push(WgradEntry(closure, saved, written))
             return
-        if hooked is False and not own_copies:
-            # The usual case, called inside an eager backward (grad mode already off), nothing
-            # hooked: what _execute would do, without its checks.
-            closure(*saved)
-        else:
-            self._execute(closure, saved, written, hooked)
+        self._execute(closure, saved, written, hooked)
         if self._wgrad_hooks:
             self._run_hooks()
 

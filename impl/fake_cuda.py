@@ -279,25 +279,28 @@ def _edge_routes(ctx: _Ctx, present: Sequence[bool]) -> tuple[list, list]:
     return dests, leaves
 
 
-def _direct_routes(ctx: _Ctx, module, present: Sequence[bool], returned: int = 0) -> tuple | None:
-    """:func:`.base.direct_routes` for a plain ``backward()``: the general way (``None``) where
-    the real one takes it for the module (fused accumulation, ``torch.autocast``) or for a
-    hooked leaf; otherwise :func:`_edge_routes`, the first ``returned`` parameters (a norm's)
-    returned. So the step traces the usual backward: its direct writes, not the closure."""
-    if module.fuse_wgrad_accumulation or ctx.autocast is not None:
-        return None
+def _backward_routes(ctx: _Ctx, module, present: Sequence[bool], returned: int = 0) -> tuple:
+    """:func:`.base.backward_routes` for a plain ``backward()``: :func:`_edge_routes`, direct
+    unless the real one takes the general way for the module (fused accumulation,
+    ``torch.autocast``) or for a hooked leaf; the first ``returned`` parameters (a norm's)
+    returned when direct. So the step traces the usual backward: its direct writes."""
     dests, leaves = _edge_routes(ctx, present)
-    for k, leaf in enumerate(leaves):
-        if k < returned:
-            dests[k], leaves[k] = (RETURN if dests[k] is not None else None), None
-        elif leaf is not None and has_hooks(leaf):
-            return None
-    return dests, leaves
+    if module.fuse_wgrad_accumulation or ctx.autocast is not None:
+        return dests, leaves, False
+    if any(leaf is not None and has_hooks(leaf) for leaf in leaves[returned:]):
+        return dests, leaves, False
+    for k in range(returned):
+        dests[k], leaves[k] = (RETURN if dests[k] is not None else None), None
+    return dests, leaves, True
 
 
-def _direct_in(namespace: object) -> dict:
-    """``{"direct_routes": _direct_routes}`` where ``namespace`` calls it, else nothing."""
-    return {"direct_routes": _direct_routes} if hasattr(namespace, "direct_routes") else {}
+def _routes_in(namespace: object) -> dict:
+    """The routing functions ``namespace`` calls, replaced by :func:`_edge_routes` and
+    :func:`_backward_routes`."""
+    routes = {"edge_routes": _edge_routes}
+    if hasattr(namespace, "backward_routes"):
+        routes["backward_routes"] = _backward_routes
+    return routes
 
 
 def _tp_function_table() -> dict[str, tuple[type, type]]:
@@ -409,9 +412,8 @@ def module_step(
     flat = grad.reshape(-1, grad.shape[-1]) if grad.dim() != 2 else grad
     with (
         torch.no_grad(),
-        _patched(namespace, edge_routes=_edge_routes, **_direct_in(namespace)),
-        # the norm modules' shared backward
-        _patched(base, edge_routes=_edge_routes, direct_routes=_direct_routes),
+        _patched(namespace, **_routes_in(namespace)),
+        _patched(base, **_routes_in(base)),  # the norm modules' shared backward
     ):
         grads = fn.backward(ctx, flat)
         # What autograd's AccumulateGrad does with the gradients the Function returns (norm

@@ -41,8 +41,8 @@ from .base import (
     SplitBackwardModule,
     autocast_cast,
     autocast_off,
+    backward_routes,
     differentiated,
-    direct_routes,
     edge_routes,
     fast_apply,
     functorch_active,
@@ -131,7 +131,7 @@ def _backward(
 ):
     """``(dx, *weight grads, *bias grads)``: dgrad now; one wgrad closure for all groups run
     now or queued, writing the leaves the forward used (``direct``: direct routes, see
-    :func:`~.base.direct_routes`: without delay its writes run here); the gradients
+    :func:`~.base.backward_routes`: without delay its writes run here); the gradients
     ``torch.autograd.grad`` asked for returned. ``dest`` / ``leaves``: of weight0..n-1, then of
     bias0..n-1 (none without biases). The body of both the eager Function's backward and the
     compiled op."""
@@ -236,9 +236,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 ctx, module, dy, x, ctx.params, ctx.autocast, ctx.m_splits
             )
             return (grads[0], *(None,) * (_N_ARGS - 1), *grads[1:])
-        routes = direct_routes(ctx, module, present)
-        direct = routes is not None
-        dest, leaves = routes if direct else edge_routes(ctx, present)
+        dest, leaves, direct = backward_routes(ctx, module, present)
         dx, *returned = _backward(
             module,
             dy,

@@ -75,7 +75,7 @@ def _backward(
     """``(dx, d_layer_norm_weight, d_layer_norm_bias, dW1, db1, dW2, db2)`` from the forward's
     ``saved`` tensors: fc2 dgrad, activation, fc1 dgrad and norm backward now; one wgrad
     closure for fc2 and fc1 run now or queued (``direct``: direct routes, see
-    :func:`~.base.direct_routes`: without delay its writes run here); the gradients
+    :func:`~.base.backward_routes`: without delay its writes run here); the gradients
     ``torch.autograd.grad`` asked for returned. The body of both the eager Function's backward
     and the compiled op."""
     x, ln_weight, ln_bias, ln_out, fc1_weight, fc1_out, act_out, fc2_weight, *stats = saved

@@ -13,8 +13,8 @@ from .base import (
     SplitBackwardModule,
     autocast_cast,
     autocast_off,
+    backward_routes,
     differentiated,
-    direct_routes,
     edge_routes,
     fast_apply,
     store_grad,
@@ -49,7 +49,7 @@ def linear_wgrad(module, dy, x, dests, leaves, overwrite, compiled_graph=False, 
     ``db = sum(dy)`` into the leaves the forward used, run now or queued; ``(dW, db)`` where
     ``torch.autograd.grad`` asked for them (``RETURN``: computed and returned, nothing written
     or queued for them). ``dests`` / ``leaves``: of (weight, bias); ``direct``: they are direct
-    routes (:func:`~.base.direct_routes`): without delay the closure's writes run here."""
+    routes (:func:`~.base.backward_routes`): without delay the closure's writes run here."""
     (to_w, to_b), (w, b) = dests, leaves
     if direct and not module.delay_wgrad_compute:
         if w is not None:
@@ -138,9 +138,7 @@ class _LinearFunction(torch.autograd.Function):
         if differentiated():  # create_graph, torch.func: see .twin
             return twin_backward(ctx, _NAMES, dy, x)
         module = ctx.module
-        routes = direct_routes(ctx, module, ctx.present)
-        direct = routes is not None
-        dests, leaves = routes if direct else edge_routes(ctx, ctx.present)
+        dests, leaves, direct = backward_routes(ctx, module, ctx.present)
         # _backward's body, inlined (a call fewer per backward).
         dx = torch.mm(dy, weight) if need_x else None
         dw, db = linear_wgrad(module, dy, x, dests, leaves, ctx.overwrite, direct=direct)
